@@ -1,0 +1,195 @@
+"""Assembles the input pipeline of a training (or evaluation) run:
+
+source -> shard -> [read latency] -> decode/normalize -> [cache]
+  -> per epoch: [example echo before augment] -> shuffle -> augment
+                -> [example echo after augment] -> batch -> mixup -> [batch echo]
+  -> cast -> prefetch -> count
+
+For example echoing the shuffle moves after the echo stage with the same buffer size
+(Choi et al. §3), so memory stays as in the baseline; batch echoing keeps the
+baseline's shuffle and repeats batches in place.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from pipelines import augment, counters, echoing, seeds, sources
+
+ECHO_MODES = ("none", "example_before_augment", "example_after_augment", "batch")
+_SHUFFLE_SALT, _ECHO_SALT, _AUGMENT_SALT, _MIXUP_SALT = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Augmentation:
+    """Which augmentations `build` applies; all off by default.
+
+    Attributes:
+      crop_padding: pad each side by this many pixels, then crop back at random.
+      flip: random horizontal flips.
+      erasing_probability: random erasing with zero value (Osawa et al.: 0.5).
+      mixup_alpha: > 0 turns on mixup with lambda ~ Beta(alpha, alpha) (Osawa: 0.4).
+      running_mixup: mix with the previous virtual batch (Osawa eq. 9-10) instead of a
+        permutation of the current one; needs mixup_alpha > 0.
+    """
+
+    crop_padding: int = 0
+    flip: bool = False
+    erasing_probability: float = 0.0
+    mixup_alpha: float = 0.0
+    running_mixup: bool = False
+
+    def __post_init__(self):
+        if self.running_mixup and not self.mixup_alpha > 0:
+            raise ValueError("running_mixup needs mixup_alpha > 0, "
+                             f"got mixup_alpha={self.mixup_alpha!r}")
+        if self.mixup_alpha < 0:
+            raise ValueError(f"mixup_alpha must be >= 0, got {self.mixup_alpha!r}")
+
+    @property
+    def per_example(self):
+        return bool(self.crop_padding or self.flip or self.erasing_probability)
+
+
+def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
+          echo_factor=1.0, shuffle_buffer=10_000, augmentation=Augmentation(),
+          num_classes=None, mean=None, stddev=None, seed=0, epoch=0, num_epochs=1,
+          num_shards=1, shard_index=0, dtype=tf.float32, cache=False, read_latency=0.0,
+          drop_remainder=True):
+    """Returns `(dataset, counters)`: batched, prefetched `(image, label)` pairs for
+    `model.fit`, and the `EchoCounters` of fresh and trained examples.
+
+    Images are floats in [0, 1] (then `(x - mean) / stddev` per channel when given) of
+    `dtype`; labels are int64 class ids, or one-hot float32 when `num_classes` is given
+    (mixup needs it). Every random choice is a function of `(seed, epoch, position)`, so
+    building with `epoch=k` yields exactly the k-th epoch of an uninterrupted run.
+
+    Args:
+      source: dataset name or `tf.data.Dataset` (see `pipelines.sources.load`).
+      batch_size: examples per batch (per rank when sharded).
+      echo_mode: one of `ECHO_MODES`.
+      echo_factor: echo factor e >= 1, fractional allowed (see `pipelines.echo`).
+      shuffle_buffer: examples in the one shuffle buffer; 0 turns shuffling off.
+      augmentation: an `Augmentation`.
+      seed, epoch, num_epochs: the data of epochs `epoch .. epoch + num_epochs - 1`
+        (None: endless, for `fit(steps_per_epoch=...)`).
+      num_shards, shard_index: this rank's shard (`hvd.size()`, `hvd.rank()`).
+      dtype: image dtype, e.g. from `pipelines.set_precision`.
+      cache: keep decoded examples in memory after the first pass.
+      read_latency: seconds of simulated storage latency per example (benchmarks).
+      drop_remainder: drop a last short batch (running mixup needs it).
+
+    Example:
+      >>> dataset, counters = build("fashion_mnist", batch_size=128,
+      ...                           echo_mode="example_before_augment", echo_factor=2,
+      ...                           augmentation=Augmentation(crop_padding=2, flip=True),
+      ...                           seed=1, epoch=0)
+      >>> model.fit(dataset, callbacks=[EchoCountersCallback(counters)])
+      >>> counters.result()  # {"fresh_examples": 59904, "trained_examples": 119936}
+    """
+    _check_args(batch_size, echo_mode, echo_factor, shuffle_buffer, augmentation,
+                num_classes, epoch, num_epochs, dtype, drop_remainder)
+    examples = sources.shard(sources.load(source, split, data_dir), num_shards, shard_index)
+    examples = (examples.apply(sources.simulate_read_latency(read_latency))
+                .map(_decoder(num_classes, mean, stddev), num_parallel_calls=tf.data.AUTOTUNE))
+    if cache:
+        examples = examples.cache()
+
+    def one_epoch(epoch_index):
+        key = seeds.derive(seed, epoch_index)
+        example_echo = echoing.echo(echo_factor, shuffle_buffer, seed=seeds.derive(key, _ECHO_SALT))
+        stream = examples
+        if echo_mode == "example_before_augment":
+            stream = stream.apply(example_echo)
+        elif echo_mode != "example_after_augment" and shuffle_buffer:
+            stream = stream.shuffle(shuffle_buffer, seed=seeds.op_seed(seeds.derive(key, _SHUFFLE_SALT)))
+        if augmentation.per_example:
+            stream = _augment_examples(stream, augmentation, seeds.derive(key, _AUGMENT_SALT))
+        if echo_mode == "example_after_augment":
+            stream = stream.apply(example_echo)
+        stream = stream.batch(batch_size, drop_remainder=drop_remainder,
+                              num_parallel_calls=tf.data.AUTOTUNE)
+        if augmentation.mixup_alpha > 0:
+            stream = _mix_batches(stream, augmentation, seeds.derive(key, _MIXUP_SALT))
+        if echo_mode == "batch":
+            stream = stream.apply(echoing.echo(echo_factor, seed=seeds.derive(key, _ECHO_SALT)))
+        return stream
+
+    epochs = (tf.data.Dataset.counter(epoch) if num_epochs is None
+              else tf.data.Dataset.range(epoch, epoch + num_epochs))
+    batches = (epochs.flat_map(one_epoch)
+               .map(lambda batch: {**batch, "image": tf.cast(batch["image"], dtype)})
+               .prefetch(tf.data.AUTOTUNE))
+    echo_counters = counters.EchoCounters()
+    return echo_counters.count(batches), echo_counters
+
+
+def _check_args(batch_size, echo_mode, echo_factor, shuffle_buffer, augmentation,
+                num_classes, epoch, num_epochs, dtype, drop_remainder):
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if echo_mode not in ECHO_MODES:
+        raise ValueError(f"echo_mode must be one of {', '.join(ECHO_MODES)}; got {echo_mode!r}")
+    if echo_mode == "none" and echo_factor != 1:
+        raise ValueError(f"echo_factor={echo_factor!r} needs an echo_mode other than 'none'")
+    if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
+        raise ValueError(f"shuffle_buffer must be an int >= 0, got {shuffle_buffer!r}")
+    if not isinstance(augmentation, Augmentation):
+        raise ValueError(f"augmentation must be a pipelines.Augmentation, got {augmentation!r}")
+    if augmentation.mixup_alpha > 0 and not num_classes:
+        raise ValueError("mixup needs num_classes (labels become one-hot)")
+    if augmentation.running_mixup and not drop_remainder:
+        raise ValueError("running_mixup needs drop_remainder=True (batches of one size)")
+    if not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+    if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
+        raise ValueError(f"num_epochs must be None or an int >= 1, got {num_epochs!r}")
+    if not tf.as_dtype(dtype).is_floating:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype!r}")
+
+
+def _decoder(num_classes, mean, stddev):
+    """Returns the map from a source dict to a float image in [0, 1] (normalized when
+    mean/stddev are given), its label (one-hot with num_classes) and the fresh flag."""
+
+    def decode(example):
+        image = example["image"]
+        if image.dtype.is_integer:
+            image = tf.cast(image, tf.float32) / float(image.dtype.max)
+        image = tf.cast(image, tf.float32)
+        if mean is not None or stddev is not None:
+            image = augment.normalize(image, 0.0 if mean is None else mean,
+                                      1.0 if stddev is None else stddev)
+        label = tf.cast(example["label"], tf.int64)
+        if num_classes:
+            label = tf.one_hot(label, num_classes, dtype=tf.float32)
+        return counters.mark_fresh({"image": image, "label": label})
+
+    return decode
+
+
+def _augment_examples(stream, augmentation, key):
+    def augment_one(index, example):
+        crop_key, flip_key, erase_key = tf.unstack(seeds.split(seeds.derive(key, index), 3))
+        image = example["image"]
+        if augmentation.crop_padding:
+            image = augment.random_crop(image, augmentation.crop_padding, crop_key)
+        if augmentation.flip:
+            image = augment.random_flip(image, flip_key)
+        if augmentation.erasing_probability:
+            image = augment.random_erasing(image, erase_key, augmentation.erasing_probability)
+        return {**example, "image": image}
+
+    return stream.enumerate().map(augment_one, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+def _mix_batches(stream, augmentation, key):
+    if augmentation.running_mixup:
+        return stream.apply(augment.running_mixup(augmentation.mixup_alpha, key))
+
+    def mix(index, batch):
+        images, labels = augment.mixup(batch["image"], batch["label"],
+                                       augmentation.mixup_alpha, seeds.derive(key, index))
+        return {**batch, "image": images, "label": labels}
+
+    return stream.enumerate().map(mix, num_parallel_calls=tf.data.AUTOTUNE)

@@ -1,0 +1,65 @@
+"""Where examples come from: a dataset name (offline IDX builder for Fashion-MNIST and
+MNIST, TFDS for anything else) or a ready `tf.data.Dataset`; the per-rank shard; and a
+simulated read latency standing for slow storage, to set up upstream-bound benchmarks."""
+
+import tensorflow as tf
+import tensorflow_datasets as tfds
+# `_SleepDataset` sleeps in C++ per element: unlike `tf.py_function(time.sleep)` it
+# neither holds the Python GIL nor burns a core, so it models waiting on storage.
+from tensorflow.python.data.experimental.ops import testing as tf_data_testing
+
+from pipelines import idx_dataset
+
+
+def load(source, split="train", data_dir=None, download=False):
+    """Returns a dataset of dicts `{"image": (H, W, C), "label": int64}`.
+
+    Args:
+      source: "fashion_mnist" or "mnist" (read offline from local IDX files via
+        `pipelines.idx_dataset`), any other TFDS name (via `tfds.load`), or a
+        `tf.data.Dataset` of such dicts or of `(image, label)` pairs.
+      split: TFDS split string ("train", "test", "train[:10%]", ...).
+      data_dir: TFDS data dir; None uses TFDS's default.
+      download: let `tfds.load` download missing data (never for the IDX datasets).
+        Off by default: with no network TFDS retries for minutes before failing.
+    """
+    if isinstance(source, tf.data.Dataset):
+        return _as_dicts(source)
+    if not isinstance(source, str):
+        raise ValueError("source must be a dataset name (str) or a tf.data.Dataset, "
+                         f"got {type(source).__name__}")
+    if source in idx_dataset.IDX_DATASETS:
+        return idx_dataset.load_idx(source, split, data_dir=data_dir)
+    return _as_dicts(tfds.load(source, split=split, data_dir=data_dir, download=download))
+
+
+def _as_dicts(dataset):
+    spec = dataset.element_spec
+    if isinstance(spec, dict) and {"image", "label"} <= spec.keys():
+        return dataset.map(lambda example: {"image": example["image"], "label": example["label"]})
+    if isinstance(spec, tuple) and len(spec) == 2:
+        return dataset.map(lambda image, label: {"image": image, "label": label})
+    raise ValueError("a source dataset must yield dicts with 'image' and 'label' or "
+                     f"(image, label) pairs, got element spec {spec}")
+
+
+def shard(dataset, num_shards, index):
+    """Keeps every `num_shards`-th example starting at `index` (one Horovod rank's part:
+    `num_shards=hvd.size(), index=hvd.rank()`); shards are disjoint and cover the data."""
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    if not isinstance(index, int) or not 0 <= index < num_shards:
+        raise ValueError(f"shard index must be an int in [0, {num_shards}), got {index!r}")
+    return dataset if num_shards == 1 else dataset.shard(num_shards, index)
+
+
+def simulate_read_latency(seconds_per_example):
+    """Returns a `tf.data.Dataset.apply` transformation that waits `seconds_per_example`
+    before each example, one example at a time, like a single reader on slow storage.
+    It is the upstream-cost knob of `bench/echo_benchmark.py`."""
+    if seconds_per_example < 0:
+        raise ValueError(f"seconds_per_example must be >= 0, got {seconds_per_example!r}")
+    microseconds = int(round(seconds_per_example * 1e6))
+    if microseconds == 0:
+        return lambda dataset: dataset
+    return tf_data_testing.sleep(microseconds)

@@ -1,0 +1,185 @@
+"""The offline IDX TFDS builder: real Fashion-MNIST against its raw files, and small made-up
+IDX files for the plain-file, concurrent-preparation and error paths."""
+
+import gzip
+import os
+import struct
+import subprocess
+import sys
+
+from absl.testing import absltest
+import numpy as np
+import tensorflow_datasets as tfds
+
+from pipelines import idx_dataset
+
+tfds.disable_progress_bar()
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_raw_idx(path):
+    """Independent IDX reader: gzip + numpy, header from the file's own dimensions."""
+    with gzip.open(path, "rb") as f:
+        data = f.read()
+    ndim = data[3]
+    shape = struct.unpack(">" + "I" * ndim, data[4:4 + 4 * ndim])
+    return np.frombuffer(data[4 + 4 * ndim:], dtype=np.uint8).reshape(shape)
+
+
+def write_idx(path, array):
+    """Writes a uint8 array as an IDX file (gzipped when the path ends in .gz)."""
+    header = struct.pack(">I", 0x0800 + array.ndim) + struct.pack(">" + "I" * array.ndim,
+                                                                   *array.shape)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def write_small_idx_dir(directory, num_train, num_test, gzipped, seed=0):
+    """Four IDX files of random 28x28 images; returns {split: (images, labels)}."""
+    rng = np.random.default_rng(seed)
+    suffix = ".gz" if gzipped else ""
+    arrays = {}
+    for split, count in (("train", num_train), ("test", num_test)):
+        images = rng.integers(0, 256, size=(count, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=(count,), dtype=np.uint8)
+        images_name, labels_name = idx_dataset.SPLIT_FILES[split]
+        write_idx(os.path.join(directory, images_name + suffix), images)
+        write_idx(os.path.join(directory, labels_name + suffix), labels)
+        arrays[split] = (images, labels)
+    return arrays
+
+
+def dataset_arrays(dataset):
+    """(images, labels) of a whole dataset as numpy arrays."""
+    batches = list(tfds.as_numpy(dataset.batch(20_000)))
+    return (np.concatenate([b["image"] for b in batches]),
+            np.concatenate([b["label"] for b in batches]))
+
+
+class RealFashionMnistTest(absltest.TestCase):
+    """Real Fashion-MNIST from Debian's dataset-fashion-mnist, prepared in the default dir."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.idx_dir = idx_dataset.FashionMnistIdx.default_idx_dir()
+        cls.raw = {}
+        for split, (images_name, labels_name) in idx_dataset.SPLIT_FILES.items():
+            cls.raw[split] = (read_raw_idx(os.path.join(cls.idx_dir, images_name + ".gz")),
+                              read_raw_idx(os.path.join(cls.idx_dir, labels_name + ".gz")))
+        cls.train = dataset_arrays(idx_dataset.load_idx("fashion_mnist", "train"))
+
+    def test_example_counts(self):
+        self.assertLen(self.train[1], 60_000)
+        test_labels = [example["label"] for example in tfds.as_numpy(
+            idx_dataset.load_idx("fashion_mnist", "test"))]
+        self.assertLen(test_labels, 10_000)
+        np.testing.assert_array_equal(test_labels, self.raw["test"][1])
+
+    def test_train_label_histogram_is_6000_per_class(self):
+        np.testing.assert_array_equal(np.bincount(self.train[1], minlength=10), [6000] * 10)
+
+    def test_labels_equal_raw_idx_labels(self):
+        np.testing.assert_array_equal(self.train[1], self.raw["train"][1])
+
+    def test_first_and_last_image_bytes_equal_raw_idx_bytes(self):
+        raw_images = self.raw["train"][0]
+        self.assertEqual(self.train[0][0].tobytes(), raw_images[0].tobytes())
+        self.assertEqual(self.train[0][-1].tobytes(), raw_images[-1].tobytes())
+
+    def test_dtype_shape_and_class_names(self):
+        dataset = idx_dataset.load_idx("fashion_mnist", "test")
+        spec = dataset.element_spec
+        self.assertEqual(spec["image"].dtype, np.uint8)
+        self.assertEqual(tuple(spec["image"].shape), (28, 28, 1))
+        self.assertEqual(spec["label"].dtype, np.int64)
+        self.assertEqual(tuple(spec["label"].shape), ())
+        builder = idx_dataset.prepare_idx("fashion_mnist")
+        self.assertEqual(builder.info.features["label"].names[0], "T-shirt/top")
+        self.assertEqual(builder.info.features["label"].num_classes, 10)
+
+    def test_tfds_load_by_name_after_preparation(self):
+        dataset = tfds.load("fashion_mnist_idx", split="test[:3]",
+                            data_dir=idx_dataset.default_data_dir(), download=False)
+        images = np.stack([example["image"] for example in tfds.as_numpy(dataset)])
+        np.testing.assert_array_equal(images[..., 0], self.raw["test"][0][:3])
+
+
+class SmallIdxFilesTest(absltest.TestCase):
+    """Made-up IDX files: plain (not gzipped) files, concurrent preparation, errors."""
+
+    def setUp(self):
+        super().setUp()
+        self.tmp = self.create_tempdir().full_path
+
+    def test_plain_idx_files_round_trip(self):
+        idx_dir = os.path.join(self.tmp, "idx")
+        os.makedirs(idx_dir)
+        arrays = write_small_idx_dir(idx_dir, num_train=30, num_test=12, gzipped=False)
+        data_dir = os.path.join(self.tmp, "tfds")
+        for split, (images, labels) in arrays.items():
+            got_images, got_labels = dataset_arrays(
+                idx_dataset.load_idx("mnist", split, data_dir=data_dir, idx_dir=idx_dir))
+            np.testing.assert_array_equal(got_images[..., 0], images)
+            np.testing.assert_array_equal(got_labels, labels)
+
+    def test_two_processes_preparing_at_once_both_succeed(self):
+        idx_dir = os.path.join(self.tmp, "idx")
+        os.makedirs(idx_dir)
+        arrays = write_small_idx_dir(idx_dir, num_train=40, num_test=10, gzipped=True, seed=1)
+        data_dir = os.path.join(self.tmp, "tfds")
+        script = ("import sys\nfrom pipelines import idx_dataset\n"
+                  "b = idx_dataset.prepare_idx('mnist', data_dir=sys.argv[1], idx_dir=sys.argv[2])\n"
+                  "print(b.info.splits['train'].num_examples)\n")
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                   PYTHONPATH=os.pathsep.join([REPO_ROOT] + sys.path))
+        workers = [subprocess.Popen([sys.executable, "-c", script, data_dir, idx_dir],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for _ in range(2)]
+        for worker in workers:
+            out, err = worker.communicate(timeout=90)
+            self.assertEqual(worker.returncode, 0, msg=err[-3000:])
+            self.assertEqual(out.split()[-1], "40")
+        _, labels = dataset_arrays(
+            idx_dataset.load_idx("mnist", "train", data_dir=data_dir, idx_dir=idx_dir))
+        np.testing.assert_array_equal(labels, arrays["train"][1])
+
+    def test_missing_directory_raises_clear_error(self):
+        missing = os.path.join(self.tmp, "no_such_dir")
+        with self.assertRaises(idx_dataset.IdxFilesNotFoundError) as caught:
+            idx_dataset.load_idx("fashion_mnist", "train", data_dir=self.tmp, idx_dir=missing)
+        self.assertIsInstance(caught.exception, FileNotFoundError)
+        self.assertIn(missing, str(caught.exception))
+        self.assertIn("apt-get install dataset-fashion-mnist", str(caught.exception))
+
+    def test_missing_file_names_the_paths_looked_for(self):
+        idx_dir = os.path.join(self.tmp, "idx")
+        os.makedirs(idx_dir)
+        write_small_idx_dir(idx_dir, num_train=5, num_test=5, gzipped=True)
+        os.remove(os.path.join(idx_dir, "t10k-labels-idx1-ubyte.gz"))
+        with self.assertRaises(FileNotFoundError) as caught:
+            idx_dataset.prepare_idx("fashion_mnist", data_dir=self.tmp, idx_dir=idx_dir)
+        message = str(caught.exception)
+        self.assertIn(os.path.join(idx_dir, "t10k-labels-idx1-ubyte.gz"), message)
+        self.assertIn(os.path.join(idx_dir, "t10k-labels-idx1-ubyte"), message)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "fashion_mnist_idx")))
+
+    def test_corrupt_header_is_rejected(self):
+        idx_dir = os.path.join(self.tmp, "idx")
+        os.makedirs(idx_dir)
+        write_small_idx_dir(idx_dir, num_train=5, num_test=5, gzipped=False)
+        labels_path = os.path.join(idx_dir, "train-labels-idx1-ubyte")
+        write_idx(labels_path, np.zeros((5, 2), np.uint8))  # 2-D "labels": wrong magic
+        with self.assertRaisesRegex(Exception, "magic number"):
+            idx_dataset.prepare_idx("mnist", data_dir=os.path.join(self.tmp, "tfds"),
+                                    idx_dir=idx_dir)
+
+    def test_unknown_name_raises_value_error(self):
+        with self.assertRaisesRegex(ValueError, "name must be one of.*fashion_mnist"):
+            idx_dataset.load_idx("cifar10", "train")
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,13 @@
+"""tfkfac: K-FAC second-order optimization for TensorFlow 2 / Keras 3.
+
+    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-3).attach(model)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    model.fit(dataset, epochs=5)
+"""
+
+__version__ = "0.1.0"
+
+from tfkfac.optimizer import KFAC  # noqa: E402
+from tfkfac.schedules import OsawaInterval, WarmupDamping  # noqa: E402
+
+__all__ = ["KFAC", "OsawaInterval", "WarmupDamping", "__version__"]

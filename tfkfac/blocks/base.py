@@ -1,0 +1,61 @@
+"""What every K-FAC block provides to the optimizer.
+
+A block owns the curvature of one Keras layer: it turns that layer's captured inputs
+and pre-activation output gradients into factor statistics, and preconditions the
+layer's gradients with those statistics. Blocks never communicate across processes.
+"""
+
+import tensorflow as tf
+
+
+class Block:
+    """One managed layer. Subclasses set `variables` and the factor layout."""
+
+    kind = "block"
+
+    def __init__(self, layer, variables):
+        self.layer = layer
+        self.name = layer.name
+        self.variables = list(variables)
+
+    # --- the optimizer's view of the statistics --------------------------------
+    def factor_shapes(self):
+        """Shapes of the running statistics this block keeps (float32)."""
+        raise NotImplementedError
+
+    def symmetric_factors(self):
+        """Indices of `factor_shapes()` that are symmetric matrices."""
+        return [i for i, shape in enumerate(self.factor_shapes()) if len(shape) == 2]
+
+    def pre_activation_call(self, call, args, kwargs):
+        """Run the layer's `call`; return (pre-activation, output)."""
+        output = call(*args, **kwargs)
+        return output, output
+
+    def batch_statistics(self, calls, batch_size):
+        """Factor statistics of one batch from `calls`, a list of (input, out_grad).
+
+        `out_grad` is dL/ds for the mean loss L of the batch, already unscaled.
+        """
+        raise NotImplementedError
+
+    # --- decomposition and preconditioning ------------------------------------
+    def decomposition_shapes(self, method):
+        """Per symmetric factor (in `symmetric_factors()` order), its decomposition's shapes."""
+        raise NotImplementedError
+
+    def decompose(self, index, factors, method, damping):
+        """The stored decomposition of symmetric factor `index`, as a list of tensors.
+
+        Each symmetric factor is decomposed on its own so that the work can be spread
+        over processes one factor at a time.
+        """
+        raise NotImplementedError
+
+    def precondition(self, grads, factors, decomposition, method, damping):
+        """Preconditioned gradients, aligned with `self.variables`."""
+        raise NotImplementedError
+
+
+def as_float32(tensor):
+    return tf.cast(tensor, tf.float32)

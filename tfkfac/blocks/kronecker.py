@@ -1,0 +1,129 @@
+"""Kronecker-factored blocks: Dense and Conv2D (KFC, Grosse & Martens 2016).
+
+Both see a layer as a matrix product applied at T positions per example: a Dense layer
+on (N, d_in) input has T = 1 (extra leading axes count as positions), a Conv2D layer has
+one position per output pixel, its input rows being the im2col patches. With
+`ā` the input row (plus 1 for the bias) and `g = N dL/ds`:
+
+    A = (1/N) Σ_i Σ_t ā_it ā_itᵀ          G = (1/(N T)) Σ_i Σ_t g_it g_itᵀ
+
+A layer called several times in one forward pass (shared weights) contributes every
+call's positions, so T counts positions over all calls.
+"""
+
+import tensorflow as tf
+
+from tfkfac import linalg
+from tfkfac.blocks.base import Block, as_float32
+
+
+class KroneckerBlock(Block):
+    """Shared math; subclasses say how inputs become rows and kernels become matrices."""
+
+    def __init__(self, layer):
+        variables = [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
+        super().__init__(layer, variables)
+        self.has_bias = layer.bias is not None
+        kernel_shape = tuple(layer.kernel.shape)
+        self.kernel_shape = kernel_shape
+        self.out_dim = kernel_shape[-1]
+        self.in_dim = 1
+        for size in kernel_shape[:-1]:
+            self.in_dim *= size
+        self.a_dim = self.in_dim + int(self.has_bias)
+
+    def input_rows(self, inputs):
+        """(rows, in_dim) matrix of the layer's input, one row per position."""
+        raise NotImplementedError
+
+    def factor_shapes(self):
+        return [(self.a_dim, self.a_dim), (self.out_dim, self.out_dim)]
+
+    def pre_activation_call(self, call, args, kwargs):
+        activation = self.layer.activation
+        self.layer.activation = None
+        try:
+            pre_activation = call(*args, **kwargs)
+        finally:
+            self.layer.activation = activation
+        output = activation(pre_activation) if activation is not None else pre_activation
+        return pre_activation, output
+
+    def batch_statistics(self, calls, batch_size):
+        n = tf.cast(batch_size, tf.float32)
+        a_rows = tf.concat([self.input_rows(as_float32(x)) for x, _ in calls], axis=0)
+        if self.has_bias:
+            a_rows = tf.concat([a_rows, tf.ones_like(a_rows[:, :1])], axis=1)
+        g_rows = tf.concat(
+            [tf.reshape(as_float32(g), (-1, self.out_dim)) for _, g in calls], axis=0
+        )
+        positions = tf.cast(tf.shape(g_rows)[0], tf.float32) / n
+        a = tf.linalg.matmul(a_rows, a_rows, transpose_a=True) / n
+        # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ = (N / T) Σ dL/ds dL/dsᵀ
+        g = tf.linalg.matmul(g_rows, g_rows, transpose_a=True) * (n / positions)
+        return [a, g]
+
+    def grad_matrix(self, grads):
+        """[dL/dW ; dL/db] as a (a_dim, out_dim) matrix, bias row last."""
+        matrix = tf.reshape(grads[0], (self.in_dim, self.out_dim))
+        if self.has_bias:
+            matrix = tf.concat([matrix, tf.reshape(grads[1], (1, self.out_dim))], axis=0)
+        return matrix
+
+    def split_matrix(self, matrix):
+        kernel = tf.reshape(matrix[: self.in_dim], self.kernel_shape)
+        if self.has_bias:
+            return [kernel, matrix[self.in_dim]]
+        return [kernel]
+
+    def decomposition_shapes(self, method):
+        if method == "eigen":
+            return [[(self.a_dim, self.a_dim), (self.a_dim,)],
+                    [(self.out_dim, self.out_dim), (self.out_dim,)]]
+        return [[(self.a_dim, self.a_dim)], [(self.out_dim, self.out_dim)]]
+
+    def decompose(self, index, factors, method, damping):
+        if method == "eigen":
+            values, vectors = linalg.symmetric_eigh(factors[index])
+            return [vectors, values]
+        # (A + π√λ I)⁻¹ and (G + (√λ/π) I)⁻¹
+        pi = linalg.pi_correction(*factors)
+        root = tf.sqrt(damping)
+        shift = pi * root if index == 0 else root / pi
+        return [linalg.damped_inverse(factors[index], shift)]
+
+    def precondition(self, grads, factors, decomposition, method, damping):
+        grad = self.grad_matrix([as_float32(g) for g in grads])
+        if method == "eigen":
+            (q_a, v_a), (q_g, v_g) = decomposition
+            matrix = linalg.eigen_precondition(grad, q_a, v_a, q_g, v_g, damping)
+        else:
+            (a_inv,), (g_inv,) = decomposition
+            matrix = linalg.inverse_precondition(grad, a_inv, g_inv)
+        return self.split_matrix(matrix)
+
+
+class DenseBlock(KroneckerBlock):
+    kind = "dense"
+
+    def input_rows(self, inputs):
+        return tf.reshape(inputs, (-1, self.in_dim))
+
+
+class Conv2DBlock(KroneckerBlock):
+    """im2col rows with the layer's own strides, padding and dilation."""
+
+    kind = "conv2d"
+
+    def input_rows(self, inputs):
+        kh, kw = self.layer.kernel_size
+        sh, sw = self.layer.strides
+        dh, dw = self.layer.dilation_rate
+        patches = tf.image.extract_patches(
+            inputs,
+            sizes=[1, kh, kw, 1],
+            strides=[1, sh, sw, 1],
+            rates=[1, dh, dw, 1],
+            padding=self.layer.padding.upper(),
+        )
+        return tf.reshape(patches, (-1, self.in_dim))

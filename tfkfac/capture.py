@@ -1,0 +1,53 @@
+"""Recording what K-FAC needs from a Keras forward pass.
+
+Keras 3 layers have no hooks, so while a `Recorder` is active each managed layer's
+`call` is replaced, on that layer instance only, by one that computes the
+pre-activation output through the block (activation applied outside), and notes the
+layer input and the pre-activation. Asking the gradient tape for dL/d(pre-activation)
+alongside the weight gradients then costs nothing extra: the backward pass computes
+those tensors anyway.
+"""
+
+import contextlib
+
+
+class Recorder:
+    """Captures (input, pre-activation) of every call of every block's layer."""
+
+    def __init__(self, blocks):
+        self.blocks = list(blocks)
+        self._calls = {}
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Within this context, calls of the managed layers are recorded."""
+        self._calls = {block.name: [] for block in self.blocks}
+        originals = []
+        try:
+            for block in self.blocks:
+                original = block.layer.call
+                originals.append((block.layer, original))
+                object.__setattr__(block.layer, "call", self._recording_call(block, original))
+            yield self
+        finally:
+            for layer, _ in originals:
+                object.__delattr__(layer, "call")
+
+    def _recording_call(self, block, original):
+        def call(*args, **kwargs):
+            inputs = args[0] if args else kwargs["inputs"]
+            pre_activation, output = block.pre_activation_call(original, args, kwargs)
+            self._calls[block.name].append((inputs, pre_activation))
+            return output
+
+        return call
+
+    def take(self):
+        """The recorded calls per block, as lists of (input, pre-activation); resets."""
+        calls, self._calls = self._calls, {}
+        missing = [name for name, c in calls.items() if not c]
+        if missing:
+            raise RuntimeError(
+                f"K-FAC layers {missing} were not called in the recorded forward pass; "
+                "attach the optimizer to the model whose forward pass you record.")
+        return [calls[block.name] for block in self.blocks]

@@ -1,0 +1,90 @@
+"""Symmetric packing: the upper triangles of many symmetric matrices in one flat buffer.
+
+Kronecker factors are symmetric, so only n(n+1)/2 of their n^2 entries need to cross the
+wire (Osawa et al. 2019, Ueno et al. 2020). Packing every factor into one buffer also lets
+one collective carry them all. The buffer may be cast to a narrower wire dtype; unpacking
+always returns float32. Index maps are built in numpy at trace time, so the ops are
+plain gathers: usable inside `tf.function`, XLA-compilable, and with static shapes.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+WIRE_DTYPES = {
+    "float32": tf.float32,
+    "float16": tf.float16,
+    "bfloat16": tf.bfloat16,
+}
+
+
+def wire_dtype(name):
+    """The `tf.DType` for a wire dtype name (`float32`, `float16` or `bfloat16`)."""
+    if isinstance(name, tf.dtypes.DType):
+        name = name.name
+    if name not in WIRE_DTYPES:
+        raise ValueError(
+            f"wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {name!r}")
+    return WIRE_DTYPES[name]
+
+
+def packed_size(dims):
+    """Number of buffer elements for symmetric matrices of sizes `dims`: sum n(n+1)/2."""
+    return sum(_triangle_size(n) for n in _check_dims(dims))
+
+
+def pack_upper_triangles(matrices, dtype="float32"):
+    """Concatenate the row-major upper triangles of square `matrices` into one 1-D tensor.
+
+    The result has `packed_size(dims)` elements of wire dtype `dtype`. Only the upper
+    triangle is read; the caller guarantees symmetry.
+    """
+    target = wire_dtype(dtype)
+    pieces = []
+    for matrix in matrices:
+        matrix = tf.convert_to_tensor(matrix)
+        n = _square_dim(matrix)
+        rows, cols = np.triu_indices(n)
+        flat_index = tf.constant(rows * n + cols, dtype=tf.int32)
+        pieces.append(tf.gather(tf.reshape(matrix, [-1]), flat_index))
+    if not pieces:
+        return tf.zeros([0], dtype=target)
+    return tf.cast(tf.concat(pieces, axis=0), target)
+
+
+def unpack_upper_triangles(buffer, dims):
+    """Inverse of `pack_upper_triangles`: full symmetric float32 matrices of sizes `dims`."""
+    dims = _check_dims(dims)
+    buffer = tf.cast(tf.convert_to_tensor(buffer), tf.float32)
+    expected = packed_size(dims)
+    if buffer.shape.rank != 1 or (buffer.shape[0] is not None and buffer.shape[0] != expected):
+        raise ValueError(
+            f"buffer must be 1-D with packed_size(dims)={expected} elements, "
+            f"got shape {buffer.shape}")
+    segments = tf.split(buffer, [_triangle_size(n) for n in dims]) if dims else []
+    return [tf.gather(segment, _symmetric_index_map(n))
+            for segment, n in zip(segments, dims)]
+
+
+def _symmetric_index_map(n):
+    """(n, n) constant: entry (i, j) is the position of (min(i,j), max(i,j)) in the triangle."""
+    position = np.zeros((n, n), dtype=np.int32)
+    position[np.triu_indices(n)] = np.arange(_triangle_size(n), dtype=np.int32)
+    return tf.constant(np.where(np.triu(np.ones((n, n), dtype=bool)), position, position.T))
+
+
+def _triangle_size(n):
+    return n * (n + 1) // 2
+
+
+def _square_dim(matrix):
+    shape = matrix.shape
+    if shape.rank != 2 or shape[0] is None or shape[0] != shape[1]:
+        raise ValueError(f"matrices must be square with static shape, got shape {shape}")
+    return int(shape[0])
+
+
+def _check_dims(dims):
+    dims = [int(n) for n in dims]
+    if any(n < 1 for n in dims):
+        raise ValueError(f"dims must be positive integers, got {dims}")
+    return dims

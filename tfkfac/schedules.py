@@ -1,0 +1,88 @@
+"""Hyperparameter schedules: numbers, Keras schedules or callables of the step.
+
+Osawa et al. (2019) give two that K-FAC training at scale relies on: a warmup of the
+damping from a large value towards its target (eq. 13-14) and a growing interval
+between curvature updates (eq. 20).
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+
+
+def value_at(hyperparameter, step):
+    """The hyperparameter's value at `step`: a number, or a schedule called with it."""
+    if callable(hyperparameter):
+        return hyperparameter(step)
+    return hyperparameter
+
+
+def serialize(hyperparameter):
+    """A number as is; a schedule as a Keras-serialized object."""
+    if callable(hyperparameter):
+        return keras.saving.serialize_keras_object(hyperparameter)
+    return hyperparameter
+
+
+def deserialize(config):
+    if isinstance(config, dict):
+        return keras.saving.deserialize_keras_object(config)
+    return config
+
+
+@keras.saving.register_keras_serializable(package="tfkfac")
+class WarmupDamping(keras.optimizers.schedules.LearningRateSchedule):
+    """Osawa et al. eq. 13-14: γ ← (1-α) γ + α γ_target, α = 2 log10(γ0/γ_target)/t_warmup.
+
+    Evaluated in closed form: γ(t) = γ_target + (γ0 - γ_target)(1 - α)^t.
+    """
+
+    def __init__(self, initial_damping, target_damping, warmup_steps):
+        if not initial_damping > 0 or not target_damping > 0:
+            raise ValueError(
+                "`initial_damping` and `target_damping` must be > 0; received "
+                f"initial_damping={initial_damping}, target_damping={target_damping}")
+        if not warmup_steps > 0:
+            raise ValueError(f"`warmup_steps` must be > 0; received {warmup_steps}")
+        alpha = 2.0 * math.log10(initial_damping / target_damping) / warmup_steps
+        if not 0 <= alpha < 1:
+            raise ValueError(
+                "WarmupDamping needs 0 <= α = 2 log10(initial/target) / warmup_steps < 1; "
+                f"received α={alpha:.4g}: use more `warmup_steps` or initial >= target")
+        self.initial_damping = float(initial_damping)
+        self.target_damping = float(target_damping)
+        self.warmup_steps = int(warmup_steps)
+        self.alpha = alpha
+
+    def __call__(self, step):
+        t = tf.cast(step, tf.float32)
+        decay = tf.pow(tf.constant(1.0 - self.alpha, tf.float32), t)
+        return self.target_damping + (self.initial_damping - self.target_damping) * decay
+
+    def get_config(self):
+        return {"initial_damping": self.initial_damping,
+                "target_damping": self.target_damping,
+                "warmup_steps": self.warmup_steps}
+
+
+@keras.saving.register_keras_serializable(package="tfkfac")
+class OsawaInterval:
+    """Osawa et al. eq. 20: interval(e) = min(20, 5 floor(e/5) + 1), e the epoch.
+
+    A callable of the step, usable as `factor_update_freq` / `inv_update_freq`.
+    """
+
+    def __init__(self, steps_per_epoch, max_interval=20):
+        if not (isinstance(steps_per_epoch, int) and steps_per_epoch > 0):
+            raise ValueError(
+                f"`steps_per_epoch` must be a positive int; received {steps_per_epoch!r}")
+        self.steps_per_epoch = steps_per_epoch
+        self.max_interval = int(max_interval)
+
+    def __call__(self, step):
+        epoch = tf.cast(step, tf.int64) // self.steps_per_epoch
+        return tf.minimum(tf.constant(self.max_interval, tf.int64), 5 * (epoch // 5) + 1)
+
+    def get_config(self):
+        return {"steps_per_epoch": self.steps_per_epoch, "max_interval": self.max_interval}

@@ -1,0 +1,1 @@
+"""Training binaries and the models they train."""

@@ -1,0 +1,199 @@
+"""One training run's settings, checked as a whole before anything is built.
+
+The absl flags of `trainers.train` and the benchmarks both produce a `TrainConfig`, so a
+benchmark runs exactly what a user would run with the same flags.
+"""
+
+import dataclasses
+import datetime
+import os
+from typing import Optional, Tuple
+
+from trainers import models
+
+OPTIMIZERS = ("kfac", "sgd", "adam")
+LR_SCHEDULES = ("constant", "warmup", "step", "polynomial")
+KFAC_METHODS = ("eigen", "inverse")
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+ECHO_MODES = ("none", "example_before_augment", "example_after_augment", "batch")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+VERBOSITIES = (0, 1, 2)
+
+# Fields that only mean something to K-FAC; setting one with another optimizer is a mistake.
+KFAC_ONLY_FIELDS = (
+    "damping", "factor_update_freq", "inv_update_freq", "kl_clip", "kfac_method",
+    "kfac_placement", "factor_wire_dtype", "eigen_wire_dtype",
+)
+# Fields a resumed run must share with the run that wrote the checkpoint.
+RESUME_INVARIANT_FIELDS = (
+    "model", "dataset", "train_split", "optimizer", "batch_size", "seed", "precision",
+    "echo_mode", "echo_factor",
+)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Settings of one run; defaults are the `make train` job (K-FAC, small CNN, Fashion-MNIST)."""
+
+    model: str = "cnn"
+    dataset: str = "fashion_mnist"
+    data_dir: Optional[str] = None
+    train_split: str = "train"
+    eval_split: str = "test"
+    optimizer: str = "kfac"
+    learning_rate: float = 0.05
+    momentum: float = 0.9
+    lr_schedule: str = "constant"
+    warmup_epochs: float = 0.0
+    lr_decay_epochs: Tuple[float, ...] = ()
+    lr_decay_factor: float = 0.1
+    lr_decay_power: float = 2.0
+    damping: float = 1e-3
+    factor_update_freq: int = 10
+    inv_update_freq: int = 100
+    kl_clip: Optional[float] = 1e-3
+    kfac_method: str = "eigen"
+    kfac_placement: Optional[str] = None
+    factor_wire_dtype: str = "float32"
+    eigen_wire_dtype: str = "float32"
+    batch_size: int = 128
+    epochs: int = 3
+    steps: Optional[int] = None
+    echo_mode: str = "none"
+    echo_factor: float = 1.0
+    shuffle_buffer: int = 10_000
+    crop_padding: int = 0
+    flip: bool = False
+    erasing_probability: float = 0.0
+    mixup_alpha: float = 0.0
+    running_mixup: bool = False
+    read_latency: float = 0.0
+    precision: str = "float32"
+    target_accuracy: Optional[float] = None
+    stop_at_target: bool = False
+    model_dir: Optional[str] = None
+    resume: bool = False
+    seed: int = 0
+    xla: bool = False
+    verbose: int = 1
+
+    def validate(self, explicitly_set=()):
+        """Raises ValueError naming the first bad or inconsistent setting.
+
+        `explicitly_set` names the fields the user gave (e.g. flags present on the command
+        line), so K-FAC-only settings given with another optimizer are caught.
+        """
+        _one_of("model", self.model, models.MODEL_NAMES)
+        _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _one_of("kfac_method", self.kfac_method, KFAC_METHODS)
+        _one_of("factor_wire_dtype", self.factor_wire_dtype, WIRE_DTYPES)
+        _one_of("eigen_wire_dtype", self.eigen_wire_dtype, WIRE_DTYPES)
+        _one_of("echo_mode", self.echo_mode, ECHO_MODES)
+        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("verbose", self.verbose, VERBOSITIES)
+        if not self.dataset:
+            raise ValueError("dataset must be a dataset name, e.g. fashion_mnist")
+        _positive("learning_rate", self.learning_rate)
+        _positive("batch_size", self.batch_size)
+        _positive("epochs", self.epochs)
+        if self.steps is not None:
+            _positive("steps", self.steps)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        self._validate_schedule()
+        self._validate_kfac(explicitly_set)
+        if self.echo_factor < 1.0:
+            raise ValueError(f"echo_factor must be >= 1 (1 = no echoing), got {self.echo_factor}")
+        if self.echo_factor > 1.0 and self.echo_mode == "none":
+            raise ValueError(
+                f"echo_factor={self.echo_factor} needs an echo_mode; choose one of "
+                f"{', '.join(m for m in ECHO_MODES if m != 'none')}")
+        self._validate_augmentation()
+        if self.target_accuracy is not None:
+            if models.is_autoencoder(self.model):
+                raise ValueError(
+                    f"target_accuracy applies to classifiers ({', '.join(models.CLASSIFIERS)}),"
+                    f" not to model={self.model}")
+            if not 0.0 < self.target_accuracy <= 1.0:
+                raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
+        if self.stop_at_target and self.target_accuracy is None:
+            raise ValueError("stop_at_target needs a target_accuracy")
+        if self.resume and not self.model_dir:
+            raise ValueError("resume needs the model_dir of the run to continue")
+
+    def _validate_augmentation(self):
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0 (0 = no shuffling), got "
+                             f"{self.shuffle_buffer}")
+        if self.crop_padding < 0:
+            raise ValueError(f"crop_padding must be >= 0, got {self.crop_padding}")
+        if not 0.0 <= self.erasing_probability <= 1.0:
+            raise ValueError(f"erasing_probability must be in [0, 1], got "
+                             f"{self.erasing_probability}")
+        if self.mixup_alpha < 0:
+            raise ValueError(f"mixup_alpha must be >= 0 (0 = no mixup), got {self.mixup_alpha}")
+        if self.running_mixup and self.mixup_alpha == 0:
+            raise ValueError("running_mixup needs mixup_alpha > 0")
+        if self.mixup_alpha > 0 and models.is_autoencoder(self.model):
+            raise ValueError(f"mixup mixes class labels; model={self.model} has none")
+        if self.read_latency < 0:
+            raise ValueError(f"read_latency must be >= 0 seconds, got {self.read_latency}")
+
+    def _validate_schedule(self):
+        if self.warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        if self.lr_schedule == "warmup" and self.warmup_epochs == 0:
+            raise ValueError("lr_schedule=warmup needs warmup_epochs > 0")
+        if self.lr_schedule == "step":
+            if not self.lr_decay_epochs:
+                raise ValueError("lr_schedule=step needs lr_decay_epochs, e.g. 10,20")
+            if list(self.lr_decay_epochs) != sorted(set(self.lr_decay_epochs)) or min(
+                    self.lr_decay_epochs) <= 0:
+                raise ValueError(f"lr_decay_epochs must be positive and strictly increasing, "
+                                 f"got {list(self.lr_decay_epochs)}")
+            if not 0.0 < self.lr_decay_factor < 1.0:
+                raise ValueError(f"lr_decay_factor must be in (0, 1), got {self.lr_decay_factor}")
+        elif self.lr_decay_epochs:
+            raise ValueError(f"lr_decay_epochs only applies to lr_schedule=step, "
+                             f"not lr_schedule={self.lr_schedule}")
+        if self.lr_schedule == "polynomial":
+            _positive("lr_decay_power", self.lr_decay_power)
+
+    def _validate_kfac(self, explicitly_set):
+        if self.optimizer != "kfac":
+            stray = [name for name in KFAC_ONLY_FIELDS if name in explicitly_set]
+            if stray:
+                raise ValueError(f"{', '.join(stray)} only apply to optimizer=kfac, "
+                                 f"not optimizer={self.optimizer}")
+            return
+        _positive("damping", self.damping)
+        _positive("factor_update_freq", self.factor_update_freq)
+        _positive("inv_update_freq", self.inv_update_freq)
+        if self.inv_update_freq % self.factor_update_freq:
+            raise ValueError(
+                f"inv_update_freq ({self.inv_update_freq}) must be a multiple of "
+                f"factor_update_freq ({self.factor_update_freq})")
+        if self.kl_clip is not None:
+            _positive("kl_clip", self.kl_clip)
+
+    def resolved_model_dir(self):
+        """`model_dir`, or a fresh `runs/<model>-<optimizer>-<timestamp>` when unset."""
+        if self.model_dir:
+            return os.path.abspath(self.model_dir)
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        return os.path.abspath(os.path.join("runs", f"{self.model}-{self.optimizer}-{stamp}"))
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+def _one_of(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(str(a) for a in allowed)}; "
+                         f"got {value!r}")
+
+
+def _positive(name, value):
+    if value is None or value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")

@@ -1,0 +1,92 @@
+"""The run's input: `pipelines.build` streams for this rank, plus the facts the trainer
+needs before it builds a model (image shape, class count, steps per epoch).
+
+Each epoch's training stream is built from (seed, epoch) and is endless, and the trainer
+takes the same number of steps from it on every rank; so ranks stay in lockstep even
+when shards differ by an example or a fractional echo factor varies the epoch length.
+"""
+
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+import pipelines
+from pipelines import idx_dataset
+from trainers import models
+
+
+def dataset_info(name, data_dir=None):
+    """TFDS metadata of `name`; the IDX datasets are prepared offline first if needed."""
+    if name in idx_dataset.IDX_DATASETS:
+        return idx_dataset.prepare_idx(name, data_dir=data_dir).info
+    try:
+        return tfds.builder(name, data_dir=data_dir).info
+    except tfds.core.registered.DatasetNotFoundError as error:
+        raise ValueError(f"dataset must be one of {', '.join(sorted(idx_dataset.IDX_DATASETS))} "
+                         f"or a prepared TFDS dataset name; got {name!r}") from error
+
+
+class TrainingData:
+    """Training and evaluation streams of one rank for a `TrainConfig`."""
+
+    def __init__(self, config, rank, num_ranks, input_dtype):
+        info = dataset_info(config.dataset, config.data_dir)
+        self._config = config
+        self._rank = rank
+        self._num_ranks = num_ranks
+        self._input_dtype = input_dtype
+        self._counters = None
+        self.input_shape = tuple(info.features["image"].shape)
+        self.num_classes = info.features["label"].num_classes
+        examples_per_rank = info.splits[config.train_split].num_examples // num_ranks
+        self.steps_per_epoch = int(examples_per_rank * config.echo_factor) // config.batch_size
+        if self.steps_per_epoch < 1:
+            raise ValueError(
+                f"batch_size={config.batch_size} is larger than one rank's share "
+                f"({examples_per_rank} examples x echo_factor {config.echo_factor}) of "
+                f"{config.dataset} {config.train_split}")
+        self._autoencoder = models.is_autoencoder(config.model)
+        self._one_hot = config.mixup_alpha > 0 and not self._autoencoder
+
+    def _build(self, **kwargs):
+        config = self._config
+        return pipelines.build(
+            config.dataset, data_dir=config.data_dir, num_shards=self._num_ranks,
+            shard_index=self._rank, dtype=self._input_dtype,
+            num_classes=self.num_classes if self._one_hot else None, **kwargs)
+
+    def train(self, epoch):
+        """Epoch `epoch`'s training batches (then later epochs' without end)."""
+        config = self._config
+        dataset, self._counters = self._build(
+            split=config.train_split, batch_size=config.batch_size, seed=config.seed,
+            epoch=epoch, num_epochs=None, echo_mode=config.echo_mode,
+            echo_factor=config.echo_factor, shuffle_buffer=config.shuffle_buffer,
+            augmentation=self._augmentation(), read_latency=config.read_latency)
+        return self._with_targets(dataset)
+
+    def evaluation(self):
+        """The evaluation split of this rank, in order, every example once."""
+        config = self._config
+        dataset, _ = self._build(split=config.eval_split, batch_size=config.batch_size,
+                                 shuffle_buffer=0, drop_remainder=False)
+        return self._with_targets(dataset)
+
+    def fresh_examples(self):
+        """Fresh examples this rank's current training stream has fed to training."""
+        return 0 if self._counters is None else self._counters.result()["fresh_examples"]
+
+    def _augmentation(self):
+        config = self._config
+        return pipelines.Augmentation(
+            crop_padding=config.crop_padding, flip=config.flip,
+            erasing_probability=config.erasing_probability, mixup_alpha=config.mixup_alpha,
+            running_mixup=config.running_mixup)
+
+    def _with_targets(self, dataset):
+        """Classifiers learn the labels; the autoencoder reconstructs its flattened input."""
+        if not self._autoencoder:
+            return dataset
+        return dataset.map(
+            lambda image, label: (image, tf.reshape(tf.cast(image, tf.float32),
+                                                    [tf.shape(image)[0], -1])),
+            num_parallel_calls=tf.data.AUTOTUNE)

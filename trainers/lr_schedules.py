@@ -1,0 +1,71 @@
+"""Learning-rate schedules named by `--lr_schedule`, in optimizer steps.
+
+Schedules are given in epochs on the command line and converted here with the run's
+steps per epoch, so a flag means the same thing at every batch size and rank count.
+"""
+
+import keras
+from keras import ops
+
+
+@keras.saving.register_keras_serializable(package="trainers")
+class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
+    """Ramps `after` linearly from ~0 to its full value over `warmup_steps` (Goyal et al.).
+
+    Large learning rates (and K-FAC's first, poorly estimated factors) can diverge in the
+    first steps; the ramp multiplies whatever `after` gives, so decay keeps its timing.
+    """
+
+    def __init__(self, after, warmup_steps):
+        if int(warmup_steps) < 1:
+            raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
+        self.after = after
+        self.warmup_steps = int(warmup_steps)
+
+    def __call__(self, step):
+        step = ops.cast(step, "float32")
+        base = self.after(step) if callable(self.after) else ops.convert_to_tensor(
+            self.after, "float32")
+        return base * ops.minimum(1.0, (step + 1.0) / float(self.warmup_steps))
+
+    def get_config(self):
+        after = self.after
+        if isinstance(after, keras.optimizers.schedules.LearningRateSchedule):
+            after = keras.saving.serialize_keras_object(after)
+        return {"after": after, "warmup_steps": self.warmup_steps}
+
+    @classmethod
+    def from_config(cls, config):
+        after = config["after"]
+        if isinstance(after, dict):
+            after = keras.saving.deserialize_keras_object(after)
+        return cls(after, config["warmup_steps"])
+
+
+def build_learning_rate(config, steps_per_epoch, total_steps):
+    """Returns a float or a `LearningRateSchedule` for `config.lr_schedule`.
+
+    constant: `learning_rate` throughout. warmup: constant after `warmup_epochs`.
+    step: multiplied by `lr_decay_factor` at each of `lr_decay_epochs`.
+    polynomial: `(1 - step / total_steps) ** lr_decay_power`, reaching 0 at the end.
+    Any schedule starts with a linear warmup when `warmup_epochs` > 0.
+    """
+    if steps_per_epoch < 1 or total_steps < 1:
+        raise ValueError(f"steps_per_epoch and total_steps must be >= 1, got "
+                         f"{steps_per_epoch} and {total_steps}")
+    lr = float(config.learning_rate)
+    if config.lr_schedule == "step":
+        boundaries = [int(round(e * steps_per_epoch)) for e in config.lr_decay_epochs]
+        values = [lr * config.lr_decay_factor ** i for i in range(len(boundaries) + 1)]
+        schedule = keras.optimizers.schedules.PiecewiseConstantDecay(boundaries, values)
+    elif config.lr_schedule == "polynomial":
+        schedule = keras.optimizers.schedules.PolynomialDecay(
+            lr, decay_steps=total_steps, end_learning_rate=0.0, power=config.lr_decay_power)
+    elif config.lr_schedule in ("constant", "warmup"):
+        schedule = lr
+    else:
+        raise ValueError(f"lr_schedule must be one of constant, warmup, step, polynomial; "
+                         f"got {config.lr_schedule!r}")
+    if config.warmup_epochs > 0:
+        schedule = LinearWarmup(schedule, max(1, int(round(config.warmup_epochs * steps_per_epoch))))
+    return schedule

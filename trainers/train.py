@@ -1,0 +1,126 @@
+"""Trains a model with K-FAC, SGD or Adam: `python -m trainers.train [--flags]`.
+
+With no flags it is the `make train` job: the small CNN on real Fashion-MNIST with K-FAC,
+printing the test accuracy and where the logs went. Under
+`horovodrun -np N python -m trainers.train ...` each rank trains on its shard and rank 0
+writes the logs and checkpoints.
+"""
+
+import dataclasses
+
+from absl import app, flags
+
+from trainers import config as config_lib
+from trainers import models, runner
+
+_DEFAULTS = config_lib.TrainConfig()
+
+flags.DEFINE_enum("model", _DEFAULTS.model, models.MODEL_NAMES, "Model to train.")
+flags.DEFINE_string("dataset", _DEFAULTS.dataset,
+                    "fashion_mnist or mnist (read offline from IDX files), or any prepared "
+                    "TFDS image classification dataset name.")
+flags.DEFINE_string("data_dir", None, "TFDS data directory (default: $TFDS_DATA_DIR or "
+                    "~/tensorflow_datasets).")
+flags.DEFINE_string("train_split", _DEFAULTS.train_split,
+                    "TFDS split to train on, e.g. train or train[:54000].")
+flags.DEFINE_string("eval_split", _DEFAULTS.eval_split,
+                    "TFDS split evaluated after every epoch, e.g. test or train[54000:].")
+flags.DEFINE_enum("optimizer", _DEFAULTS.optimizer, config_lib.OPTIMIZERS,
+                  "kfac: K-FAC preconditioning momentum SGD; sgd: SGD with --momentum; "
+                  "adam: Adam.")
+flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Base learning rate.")
+flags.DEFINE_float("momentum", _DEFAULTS.momentum, "Momentum of SGD and of K-FAC's update.")
+flags.DEFINE_enum("lr_schedule", _DEFAULTS.lr_schedule, config_lib.LR_SCHEDULES,
+                  "constant; warmup (linear over --warmup_epochs, then constant); step "
+                  "(x --lr_decay_factor at each of --lr_decay_epochs); polynomial (to 0 at "
+                  "the last step with power --lr_decay_power).")
+flags.DEFINE_float("warmup_epochs", _DEFAULTS.warmup_epochs,
+                   "Linear learning-rate warmup length in epochs, for any schedule.")
+flags.DEFINE_list("lr_decay_epochs", [], "Epochs at which lr_schedule=step decays, e.g. 10,20.")
+flags.DEFINE_float("lr_decay_factor", _DEFAULTS.lr_decay_factor,
+                   "Factor of each lr_schedule=step decay.")
+flags.DEFINE_float("lr_decay_power", _DEFAULTS.lr_decay_power,
+                   "Power of lr_schedule=polynomial.")
+flags.DEFINE_float("damping", _DEFAULTS.damping, "K-FAC Tikhonov damping lambda.")
+flags.DEFINE_integer("factor_update_freq", _DEFAULTS.factor_update_freq,
+                     "K-FAC: update the Kronecker factors every this many steps.")
+flags.DEFINE_integer("inv_update_freq", _DEFAULTS.inv_update_freq,
+                     "K-FAC: recompute eigendecompositions/inverses every this many steps "
+                     "(a multiple of --factor_update_freq).")
+flags.DEFINE_float("kl_clip", _DEFAULTS.kl_clip, "K-FAC KL clip kappa; 0 turns it off.")
+flags.DEFINE_enum("kfac_method", _DEFAULTS.kfac_method, config_lib.KFAC_METHODS,
+                  "K-FAC preconditioning: eigendecomposition or factored inverses.")
+flags.DEFINE_string("kfac_placement", None,
+                    "Distributed K-FAC: where preconditioning runs (see tfkfac.distributed).")
+flags.DEFINE_enum("factor_wire_dtype", _DEFAULTS.factor_wire_dtype, config_lib.WIRE_DTYPES,
+                  "Distributed K-FAC: dtype of factors on the wire.")
+flags.DEFINE_enum("eigen_wire_dtype", _DEFAULTS.eigen_wire_dtype, config_lib.WIRE_DTYPES,
+                  "Distributed K-FAC: dtype of eigendecompositions on the wire.")
+flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Examples per step on each rank.")
+flags.DEFINE_integer("epochs", _DEFAULTS.epochs, "Epochs to train (ignored with --steps).")
+flags.DEFINE_integer("steps", None, "If set, train exactly this many steps (overrides "
+                     "--epochs; the last epoch may be partial).")
+flags.DEFINE_enum("echo_mode", _DEFAULTS.echo_mode, config_lib.ECHO_MODES,
+                  "Data echoing variant (Choi et al.).")
+flags.DEFINE_float("echo_factor", _DEFAULTS.echo_factor,
+                   "Data echoing factor e >= 1 (fractional allowed); needs --echo_mode.")
+flags.DEFINE_integer("shuffle_buffer", _DEFAULTS.shuffle_buffer,
+                     "Examples in the shuffle buffer; 0 disables shuffling.")
+flags.DEFINE_integer("crop_padding", _DEFAULTS.crop_padding,
+                     "Random crop after padding each side by this many pixels; 0 disables.")
+flags.DEFINE_bool("flip", _DEFAULTS.flip, "Random horizontal flips.")
+flags.DEFINE_float("erasing_probability", _DEFAULTS.erasing_probability,
+                   "Random erasing probability (Osawa et al. use 0.5); 0 disables.")
+flags.DEFINE_float("mixup_alpha", _DEFAULTS.mixup_alpha, "Mixup Beta(alpha, alpha); 0 disables.")
+flags.DEFINE_bool("running_mixup", _DEFAULTS.running_mixup,
+                  "Osawa et al.'s running mixup (needs --mixup_alpha).")
+flags.DEFINE_float("read_latency", _DEFAULTS.read_latency,
+                   "Simulated storage latency per example in seconds (slow input demo).")
+flags.DEFINE_enum("precision", _DEFAULTS.precision, config_lib.PRECISIONS,
+                  "Keras dtype policy; mixed policies keep float32 variables and K-FAC state.")
+flags.DEFINE_float("target_accuracy", None,
+                   "Eval accuracy whose first crossing is reported (time, steps, epochs, "
+                   "fresh examples).")
+flags.DEFINE_bool("stop_at_target", _DEFAULTS.stop_at_target,
+                  "Stop after the epoch that reaches --target_accuracy.")
+flags.DEFINE_string("model_dir", None, "Where logs and checkpoints go (default: a new "
+                    "runs/<model>-<optimizer>-<time> directory).")
+flags.DEFINE_bool("resume", _DEFAULTS.resume,
+                  "Continue the run in --model_dir from its last checkpoint.")
+flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of initialization and data order.")
+flags.DEFINE_bool("xla", _DEFAULTS.xla, "Compile the train step with XLA.")
+flags.DEFINE_enum("verbose", str(_DEFAULTS.verbose), ["0", "1", "2"],
+                  "Keras fit verbosity: 0 silent, 1 progress bar, 2 one line per epoch.")
+
+FLAGS = flags.FLAGS
+
+
+def config_from_flags(flag_values):
+    """Returns `(TrainConfig, names of the fields given on the command line)`."""
+    values = {}
+    for field in dataclasses.fields(config_lib.TrainConfig):
+        value = flag_values[field.name].value
+        if field.name == "lr_decay_epochs":
+            value = tuple(float(epoch) for epoch in value)
+        elif field.name == "verbose":
+            value = int(value)
+        elif field.name == "kl_clip" and value == 0:
+            value = None
+        values[field.name] = value
+    explicitly_set = {name for name in values if flag_values[name].present}
+    return config_lib.TrainConfig(**values), explicitly_set
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    config, explicitly_set = config_from_flags(FLAGS)
+    try:
+        runner.check(config, explicitly_set)
+    except ValueError as error:
+        raise app.UsageError(str(error)) from error
+    runner.run(config, explicitly_set)
+
+
+if __name__ == "__main__":
+    app.run(main)
