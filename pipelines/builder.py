@@ -18,6 +18,12 @@ from pipelines import augment, counters, echoing, seeds, sources
 
 ECHO_MODES = ("none", "example_before_augment", "example_after_augment", "batch")
 _SHUFFLE_SALT, _ECHO_SALT, _AUGMENT_SALT, _MIXUP_SALT = range(4)
+# Graph-level seed of the per-epoch function. `Dataset.shuffle` pairs its op seed (here
+# a tensor of seed and epoch) with the graph seed; fixing the latter makes the order
+# independent of the caller's `tf.random.set_seed`, and a nonzero value keeps TF's
+# seed check from testing the op-seed tensor as a Python bool (it fails when the
+# global seed is 0).
+_GRAPH_SEED = 0x5EED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +95,14 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
     """
     _check_args(batch_size, echo_mode, echo_factor, shuffle_buffer, augmentation,
                 num_classes, epoch, num_epochs, dtype, drop_remainder)
-    examples = sources.shard(sources.load(source, split, data_dir), num_shards, shard_index)
+    examples = sources.load(source, split, data_dir, num_shards=num_shards, shard_index=shard_index)
     examples = (examples.apply(sources.simulate_read_latency(read_latency))
                 .map(_decoder(num_classes, mean, stddev), num_parallel_calls=tf.data.AUTOTUNE))
     if cache:
         examples = examples.cache()
 
     def one_epoch(epoch_index):
+        tf.random.set_seed(_GRAPH_SEED)  # traced in a function graph: sets its seed only
         key = seeds.derive(seed, epoch_index)
         example_echo = echoing.echo(echo_factor, shuffle_buffer, seed=seeds.derive(key, _ECHO_SALT))
         stream = examples

@@ -99,7 +99,8 @@ class _IdxImageBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     @classmethod
     def default_idx_dir(cls):
         """The first default location holding the files: the Debian package's, then known dirs."""
-        candidates = _debian_package_dirs(cls.DEBIAN_PACKAGE) + list(cls.KNOWN_DIRS)
+        candidates = list(dict.fromkeys(_debian_package_dirs(cls.DEBIAN_PACKAGE)
+                                        + list(cls.KNOWN_DIRS)))
         for directory in candidates:
             if _idx_file_candidates(directory, SPLIT_FILES["train"][0]):
                 return directory

@@ -20,5 +20,7 @@ def split(key, num):
 
 
 def op_seed(key):
-    """Returns an int64 scalar from a key, for ops that take a plain seed (shuffle)."""
-    return key[0]
+    """Returns a seed for ops that take a plain one (`Dataset.shuffle`): a Python int
+    when the key is known eagerly, else an int64 scalar tensor."""
+    static = tf.get_static_value(key[0])
+    return key[0] if static is None else int(static)

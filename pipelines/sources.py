@@ -11,26 +11,38 @@ from tensorflow.python.data.experimental.ops import testing as tf_data_testing
 from pipelines import idx_dataset
 
 
-def load(source, split="train", data_dir=None, download=False):
-    """Returns a dataset of dicts `{"image": (H, W, C), "label": int64}`.
+def load(source, split="train", data_dir=None, download=False, num_shards=1, shard_index=0):
+    """Returns one shard of a dataset of dicts `{"image": (H, W, C), "label": int64}`.
+
+    Stored images are decoded after sharding, so each rank decodes only its own part.
 
     Args:
       source: "fashion_mnist" or "mnist" (read offline from local IDX files via
-        `pipelines.idx_dataset`), any other TFDS name (via `tfds.load`), or a
-        `tf.data.Dataset` of such dicts or of `(image, label)` pairs.
+        `pipelines.idx_dataset`), any other TFDS name with an `image` feature (via
+        `tfds.load`), or a `tf.data.Dataset` of such dicts or of `(image, label)` pairs.
       split: TFDS split string ("train", "test", "train[:10%]", ...).
-      data_dir: TFDS data dir; None uses TFDS's default.
+      data_dir: TFDS data dir; None uses the default.
       download: let `tfds.load` download missing data (never for the IDX datasets).
         Off by default: with no network TFDS retries for minutes before failing.
+      num_shards, shard_index: see `shard`.
     """
     if isinstance(source, tf.data.Dataset):
-        return _as_dicts(source)
+        return shard(_as_dicts(source), num_shards, shard_index)
     if not isinstance(source, str):
         raise ValueError("source must be a dataset name (str) or a tf.data.Dataset, "
                          f"got {type(source).__name__}")
+    skip_image_decoding = {"image": tfds.decode.SkipDecoding()}
     if source in idx_dataset.IDX_DATASETS:
-        return idx_dataset.load_idx(source, split, data_dir=data_dir)
-    return _as_dicts(tfds.load(source, split=split, data_dir=data_dir, download=download))
+        builder = idx_dataset.prepare_idx(source, data_dir=data_dir)
+        stored, info = builder.as_dataset(split=split, decoders=skip_image_decoding), builder.info
+    else:
+        stored, info = tfds.load(source, split=split, data_dir=data_dir, download=download,
+                                 decoders=skip_image_decoding, with_info=True)
+    image_feature = info.features["image"]
+    return shard(stored, num_shards, shard_index).map(
+        lambda example: {"image": image_feature.decode_example(example["image"]),
+                         "label": example["label"]},
+        num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def _as_dicts(dataset):

@@ -176,6 +176,16 @@ class SmallIdxFilesTest(absltest.TestCase):
             idx_dataset.prepare_idx("mnist", data_dir=os.path.join(self.tmp, "tfds"),
                                     idx_dir=idx_dir)
 
+    def test_no_default_files_raises_naming_the_default_locations(self):
+        known_dirs = idx_dataset.MnistIdx.KNOWN_DIRS
+        if any(os.path.isdir(directory) for directory in known_dirs):
+            self.skipTest(f"this machine has MNIST in {known_dirs}")
+        with self.assertRaises(idx_dataset.IdxFilesNotFoundError) as caught:
+            idx_dataset.load_idx("mnist", "train", data_dir=self.tmp)
+        for directory in known_dirs:
+            self.assertIn(directory, str(caught.exception))
+        self.assertIn("idx_dir", str(caught.exception))
+
     def test_unknown_name_raises_value_error(self):
         with self.assertRaisesRegex(ValueError, "name must be one of.*fashion_mnist"):
             idx_dataset.load_idx("cifar10", "train")

@@ -86,3 +86,7 @@ class OsawaInterval:
 
     def get_config(self):
         return {"steps_per_epoch": self.steps_per_epoch, "max_interval": self.max_interval}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)

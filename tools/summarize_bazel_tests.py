@@ -23,13 +23,26 @@ _SUMMARY_LINE = re.compile(
     + r")\b")
 
 
+# With --test_output=errors Bazel inlines a failing test's log between these markers;
+# nothing a test prints may count as a result.
+_TEST_OUTPUT_START = "==================== Test output for "
+_TEST_OUTPUT_END = re.compile(r"^={40,}$")
+
+
 def parse_results(lines):
     """Returns {target: status} from Bazel's output; a target's last line wins."""
     results = {}
+    in_test_output = False
     for line in lines:
-        match = _SUMMARY_LINE.match(line.rstrip("\n"))
-        if match:
-            results[match.group("target")] = match.group("status")
+        line = line.rstrip("\n")
+        if line.startswith(_TEST_OUTPUT_START):
+            in_test_output = True
+        elif in_test_output:
+            in_test_output = not _TEST_OUTPUT_END.match(line)
+        else:
+            match = _SUMMARY_LINE.match(line)
+            if match:
+                results[match.group("target")] = match.group("status")
     return results
 
 

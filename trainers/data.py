@@ -38,6 +38,9 @@ class TrainingData:
         self.input_shape = tuple(info.features["image"].shape)
         self.num_classes = info.features["label"].num_classes
         examples_per_rank = info.splits[config.train_split].num_examples // num_ranks
+        # `Dataset.shard` gives rank r every num_ranks-th example starting at r.
+        eval_examples = -(-(info.splits[config.eval_split].num_examples - rank) // num_ranks)
+        self._eval_batches = -(-eval_examples // config.batch_size)
         self.steps_per_epoch = int(examples_per_rank * config.echo_factor) // config.batch_size
         if self.steps_per_epoch < 1:
             raise ValueError(
@@ -69,6 +72,8 @@ class TrainingData:
         config = self._config
         dataset, _ = self._build(split=config.eval_split, batch_size=config.batch_size,
                                  shuffle_buffer=0, drop_remainder=False)
+        # A known length lets Keras end evaluation without an "ran out of data" warning.
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(self._eval_batches))
         return self._with_targets(dataset)
 
     def fresh_examples(self):

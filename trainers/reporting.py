@@ -18,8 +18,14 @@ from typing import Dict, List, Optional
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
 
 EVAL_ACCURACY_KEY = "val_accuracy"
+# What `tf.summary.scalar` attaches; written directly because that function lives in the
+# `tensorboard` package, which tensorflow-cpu does not install. TensorBoard reads the
+# events as ordinary scalars.
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
 
 
 @dataclasses.dataclass
@@ -168,7 +174,8 @@ class EpochWriter(keras.callbacks.Callback):
         with self._summary_writer.as_default():
             for key, value in row.items():
                 if key != "epoch":
-                    tf.summary.scalar(key, value, step=int(row["epoch"]))
+                    tf.summary.write(key, tf.constant(value, tf.float32),
+                                     step=int(row["epoch"]), metadata=_SCALAR_METADATA)
         self._summary_writer.flush()
 
 

@@ -10,7 +10,6 @@ import math
 import os
 
 import keras
-import tensorflow as tf
 
 import pipelines
 import tfkfac
@@ -40,7 +39,6 @@ def run(config, explicitly_set=()):
     chief = communicator.rank == 0
     model_dir = config.resolved_model_dir()
 
-    keras.utils.set_random_seed(config.seed)
     input_dtype = pipelines.set_precision(config.precision)
     data = data_lib.TrainingData(config, communicator.rank, communicator.size, input_dtype)
     total_steps = config.steps or config.epochs * data.steps_per_epoch
@@ -58,7 +56,8 @@ def run(config, explicitly_set=()):
     state = store.restore() if config.resume else None
     counters = reporting.RunCounters.from_dict(state["counters"]) if state else (
         reporting.RunCounters())
-    _broadcast_from_chief(communicator, model.variables + model.optimizer.variables)
+    # Every rank starts from rank 0's initial (or restored) variables.
+    communicator.broadcast_variables(model.variables + model.optimizer.variables)
     if chief:
         os.makedirs(model_dir, exist_ok=True)
         reporting.write_json(os.path.join(model_dir, checkpoints.CONFIG_FILE), config.to_dict())
@@ -77,7 +76,7 @@ def run(config, explicitly_set=()):
             break
         model.fit(data.train(epoch), epochs=epoch + 1, initial_epoch=epoch,
                   steps_per_epoch=min(data.steps_per_epoch, total_steps - counters.steps),
-                  validation_data=eval_data, callbacks=callbacks,
+                  validation_data=eval_data, callbacks=callbacks, shuffle=False,
                   verbose=config.verbose if chief else 0)
         if chief:
             store.save(epoch + 1, {"counters": counters.to_dict()})
@@ -140,8 +139,7 @@ def _optimizer_scalars(config, optimizer):
     """The learning rate (and K-FAC damping) in force after the epoch's last step."""
     scalars = {"learning_rate": float(optimizer.learning_rate)}
     if config.optimizer == "kfac":
-        scalars["damping"] = float(tfkfac.schedules.value_at(optimizer.damping,
-                                                              optimizer.iterations))
+        scalars["damping"] = optimizer.current_damping()
     return scalars
 
 
@@ -158,15 +156,6 @@ def _phase_fn(config):
         return "stale"
 
     return phase
-
-
-def _broadcast_from_chief(communicator, variables):
-    """Gives every rank rank 0's initial (or restored) variables."""
-    if communicator.size == 1:
-        return
-    values = communicator.broadcast([tf.convert_to_tensor(v) for v in variables], root_rank=0)
-    for variable, value in zip(variables, values):
-        variable.assign(value)
 
 
 def _summary(config, model_dir, num_ranks, counters):

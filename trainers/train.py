@@ -8,7 +8,7 @@ writes the logs and checkpoints.
 
 import dataclasses
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from trainers import config as config_lib
 from trainers import models, runner
@@ -114,6 +114,8 @@ def config_from_flags(flag_values):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
     config, explicitly_set = config_from_flags(FLAGS)
     try:
         runner.check(config, explicitly_set)

@@ -1,0 +1,13 @@
+"""Distributed K-FAC: communicators, symmetric packing, owner assignment, exchanges.
+
+Nothing here imports Horovod until a Horovod communicator is asked for.
+"""
+
+from tfkfac.distributed.assignment import (assign_owners, eigen_cost, load_balance,
+                                           lpt_assignment, rank_loads,
+                                           round_robin_assignment)
+from tfkfac.distributed.base import CATEGORIES, Communicator, SingleProcess
+from tfkfac.distributed.exchange import allreduce_symmetric, gather_from_owners
+from tfkfac.distributed.factory import get_communicator, launched_world_size
+from tfkfac.distributed.packing import (pack_upper_triangles, packed_size,
+                                        unpack_upper_triangles, wire_dtype)

@@ -1,39 +1,116 @@
 """The communicator interface K-FAC talks to, and its single-process implementation.
 
 A communicator moves tensors between processes; it knows nothing about layers or
-Kronecker factors. Byte counters per category let benchmarks report traffic.
+Kronecker factors. Every collective is tagged with a category, and per-category byte and
+call counters (tf.Variables, incremented in-graph) let benchmarks and tests see the
+traffic even when the collectives run inside a `tf.function` executed many times.
 """
 
 import tensorflow as tf
 
+CATEGORIES = (
+    "gradients",
+    "factors",
+    "eigen",
+    "preconditioned",
+    "metrics",
+    "broadcast",
+    "allgather",
+)
+
 
 class Communicator:
-    """Collective operations on lists of tensors, usable inside `tf.function`."""
+    """Collective operations on lists of tensors, usable inside a (non-XLA) `tf.function`.
+
+    Subclasses implement `_grouped_allreduce_mean`, `_broadcast` and `_allgather`; the
+    public methods validate the category and count what goes on the wire. Bytes counted
+    are the payload this rank hands to the collective (elements x dtype size): the
+    tensors for an allreduce or broadcast, this rank's own part for an allgather. The
+    transport's own overhead (a ring allreduce moves about 2(size-1)/size of that) is
+    not included. Create a communicator outside any `tf.function`: it owns variables.
+    """
 
     rank = 0
     size = 1
 
+    def __init__(self):
+        with tf.device("/CPU:0"):
+            self._bytes = {c: _counter(f"comm_bytes_{c}") for c in CATEGORIES}
+            self._calls = {c: _counter(f"comm_calls_{c}") for c in CATEGORIES}
+
     def grouped_allreduce_mean(self, tensors, category="gradients"):
-        """Average each tensor across ranks in one fused call."""
-        raise NotImplementedError
+        """Average each tensor across ranks in one fused call (one per dtype)."""
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        self._record(category, tensors)
+        return self._grouped_allreduce_mean(tensors) if tensors else []
 
     def broadcast(self, tensors, root_rank=0, category="broadcast"):
         """Return each tensor as held by `root_rank`."""
-        raise NotImplementedError
+        if not 0 <= root_rank < self.size:
+            raise ValueError(f"root_rank must be in [0, {self.size}), got {root_rank}")
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        self._record(category, tensors)
+        return self._broadcast(tensors, root_rank) if tensors else []
 
     def allgather(self, tensor, category="allgather"):
         """Concatenate `tensor` from every rank along axis 0 (sizes may differ)."""
+        tensor = tf.convert_to_tensor(tensor)
+        self._record(category, [tensor])
+        return self._allgather(tensor)
+
+    def broadcast_variables(self, variables, root_rank=0):
+        """Overwrite every variable (tf or Keras) with its value on `root_rank`."""
+        if self.size == 1:
+            return
+        variables = list(variables)
+        values = self.broadcast([tf.convert_to_tensor(v) for v in variables],
+                                root_rank=root_rank, category="broadcast")
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+
+    def bytes_sent(self):
+        """Bytes handed to collectives so far, per category (Python ints)."""
+        return {c: int(v.numpy()) for c, v in self._bytes.items()}
+
+    def collective_calls(self):
+        """Number of collective calls so far, per category (Python ints)."""
+        return {c: int(v.numpy()) for c, v in self._calls.items()}
+
+    def reset_counters(self):
+        for counter in (*self._bytes.values(), *self._calls.values()):
+            counter.assign(0)
+
+    def _record(self, category, tensors):
+        if category not in CATEGORIES:
+            raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
+        if self.size == 1 or not tensors:
+            return
+        nbytes = tf.add_n([tf.size(t, out_type=tf.int64) * t.dtype.size for t in tensors])
+        self._bytes[category].assign_add(nbytes)
+        self._calls[category].assign_add(1)
+
+    def _grouped_allreduce_mean(self, tensors):
+        raise NotImplementedError
+
+    def _broadcast(self, tensors, root_rank):
+        raise NotImplementedError
+
+    def _allgather(self, tensor):
         raise NotImplementedError
 
 
 class SingleProcess(Communicator):
     """One process: every collective is the identity and sends nothing."""
 
-    def grouped_allreduce_mean(self, tensors, category="gradients"):
+    def _grouped_allreduce_mean(self, tensors):
         return list(tensors)
 
-    def broadcast(self, tensors, root_rank=0, category="broadcast"):
+    def _broadcast(self, tensors, root_rank):
         return list(tensors)
 
-    def allgather(self, tensor, category="allgather"):
+    def _allgather(self, tensor):
         return tensor
+
+
+def _counter(name):
+    return tf.Variable(0, dtype=tf.int64, trainable=False, name=name)

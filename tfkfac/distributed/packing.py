@@ -5,6 +5,9 @@ wire (Osawa et al. 2019, Ueno et al. 2020). Packing every factor into one buffer
 one collective carry them all. The buffer may be cast to a narrower wire dtype; unpacking
 always returns float32. Index maps are built in numpy at trace time, so the ops are
 plain gathers: usable inside `tf.function`, XLA-compilable, and with static shapes.
+float16 keeps 11 significant bits but overflows above 65504; bfloat16 keeps the float32
+range with 8 significant bits. Each entry is rounded once, to within 2^-11 (float16) or
+2^-8 (bfloat16) of its value.
 """
 
 import numpy as np

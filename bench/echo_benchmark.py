@@ -1,0 +1,267 @@
+"""Data-echoing benchmark: an upstream-bound Fashion-MNIST pipeline feeding a real Keras
+training step, with and without echoing.
+
+Upstream stands for slow storage: a simulated read latency per example (one reader),
+tuned so that R = t_upstream / t_downstream is about `--ratio`, then measured:
+t_upstream is the time per batch of the pipeline alone, t_downstream the time per
+training step on a batch already in memory. Each echo variant runs with e = 1, 2, 3
+(plus the plain pipeline) and reports downstream steps/s and fresh examples/s; the
+paper predicts steps/s grows like min(e, R) while fresh examples/s stays flat until
+e > R. The echo stage's own overhead is measured twice: its extra time per batch on an
+in-memory source as a fraction of the training step, and steps/s at e = 1 versus the
+plain pipeline.
+
+Run (about 4 minutes on 2 cores; in the background):
+  cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/echo_benchmark.py \
+      > /tmp/echo_benchmark.log 2>&1 &
+Writes bench/results/echo_benchmark.json and .png.
+"""
+
+import json
+import os
+import statistics
+import time
+
+from absl import app, flags
+import keras
+import matplotlib
+import numpy as np
+import tensorflow as tf
+
+import pipelines
+from pipelines import idx_dataset
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("batch_size", 128, "Examples per training step.")
+flags.DEFINE_float("ratio", 3.0, "Target R = t_upstream / t_downstream.")
+flags.DEFINE_list("factors", ["1", "2", "3"], "Echo factors to measure.")
+flags.DEFINE_list("variants", list(pipelines.ECHO_MODES[1:]), "Echo modes to measure.")
+flags.DEFINE_float("seconds", 6.0, "Timed training seconds per measurement.")
+flags.DEFINE_integer("warmup_steps", 10, "Untimed steps before each measurement.")
+flags.DEFINE_integer("repeats", 2, "Interleaved repeats of every configuration (median kept).")
+flags.DEFINE_integer("shuffle_buffer", 2048, "The pipeline's one shuffle buffer.")
+flags.DEFINE_integer("seed", 0, "Data and model seed.")
+flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                    "Where echo_benchmark.json and .png go.")
+
+AUGMENTATION = pipelines.Augmentation(crop_padding=2, flip=True)
+
+
+class TimedWindow(keras.callbacks.Callback):
+    """Lets `warmup` steps pass, then times `seconds` of steps (and the counters'
+    progress) and stops `fit`."""
+
+    def __init__(self, warmup, seconds, counters=None):
+        super().__init__()
+        self.warmup, self.seconds, self.counters = warmup, seconds, counters
+        self.start = self.start_counts = None
+        self.result = None
+
+    def _counts(self):
+        return self.counters.result() if self.counters else {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps = batch + 1
+        if steps == self.warmup:
+            self.start, self.start_counts = time.perf_counter(), self._counts()
+        elif steps > self.warmup and time.perf_counter() - self.start >= self.seconds:
+            elapsed = time.perf_counter() - self.start
+            counts = self._counts()
+            self.result = {"seconds": elapsed, "steps_per_s": (steps - self.warmup) / elapsed}
+            for name, value in counts.items():
+                self.result[name + "_per_s"] = (value - self.start_counts[name]) / elapsed
+            self.model.stop_training = True
+
+
+def make_model():
+    keras.utils.set_random_seed(FLAGS.seed)
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10),
+    ])
+    model.compile(keras.optimizers.SGD(0.02),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def timed_fit(model, dataset, counters=None):
+    window = TimedWindow(FLAGS.warmup_steps, FLAGS.seconds, counters)
+    model.fit(dataset, epochs=1, steps_per_epoch=10**9, verbose=0, callbacks=[window])
+    return window.result
+
+
+def build(echo_mode="none", echo_factor=1, read_latency=0.0, source="fashion_mnist"):
+    return pipelines.build(source, batch_size=FLAGS.batch_size, echo_mode=echo_mode,
+                           echo_factor=echo_factor, shuffle_buffer=FLAGS.shuffle_buffer,
+                           augmentation=AUGMENTATION, seed=FLAGS.seed, num_epochs=None,
+                           read_latency=read_latency)
+
+
+def seconds_per_batch(dataset, batches):
+    """Wall time per batch of iterating `dataset` alone, after two warm-up batches."""
+    iterator = iter(dataset)
+    for _ in range(2):
+        next(iterator)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    return (time.perf_counter() - start) / batches
+
+
+def downstream_seconds(model):
+    """Seconds per training step on one batch already in memory."""
+    batch = next(iter(build()[0]))
+    return 1.0 / timed_fit(model, tf.data.Dataset.from_tensors(batch).repeat())["steps_per_s"]
+
+
+def upstream_seconds(read_latency):
+    """Seconds per batch of the plain pipeline with this read latency, no training."""
+    batches = max(10, int(4.0 / (read_latency * FLAGS.batch_size)))
+    return seconds_per_batch(build(read_latency=read_latency)[0], batches)
+
+
+def calibrate(model):
+    """Finds the read latency giving R close to FLAGS.ratio; returns it with t_down, t_up."""
+    t_down = downstream_seconds(model)
+    latency = FLAGS.ratio * t_down / FLAGS.batch_size
+    t_up = upstream_seconds(latency)
+    # Sleeping overshoots by a roughly constant factor: correct once, measure again.
+    latency *= FLAGS.ratio * t_down / t_up
+    t_up = upstream_seconds(latency)
+    return latency, t_down, t_up
+
+
+def echo_stage_overhead(t_down):
+    """Extra seconds per batch that each echo stage (e = 1) adds to the pipeline on an
+    in-memory source, relative to the training step (min over 3 tries each)."""
+    raw = next(idx_dataset.load_idx("fashion_mnist", "train[:20000]").batch(20000)
+               .as_numpy_iterator())
+    source = tf.data.Dataset.from_tensor_slices((raw["image"], raw["label"]))
+    batches = 150
+
+    def best(mode):
+        return min(seconds_per_batch(build(mode, 1, source=source)[0], batches) for _ in range(3))
+
+    plain = best("none")
+    overhead = {}
+    for mode in FLAGS.variants:
+        extra = best(mode) - plain
+        overhead[mode] = {"extra_ms_per_batch": 1e3 * extra,
+                          "percent_of_step": 100.0 * extra / t_down}
+    return {"plain_ms_per_batch": 1e3 * plain, "stages": overhead}
+
+
+def measure_all(model, latency):
+    configs = [("none", 1.0)] + [(mode, float(e)) for mode in FLAGS.variants for e in FLAGS.factors]
+    runs = {config: [] for config in configs}
+    for repeat in range(FLAGS.repeats):
+        for mode, factor in configs:
+            dataset, counters = build(mode, factor, latency)
+            result = timed_fit(model, dataset, counters)
+            runs[(mode, factor)].append(result)
+            print(f"[repeat {repeat}] {mode:24s} e={factor:g}: {result['steps_per_s']:6.2f} steps/s, "
+                  f"{result['fresh_examples_per_s']:7.1f} fresh ex/s", flush=True)
+    summary = []
+    for (mode, factor), results in runs.items():
+        entry = {"echo_mode": mode, "echo_factor": factor, "runs": results}
+        for key in ("steps_per_s", "fresh_examples_per_s", "trained_examples_per_s"):
+            entry[key] = statistics.median(r[key] for r in results)
+        summary.append(entry)
+    return summary
+
+
+def add_speedups(summary):
+    by_config = {(s["echo_mode"], s["echo_factor"]): s for s in summary}
+    plain = by_config[("none", 1.0)]["steps_per_s"]
+    for entry in summary:
+        base = by_config.get((entry["echo_mode"], 1.0), by_config[("none", 1.0)])
+        entry["speedup_vs_e1"] = entry["steps_per_s"] / base["steps_per_s"]
+        entry["speedup_vs_plain"] = entry["steps_per_s"] / plain
+
+
+def plot(report, path):
+    figure, (steps_axis, fresh_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    factors = sorted({s["echo_factor"] for s in report["results"]})
+    t_up, t_down = report["t_upstream_s"], report["t_downstream_s"]
+    ideal = [min(e / t_up, 1 / t_down) for e in factors]
+    steps_axis.plot(factors, ideal, "k--", label="ideal min(e/t_up, 1/t_down)")
+    for mode in FLAGS.variants:
+        entries = sorted((s for s in report["results"] if s["echo_mode"] == mode),
+                         key=lambda s: s["echo_factor"])
+        xs = [s["echo_factor"] for s in entries]
+        steps_axis.plot(xs, [s["steps_per_s"] for s in entries], "o-", label=mode)
+        fresh_axis.plot(xs, [s["fresh_examples_per_s"] for s in entries], "o-", label=mode)
+    plain = next(s for s in report["results"] if s["echo_mode"] == "none")
+    for axis, key in ((steps_axis, "steps_per_s"), (fresh_axis, "fresh_examples_per_s")):
+        axis.axhline(plain[key], color="gray", linestyle=":", label="no echo stage")
+        axis.set_xlabel("echo factor e")
+        axis.set_xticks(factors)
+        axis.grid(alpha=0.3)
+    steps_axis.set_ylabel("training steps / s")
+    fresh_axis.set_ylabel("fresh examples / s")
+    steps_axis.set_title(f"Steps/s at R = {report['ratio_measured']:.2f}")
+    fresh_axis.set_title("Fresh (upstream) examples/s")
+    steps_axis.legend(fontsize=8)
+    figure.suptitle(f"Data echoing, Fashion-MNIST CNN, batch {FLAGS.batch_size}, "
+                    f"{report['cpu_count']} CPU cores")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv):
+    del argv
+    started = time.time()
+    load_before = os.getloadavg()
+    model = make_model()
+    latency, t_down, t_up = calibrate(model)
+    print(f"t_down {1e3 * t_down:.1f} ms/step, read latency {1e6 * latency:.0f} us/example, "
+          f"t_up {1e3 * t_up:.1f} ms/batch, R = {t_up / t_down:.2f}", flush=True)
+    overhead = echo_stage_overhead(t_down)
+    print("echo stage overhead:", json.dumps(overhead), flush=True)
+    summary = measure_all(model, latency)
+    add_speedups(summary)
+    t_down_after = downstream_seconds(model)
+    report = {
+        "batch_size": FLAGS.batch_size,
+        "read_latency_us_per_example": 1e6 * latency,
+        "t_downstream_s": t_down,
+        "t_downstream_after_s": t_down_after,
+        "t_upstream_s": t_up,
+        "ratio_target": FLAGS.ratio,
+        "ratio_measured": t_up / t_down,
+        "ratio_measured_after": t_up / t_down_after,
+        "seconds_per_measurement": FLAGS.seconds,
+        "repeats": FLAGS.repeats,
+        "shuffle_buffer": FLAGS.shuffle_buffer,
+        "augmentation": "random crop (padding 2) + horizontal flip",
+        "echo_stage_overhead": overhead,
+        "results": summary,
+        "cpu_count": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "tensorflow": tf.__version__,
+        "wall_seconds": time.time() - started,
+    }
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    json_path = os.path.join(FLAGS.output_dir, "echo_benchmark.json")
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=2)
+    plot(report, os.path.join(FLAGS.output_dir, "echo_benchmark.png"))
+    print(f"\n{'echo mode':24s} {'e':>3s} {'steps/s':>8s} {'vs e=1':>7s} {'fresh ex/s':>11s}")
+    for s in summary:
+        print(f"{s['echo_mode']:24s} {s['echo_factor']:3g} {s['steps_per_s']:8.2f} "
+              f"{s['speedup_vs_e1']:6.2f}x {s['fresh_examples_per_s']:11.1f}")
+    print(f"R = {report['ratio_measured']:.2f} (after: {report['ratio_measured_after']:.2f}); "
+          f"wrote {json_path} in {report['wall_seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,114 @@
+"""The echo stage: exact repeat counts, the fractional factor's distribution and
+determinism, fresh flags on repeats, and shuffling after echo (Choi et al.)."""
+
+from absl.testing import absltest
+import numpy as np
+import tensorflow as tf
+
+import pipelines
+from pipelines import counters
+
+
+def ids_dataset(num):
+    return tf.data.Dataset.range(num)
+
+
+def echoed_ids(dataset, *args, **kwargs):
+    """The echoed stream as one array (read in big batches: per-element eager reads are slow)."""
+    echoed = dataset.apply(pipelines.echo(*args, **kwargs)).batch(4096)
+    return np.concatenate([batch.numpy() for batch in echoed])
+
+
+def adjacent_duplicate_fraction(ids):
+    return float(np.mean(ids[1:] == ids[:-1]))
+
+
+class IntegerFactorTest(absltest.TestCase):
+
+    def test_each_example_appears_exactly_e_times_in_order(self):
+        for factor in (1, 2, 3):
+            ids = echoed_ids(ids_dataset(50), factor)
+            np.testing.assert_array_equal(ids, np.repeat(np.arange(50), factor))
+
+    def test_each_batch_appears_exactly_e_times(self):
+        batches = tf.data.Dataset.range(23).batch(5)
+        echoed = [b.numpy() for b in batches.apply(pipelines.echo(3))]
+        expected = [b.numpy() for b in batches for _ in range(3)]
+        self.assertEqual(len(echoed), 3 * 5)
+        for got, want in zip(echoed, expected):
+            np.testing.assert_array_equal(got, want)
+
+    def test_large_elements_are_echoed_one_at_a_time_with_the_same_result(self):
+        # 1 MiB per element: no chunking, still each element e times in order.
+        big = tf.data.Dataset.range(4).map(lambda i: tf.fill([512, 512], tf.cast(i, tf.float32)))
+        firsts = [float(x[0, 0]) for x in big.apply(pipelines.echo(2))]
+        self.assertEqual(firsts, [0, 0, 1, 1, 2, 2, 3, 3])
+
+    def test_tuple_and_dict_structures_are_kept(self):
+        pairs = tf.data.Dataset.from_tensor_slices((np.arange(3), np.arange(3) * 10))
+        got = [(int(a), int(b)) for a, b in pairs.apply(pipelines.echo(2))]
+        self.assertEqual(got, [(0, 0), (0, 0), (1, 10), (1, 10), (2, 20), (2, 20)])
+
+
+class FractionalFactorTest(absltest.TestCase):
+
+    def test_counts_are_floor_or_ceil_and_mean_is_e(self):
+        num = 20_000
+        for factor in (1.3, 2.5):
+            ids = echoed_ids(ids_dataset(num), factor, seed=7)
+            counts = np.bincount(ids, minlength=num)
+            self.assertTrue(set(np.unique(counts)) <= {np.floor(factor), np.ceil(factor)})
+            # Bernoulli(frac) per example: std of the mean <= 0.5/sqrt(num) = 0.0035.
+            self.assertAlmostEqual(counts.mean(), factor, delta=0.02)
+            # Repeats stay adjacent and in source order without a shuffle.
+            np.testing.assert_array_equal(ids, np.repeat(np.arange(num), counts))
+
+    def test_same_seed_same_counts_other_seed_other_counts(self):
+        first = echoed_ids(ids_dataset(2000), 1.5, seed=3)
+        again = echoed_ids(ids_dataset(2000), 1.5, seed=3)
+        other = echoed_ids(ids_dataset(2000), 1.5, seed=4)
+        np.testing.assert_array_equal(first, again)
+        self.assertFalse(len(first) == len(other) and np.array_equal(first, other))
+
+    def test_bad_factor_and_buffer_are_rejected(self):
+        for factor in (0.5, 0, -1, float("nan"), float("inf"), "two"):
+            with self.assertRaisesRegex(ValueError, "echo factor"):
+                pipelines.echo(factor)
+        with self.assertRaisesRegex(ValueError, "shuffle_buffer"):
+            pipelines.echo(2, shuffle_buffer=-1)
+
+
+class FreshFlagTest(absltest.TestCase):
+
+    def test_only_first_copy_keeps_fresh_flag(self):
+        examples = tf.data.Dataset.from_tensor_slices({"id": np.arange(500)}).map(counters.mark_fresh)
+        echoed = list(examples.apply(pipelines.echo(2.4, seed=1)).as_numpy_iterator())
+        ids = np.array([e["id"] for e in echoed])
+        flags = np.array([e[counters.FRESH_KEY] for e in echoed])
+        first_copy = np.concatenate([[True], ids[1:] != ids[:-1]])
+        np.testing.assert_array_equal(flags, first_copy.astype(np.int32))
+        self.assertEqual(flags.sum(), 500)
+
+    def test_batch_echo_zeroes_the_flags_of_repeated_batches(self):
+        batches = (tf.data.Dataset.from_tensor_slices({"id": np.arange(12)})
+                   .map(counters.mark_fresh).batch(4))
+        flags = [e[counters.FRESH_KEY].tolist()
+                 for e in batches.apply(pipelines.echo(3)).as_numpy_iterator()]
+        self.assertEqual(flags, [[1] * 4, [0] * 4, [0] * 4] * 3)
+
+
+class ShuffleAfterEchoTest(absltest.TestCase):
+
+    def test_shuffle_lowers_adjacent_duplicates(self):
+        plain = echoed_ids(ids_dataset(5000), 2)
+        shuffled = echoed_ids(ids_dataset(5000), 2, shuffle_buffer=1000, seed=5)
+        # Without a shuffle every other neighbour pair is a repeat.
+        self.assertAlmostEqual(adjacent_duplicate_fraction(plain), 0.5, delta=1e-3)
+        # A 1000-element buffer puts a repeat next to its twin with chance ~1/1000.
+        self.assertLess(adjacent_duplicate_fraction(shuffled), 0.01)
+        # Same multiset: shuffling moves repeats, it does not drop or add any.
+        np.testing.assert_array_equal(np.sort(shuffled), plain)
+
+
+if __name__ == "__main__":
+    absltest.main()

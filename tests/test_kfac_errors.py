@@ -1,0 +1,284 @@
+"""tfkfac.KFAC: bad input, unattached use, unsupported / skipped / shared layers.
+
+- Every bad hyperparameter raises a ValueError whose message names the argument.
+- A KFAC compiled on a model it was not attached to fails on fit with the attach hint.
+- Layers without a K-FAC block (Embedding, LayerNormalization) are listed in
+  summary()["skipped"] with a reason, one warning names them at attach, and they get the
+  plain momentum-SGD update (m ← μ m - η g; w ← w + m) with the raw gradient from an
+  independent tf.GradientTape — not KL-clipped, not preconditioned.
+- skip_layers matches names by regex (full match); skipped layers get the plain update
+  and the managed head still gets -lr (A ⊗ G + λI)⁻¹ vec(∇) (np.kron reference).
+- A Dense layer shared by two calls follows the documented rule (tfkfac/blocks/
+  kronecker.py): statistics over all uses, T counts positions over calls, i.e.
+  A = (1/N) Σ_i Σ_c ā_ic ā_icᵀ, G = (1/(N T)) Σ_i Σ_c g_ic g_icᵀ, T = 2, g = N dL/ds,
+  ∇ = Σ_c [dL/dW; dL/db]_c — checked against a float64 numpy forward/backward.
+
+Tolerances: rtol 1e-4 with an absolute floor of 1e-5 * max|ref| (float32 vs float64).
+"""
+
+import os
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl.testing import absltest, parameterized  # noqa: E402
+
+import tfkfac  # noqa: E402
+
+N = 8
+LR = 0.5
+DAMPING = 1e-2
+RTOL = 1e-4
+
+
+def assert_close(actual, expected, rtol=RTOL, msg=""):
+    expected = np.asarray(expected, np.float64)
+    atol = 1e-5 * max(float(np.max(np.abs(expected))), 1e-12)
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol,
+                               atol=atol, err_msg=msg)
+
+
+def kron_precondition(A, G, grad, damping):
+    big = np.kron(A, G) + damping * np.eye(A.shape[0] * G.shape[0])
+    return np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+
+
+def np_weights(layer):
+    return layer.kernel.numpy().astype(np.float64), layer.bias.numpy().astype(np.float64)
+
+
+def raw_gradients(model, loss_fn, x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    return [tf.convert_to_tensor(g).numpy().astype(np.float64)
+            for g in tape.gradient(loss, model.trainable_variables)]
+
+
+def loop_step(model, opt, loss_fn, x, y):
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    with opt.record() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    opt.minimize(loss, tape=tape)
+    return [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
+
+
+def kfac_warnings(caught):
+    return [w for w in caught if "KFAC" in str(w.message)]
+
+
+CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+MSE = keras.losses.MeanSquaredError()
+
+
+class BadInputTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ("lr_zero", "learning_rate", 0.0),
+        ("lr_negative", "learning_rate", -0.1),
+        ("damping_zero", "damping", 0.0),
+        ("damping_negative", "damping", -1e-3),
+        ("decay_negative", "factor_decay", -0.1),
+        ("decay_one", "factor_decay", 1.0),
+        ("decay_above_one", "factor_decay", 1.5),
+        ("factor_freq_zero", "factor_update_freq", 0),
+        ("factor_freq_negative", "factor_update_freq", -2),
+        ("factor_freq_float", "factor_update_freq", 1.5),
+        ("factor_freq_bool", "factor_update_freq", True),
+        ("inv_freq_zero", "inv_update_freq", 0),
+        ("inv_freq_float", "inv_update_freq", 10.0),
+        ("inv_freq_string", "inv_update_freq", "10"),
+        ("method", "method", "cholesky"),
+        ("kl_clip_zero", "kl_clip", 0.0),
+        ("kl_clip_negative", "kl_clip", -1e-3),
+    )
+    def test_value_error_names_argument(self, argument, value):
+        with self.assertRaisesRegex(ValueError, f"`?{argument}`?"):
+            tfkfac.KFAC(**{argument: value})
+
+    def test_allowed_ranges_in_messages(self):
+        with self.assertRaisesRegex(ValueError, r"factor_decay.*\[0, 1\)"):
+            tfkfac.KFAC(factor_decay=1.0)
+        with self.assertRaisesRegex(ValueError, r"learning_rate.*> 0"):
+            tfkfac.KFAC(learning_rate=0.0)
+        with self.assertRaisesRegex(ValueError, r"method.*eigen.*inverse"):
+            tfkfac.KFAC(method="svd")
+
+    def test_inv_freq_must_be_multiple_of_factor_freq(self):
+        with self.assertRaisesRegex(ValueError, "inv_update_freq.*factor_update_freq"):
+            tfkfac.KFAC(factor_update_freq=2, inv_update_freq=3)
+        tfkfac.KFAC(factor_update_freq=2, inv_update_freq=6)  # a multiple is fine
+
+    def test_valid_defaults_construct(self):
+        opt = tfkfac.KFAC()
+        self.assertEqual(opt.method, "eigen")
+        self.assertEqual(opt.momentum, 0.9)
+        self.assertEqual(opt.factor_decay, 0.95)
+        self.assertEqual(opt.kl_clip, 1e-3)
+        self.assertEqual((opt.factor_update_freq, opt.inv_update_freq), (1, 10))
+
+    def test_attach_needs_a_built_model(self):
+        model = keras.Sequential([keras.layers.Dense(2)])
+        with self.assertRaisesRegex(ValueError, "built"):
+            tfkfac.KFAC().attach(model)
+
+
+class AttachTest(absltest.TestCase):
+
+    def test_compiled_without_attach_raises_the_hint_on_fit(self):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=tfkfac.KFAC(xla=False), loss=MSE)
+        x = np.zeros((4, 3), np.float32)
+        y = np.zeros((4, 2), np.float32)
+        with self.assertRaisesRegex(Exception, r"attach\(model\)"):
+            model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+
+
+class UnsupportedLayerTest(absltest.TestCase):
+
+    def test_embedding_and_layernorm_get_plain_momentum_sgd(self):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((3,), dtype="int32")
+        h = keras.layers.Embedding(10, 4, name="embed")(inputs)
+        h = keras.layers.Flatten()(h)
+        h = keras.layers.LayerNormalization(name="norm", beta_initializer="random_normal")(h)
+        outputs = keras.layers.Dense(2, name="head")(h)
+        model = keras.Model(inputs, outputs)
+        opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.9, xla=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.attach(model)
+        messages = kfac_warnings(caught)
+        self.assertLen(messages, 1, [str(w.message) for w in caught])
+        self.assertIn("embed", str(messages[0].message))
+        self.assertIn("norm", str(messages[0].message))
+
+        summary = opt.summary()
+        self.assertEqual([m["layer"] for m in summary["managed"]], ["head"])
+        skipped = {s["layer"]: s["reason"] for s in summary["skipped"]}
+        self.assertEqual(set(skipped), {"embed", "norm"})
+        for reason in skipped.values():
+            self.assertTrue(reason)
+
+        rng = np.random.default_rng(4)
+        unmanaged = [i for i, v in enumerate(model.trainable_variables)
+                     if not v.path.startswith("head")]
+        self.assertLen(unmanaged, 3)  # embeddings, gamma, beta
+        momentum = None
+        for step in range(2):
+            x = rng.integers(0, 10, size=(N, 3)).astype(np.int32)
+            y = rng.integers(0, 2, size=N)
+            grads = raw_gradients(model, CE, x, y)
+            deltas = loop_step(model, opt, CE, x, y)
+            expected = [-LR * grads[i] if momentum is None else
+                        0.9 * momentum[k] - LR * grads[i]
+                        for k, i in enumerate(unmanaged)]
+            for k, i in enumerate(unmanaged):
+                assert_close(deltas[i], expected[k], msg=f"step {step} "
+                             f"{model.trainable_variables[i].path}")
+            momentum = [deltas[i] for i in unmanaged]
+
+
+class SkipLayersTest(absltest.TestCase):
+
+    def test_regex_skip_gets_plain_update_and_head_stays_kfac(self):
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([
+            keras.Input((5,)),
+            keras.layers.Dense(4, activation="tanh", name="dense_a"),
+            keras.layers.Dense(4, activation="tanh", name="dense_b"),
+            keras.layers.Dense(3, name="head", bias_initializer="random_normal"),
+        ])
+        opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+                          skip_layers=["dense_.*"], xla=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.attach(model)
+        self.assertEmpty(kfac_warnings(caught))  # skipping on request is not a surprise
+        summary = opt.summary()
+        self.assertEqual([m["layer"] for m in summary["managed"]], ["head"])
+        self.assertEqual({s["layer"] for s in summary["skipped"]}, {"dense_a", "dense_b"})
+        for s in summary["skipped"]:
+            self.assertIn("skip_layers", s["reason"])
+
+        rng = np.random.default_rng(6)
+        x = rng.normal(size=(N, 5)).astype(np.float32)
+        y = rng.normal(size=(N, 3)).astype(np.float32)
+        # numpy forward/backward of the whole net; the head's K-FAC reference
+        (w1, b1), (w2, b2), (w3, b3) = [np_weights(l) for l in model.layers]
+        h1 = np.tanh(x @ w1 + b1)
+        h2 = np.tanh(h1 @ w2 + b2)
+        s = h2 @ w3 + b3
+        ds = 2.0 * (s - y) / s.size
+        a_bar = np.concatenate([h2, np.ones((N, 1))], 1)
+        A, G = a_bar.T @ a_bar / N, (N * ds).T @ (N * ds) / N
+        p = kron_precondition(A, G, a_bar.T @ ds, DAMPING)
+
+        grads = raw_gradients(model, MSE, x, y)
+        deltas = loop_step(model, opt, MSE, x, y)
+        for i in range(4):  # dense_a, dense_b kernels and biases: plain SGD
+            assert_close(deltas[i], -LR * grads[i], msg=model.trainable_variables[i].path)
+        assert_close(deltas[4], -LR * p[:-1], msg="head kernel")
+        assert_close(deltas[5], -LR * p[-1], msg="head bias")
+        self.assertGreater(np.max(np.abs(deltas[4] + LR * grads[4])), 1e-3)
+
+    def test_skip_by_class_name(self):
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+        opt = tfkfac.KFAC(skip_layers=["BatchNormalization"], xla=False)
+        opt.attach(model)
+        kinds = [m["kind"] for m in opt.summary()["managed"]]
+        self.assertEqual(kinds, ["dense", "dense"])
+        self.assertLen(opt.summary()["skipped"], 1)
+
+
+class SharedLayerTest(absltest.TestCase):
+
+    def test_shared_dense_statistics_over_all_uses(self):
+        keras.utils.set_random_seed(9)
+        in1, in2 = keras.Input((5,)), keras.Input((5,))
+        shared = keras.layers.Dense(3, activation="tanh", name="shared",
+                                    bias_initializer="random_normal")
+        head = keras.layers.Dense(2, name="head")
+        outputs = head(keras.layers.Concatenate()([shared(in1), shared(in2)]))
+        model = keras.Model([in1, in2], outputs)
+        opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+                          xla=False)
+        opt.attach(model)
+        self.assertEqual([m["layer"] for m in opt.summary()["managed"]],
+                         ["shared", "head"])
+
+        rng = np.random.default_rng(10)
+        x1 = rng.normal(size=(N, 5)).astype(np.float32)
+        x2 = rng.normal(size=(N, 5)).astype(np.float32)
+        y = rng.normal(size=(N, 2)).astype(np.float32)
+        w, b = np_weights(shared)
+        w2, b2 = np_weights(head)
+        s1, s2 = x1 @ w + b, x2 @ w + b
+        out = np.concatenate([np.tanh(s1), np.tanh(s2)], 1) @ w2 + b2
+        d_out = 2.0 * (out - y) / out.size
+        d_hidden = d_out @ w2.T
+        ds1 = d_hidden[:, :3] * (1 - np.tanh(s1) ** 2)
+        ds2 = d_hidden[:, 3:] * (1 - np.tanh(s2) ** 2)
+        a1 = np.concatenate([x1, np.ones((N, 1))], 1)
+        a2 = np.concatenate([x2, np.ones((N, 1))], 1)
+        calls = 2  # T: one position per call, two calls
+        A = (a1.T @ a1 + a2.T @ a2) / N
+        G = ((N * ds1).T @ (N * ds1) + (N * ds2).T @ (N * ds2)) / (N * calls)
+        grad = a1.T @ ds1 + a2.T @ ds2
+        p = kron_precondition(A, G, grad, DAMPING)
+
+        deltas = loop_step(model, opt, MSE, [x1, x2], y)
+        stored_a, stored_g = [f.numpy() for f in opt._block_state[0]["factors"]]
+        assert_close(stored_a, A, msg="shared A")
+        assert_close(stored_g, G, msg="shared G")
+        assert_close(deltas[0], -LR * p[:-1], msg="shared kernel")
+        assert_close(deltas[1], -LR * p[-1], msg="shared bias")
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,200 @@
+"""KFAC inside real Keras training: precision policies, state, inner optimizers, loops."""
+
+import os
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import absltest, parameterized
+
+import tfkfac
+
+RNG = np.random.default_rng(0)
+X = RNG.random((64, 6, 6, 1), dtype=np.float32)
+Y = RNG.integers(0, 4, 64)
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def small_cnn(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((6, 6, 1)),
+        keras.layers.Conv2D(3, 3, activation="relu"),
+        keras.layers.BatchNormalization(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(4, dtype="float32"),
+    ])
+
+
+def compiled(model, **kfac_args):
+    kfac_args.setdefault("learning_rate", 0.05)
+    kfac_args.setdefault("damping", 1e-2)
+    optimizer = tfkfac.KFAC(**kfac_args).attach(model)
+    model.compile(optimizer=optimizer, loss=LOSS)
+    return model, optimizer
+
+
+def fit(model, steps, batch_size=16):
+    model.fit(X[: steps * batch_size], Y[: steps * batch_size], batch_size=batch_size,
+              epochs=1, shuffle=False, verbose=0)
+
+
+def max_difference(weights_a, weights_b):
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))
+
+
+def factor_values(optimizer):
+    return [v.numpy().copy() for s in optimizer._block_state for v in s["factors"]]
+
+
+class PrecisionTest(parameterized.TestCase):
+
+    def tearDown(self):
+        keras.mixed_precision.set_global_policy("float32")
+
+    @parameterized.parameters("mixed_float16", "mixed_bfloat16")
+    def test_mixed_policy_trains_with_float32_state(self, policy):
+        keras.mixed_precision.set_global_policy(policy)
+        model, optimizer = compiled(small_cnn())
+        fit(model, steps=4)
+        for weight in model.get_weights():
+            self.assertTrue(np.all(np.isfinite(weight)))
+        for state in optimizer._block_state:
+            for variable in state["factors"]:
+                self.assertEqual(variable.dtype, "float32")
+                self.assertTrue(np.all(np.isfinite(variable.numpy())))
+        self.assertEqual(optimizer.summary()["counters"]["factor_updates"], 4)
+
+    def test_mixed_float16_unscales_output_gradients(self):
+        # The same step in float32 and under loss scaling must give nearly the same G.
+        float32_model, float32_opt = compiled(small_cnn())
+        fit(float32_model, steps=1)
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        mixed_model, mixed_opt = compiled(small_cnn())
+        self.assertIsInstance(mixed_model.optimizer, keras.optimizers.LossScaleOptimizer)
+        fit(mixed_model, steps=1)
+        for reference, mixed in zip(factor_values(float32_opt), factor_values(mixed_opt)):
+            scale = np.max(np.abs(reference))
+            np.testing.assert_allclose(mixed, reference, atol=2e-2 * scale)
+
+    def test_non_finite_step_is_skipped_and_factors_untouched(self):
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        model, optimizer = compiled(small_cnn())
+        fit(model, steps=1)
+        weights, factors = model.get_weights(), factor_values(optimizer)
+        huge = np.full_like(X[:16], 6e4)  # overflows float16 activations
+        model.fit(huge, Y[:16], batch_size=16, epochs=1, verbose=0)
+        trainable_after = [w.numpy() for w in model.trainable_weights]
+        trainable_before = [w for w, v in zip(weights, model.weights) if v.trainable]
+        self.assertEqual(max_difference(trainable_before, trainable_after), 0.0)
+        self.assertEqual(max_difference(factors, factor_values(optimizer)), 0.0)
+        self.assertEqual(optimizer.summary()["counters"]["factor_updates"], 1)
+
+
+class StateTest(absltest.TestCase):
+
+    def test_save_load_then_one_more_step_matches_uninterrupted(self):
+        model, optimizer = compiled(small_cnn(), inv_update_freq=2)
+        fit(model, steps=3)
+        path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        self.assertIsInstance(loaded.optimizer, tfkfac.KFAC)
+        loaded.optimizer.attach(loaded)
+        self.assertEqual(max_difference(factor_values(loaded.optimizer), factor_values(optimizer)), 0.0)
+        fit(model, steps=1)
+        fit(loaded, steps=1)
+        self.assertLess(max_difference(model.get_weights(), loaded.get_weights()), 1e-6)
+
+    def test_tf_train_checkpoint_restores_kfac_state(self):
+        model, optimizer = compiled(small_cnn())
+        fit(model, steps=2)
+        directory = tempfile.mkdtemp()
+        path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
+            os.path.join(directory, "ckpt"))
+        fit(model, steps=1)
+        restored, restored_opt = compiled(small_cnn(seed=7))
+        fit(restored, steps=1)  # builds the state, with different values
+        tf.train.Checkpoint(model=restored, optimizer=restored_opt).restore(path)
+        fit(restored, steps=1)
+        self.assertLess(max_difference(model.get_weights(), restored.get_weights()), 1e-6)
+
+    def test_get_config_round_trip_with_schedules_and_inner_optimizer(self):
+        optimizer = tfkfac.KFAC(
+            learning_rate=keras.optimizers.schedules.ExponentialDecay(0.1, 100, 0.5),
+            damping=tfkfac.WarmupDamping(1e-1, 1e-3, warmup_steps=100),
+            factor_update_freq=tfkfac.OsawaInterval(steps_per_epoch=50),
+            inv_update_freq=tfkfac.OsawaInterval(steps_per_epoch=50),
+            method="inverse", kl_clip=None, skip_layers=["logits"],
+            inner_optimizer=keras.optimizers.Adam(1e-3))
+        config = optimizer.get_config()
+        rebuilt = tfkfac.KFAC.from_config(config)
+        self.assertEqual(rebuilt.get_config(), config)
+        self.assertIsInstance(rebuilt.damping, tfkfac.WarmupDamping)
+        self.assertIsInstance(rebuilt.inner_optimizer, keras.optimizers.Adam)
+
+
+class UpdateRuleTest(absltest.TestCase):
+
+    def test_inner_sgd_equals_builtin_update(self):
+        builtin, _ = compiled(small_cnn(), momentum=0.5)
+        inner, _ = compiled(small_cnn(), inner_optimizer=keras.optimizers.SGD(0.05, 0.5))
+        fit(builtin, steps=3)
+        fit(inner, steps=3)
+        self.assertLess(max_difference(builtin.get_weights(), inner.get_weights()), 1e-5)
+
+    def test_inner_adam_gets_preconditioned_gradients(self):
+        model, optimizer = compiled(small_cnn(), inner_optimizer=keras.optimizers.Adam(1e-3))
+        before = model.get_weights()
+        fit(model, steps=2)
+        self.assertEqual(int(optimizer.inner_optimizer.iterations.numpy()), 2)
+        self.assertEqual(int(optimizer.iterations.numpy()), 2)
+        self.assertGreater(max_difference(before, model.get_weights()), 0.0)
+
+    def test_custom_training_loop_matches_fit(self):
+        fitted, _ = compiled(small_cnn())
+        fit(fitted, steps=2)
+        looped = small_cnn()
+        optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2).attach(looped)
+
+        @tf.function
+        def train_step(x, y):
+            with optimizer.record() as tape:
+                loss = LOSS(y, looped(x, training=True))
+            optimizer.minimize(loss, tape=tape)
+            return loss
+
+        for step in range(2):
+            batch = slice(16 * step, 16 * (step + 1))
+            train_step(X[batch], Y[batch])
+        self.assertLess(max_difference(fitted.get_weights(), looped.get_weights()), 1e-5)
+
+    def test_stale_steps_do_no_factor_or_decomposition_work(self):
+        model, optimizer = compiled(small_cnn(), factor_update_freq=2, inv_update_freq=4)
+        fit(model, steps=4)
+        counters = optimizer.summary()["counters"]
+        self.assertEqual(counters["steps"], 4)
+        self.assertEqual(counters["factor_updates"], 2)       # steps 0 and 2
+        self.assertEqual(counters["decomposition_updates"], 1)  # step 0
+        factors = factor_values(optimizer)
+        fit(model, steps=1)  # step 4: factors and decompositions
+        fit(model, steps=1)  # step 5: stale
+        after_stale = factor_values(optimizer)
+        fit(model, steps=1)  # step 6: factors only
+        self.assertGreater(max_difference(factors, after_stale), 0.0)
+        self.assertEqual(optimizer.summary()["counters"]["factor_updates"], 4)
+        self.assertEqual(optimizer.summary()["counters"]["decomposition_updates"], 2)
+
+    def test_optimizer_not_attached_to_the_compiled_model_says_how(self):
+        model = small_cnn()
+        model.compile(optimizer=tfkfac.KFAC(), loss=LOSS)
+        with self.assertRaisesRegex(RuntimeError, r"optimizer\.attach\(model\)"):
+            fit(model, steps=1)
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,60 @@
+"""The two K-FAC exchanges, written against any `Communicator`.
+
+- `allreduce_symmetric`: average symmetric matrices (Kronecker factors) over ranks with
+  one collective on their packed upper triangles.
+- `gather_from_owners`: every item (an eigenbasis, a preconditioned gradient) is
+  computed by one owner rank; one allgather gives every rank all of them.
+
+Both return what crossed the wire on every rank, owners included, so all ranks hold
+bit-identical results even with a lossy wire dtype and their weights cannot drift apart.
+With one process nothing is sent and the inputs come back unchanged.
+"""
+
+import tensorflow as tf
+
+from tfkfac.distributed import packing
+
+
+def allreduce_symmetric(comm, matrices, wire_dtype="float32", category="factors"):
+    """Mean over ranks of each symmetric matrix, as float32; one collective for all."""
+    matrices = list(matrices)
+    packing.wire_dtype(wire_dtype)  # Reject a bad name even when nothing is sent.
+    if comm.size == 1 or not matrices:
+        return matrices
+    dims = [int(m.shape[0]) for m in matrices]
+    buffer = packing.pack_upper_triangles(matrices, dtype=wire_dtype)
+    (reduced,) = comm.grouped_allreduce_mean([buffer], category=category)
+    return packing.unpack_upper_triangles(reduced, dims)
+
+
+def gather_from_owners(comm, local_values, shapes, owners, wire_dtype="float32",
+                       category="eigen"):
+    """Every item's value as computed by its owner rank, as float32, on every rank.
+
+    `local_values[i]` is read only where `owners[i] == comm.rank` (pass None elsewhere);
+    `shapes[i]` is item i's static shape, known to all ranks. Each rank sends the
+    concatenation of its own items in item order, so a rank owning nothing sends nothing.
+    """
+    if not len(local_values) == len(shapes) == len(owners):
+        raise ValueError("local_values, shapes and owners must have one entry per item, got "
+                         f"{len(local_values)}, {len(shapes)} and {len(owners)}")
+    if any(not 0 <= owner < comm.size for owner in owners):
+        raise ValueError(f"owners must be ranks in [0, {comm.size}), got {owners}")
+    shapes = [tf.TensorShape(shape) for shape in shapes]
+    if not all(shape.is_fully_defined() for shape in shapes):
+        raise ValueError(f"shapes must be fully defined, got {shapes}")
+    wire = packing.wire_dtype(wire_dtype)
+    if comm.size == 1 or not owners:
+        return list(local_values)
+    sizes = [shape.num_elements() for shape in shapes]
+    mine = [tf.reshape(tf.cast(local_values[i], wire), [-1])
+            for i, owner in enumerate(owners) if owner == comm.rank]
+    gathered = comm.allgather(tf.concat(mine, axis=0) if mine else tf.zeros([0], wire),
+                              category=category)
+    # The gathered buffer holds rank 0's items in item order, then rank 1's, and so on.
+    order = sorted(range(len(owners)), key=lambda i: (owners[i], i))
+    pieces = tf.split(tf.cast(gathered, tf.float32), [sizes[i] for i in order])
+    values = [None] * len(owners)
+    for item, piece in zip(order, pieces):
+        values[item] = tf.reshape(piece, shapes[item])
+    return values

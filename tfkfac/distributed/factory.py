@@ -1,0 +1,42 @@
+"""Choosing the communicator: Horovod when launched as one of several ranks."""
+
+import os
+
+from tfkfac.distributed.base import SingleProcess
+
+KINDS = ("auto", "single", "horovod")
+
+# World-size variables set by the launchers: horovodrun (Gloo), Open MPI, MPICH/Intel MPI.
+_WORLD_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def launched_world_size():
+    """Number of ranks the launcher started, from its environment (1 when not launched)."""
+    for variable in _WORLD_SIZE_VARIABLES:
+        if os.environ.get(variable, "").isdigit():
+            return int(os.environ[variable])
+    return 1
+
+
+def get_communicator(kind="auto"):
+    """A communicator of `kind`: `single`, `horovod`, or `auto`.
+
+    `auto` picks Horovod when the launcher started several ranks and `hvd.size() > 1`,
+    otherwise `SingleProcess`. Several launched ranks without an importable Horovod is
+    an error rather than a silent fallback: every rank would train alone.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "single" or (kind == "auto" and launched_world_size() == 1):
+        return SingleProcess()
+    try:
+        from tfkfac.distributed.horovod_comm import HorovodCommunicator
+
+        communicator = HorovodCommunicator()
+    except ImportError as error:
+        raise ImportError(
+            f"communicator {kind!r} needs horovod.tensorflow (launched world size "
+            f"{launched_world_size()}): {error}") from error
+    if kind == "auto" and communicator.size == 1:
+        return SingleProcess()
+    return communicator

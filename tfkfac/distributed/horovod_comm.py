@@ -1,0 +1,122 @@
+"""Horovod communicator built on the low-level `horovod.tensorflow` tensor ops.
+
+Horovod's Keras layer fails under Keras 3 (horovod#4290); its tensor collectives work
+inside a non-XLA `tf.function`. Two Horovod 0.28 facts shape this file:
+- A grouped allreduce needs one dtype, and allreduce/broadcast/allgather reject
+  bfloat16. Tensors are therefore reduced in one grouped call per dtype, and bfloat16
+  travels as its int16 bit pattern: broadcast and allgather bit-exactly, the mean as an
+  allgather followed by a float32 sum on every rank (same bytes as a ring allreduce on
+  2 ranks, size/2 times more beyond).
+- Horovod matches collectives across ranks by op name, and inside a `tf.function` its
+  default name comes from the input tensor's graph name, which differs between ranks as
+  soon as their graphs differ (e.g. owners computing different eigendecompositions).
+  Every op here is named by its position among the tfkfac collectives of the graph
+  being traced (and of the graphs it is nested in), without name scope: ranks that
+  issue the same sequence of collectives always match, whatever else their graphs hold.
+  One op may not be in flight twice: a collective in a `tf.while_loop` body needs
+  `parallel_iterations=1` (or a data dependency between iterations), otherwise Horovod
+  fails with "a tensor with the same name as another tensor that is currently being
+  processed".
+"""
+
+import collections
+import itertools
+import weakref
+
+import tensorflow as tf
+
+from tfkfac.distributed.base import Communicator
+
+
+class HorovodCommunicator(Communicator):
+    """Collectives over every Horovod rank; calls `hvd.init()` (idempotent)."""
+
+    def __init__(self):
+        import horovod.tensorflow as hvd  # Lazy: tfkfac imports without Horovod.
+
+        hvd.init()
+        self._hvd = hvd
+        self.rank = hvd.rank()
+        self.size = hvd.size()
+        super().__init__()
+
+    def _grouped_allreduce_mean(self, tensors):
+        positions_by_dtype = collections.defaultdict(list)
+        for position, tensor in enumerate(tensors):
+            positions_by_dtype[tensor.dtype].append(position)
+        results = [None] * len(tensors)
+        for dtype, positions in positions_by_dtype.items():
+            group = [tensors[p] for p in positions]
+            if dtype == tf.bfloat16:
+                reduced = self._bfloat16_mean(group)
+            else:
+                reduced = self._hvd.grouped_allreduce(
+                    group, op=self._hvd.Average,
+                    name=_collective_name(f"allreduce_{dtype.name}"), ignore_name_scope=True)
+            for position, tensor in zip(positions, reduced):
+                results[position] = tensor
+        return results
+
+    def _broadcast(self, tensors, root_rank):
+        return [
+            _from_wire(self._hvd.broadcast(_to_wire(t), root_rank,
+                                           name=_collective_name("broadcast"),
+                                           ignore_name_scope=True), t.dtype)
+            for t in tensors
+        ]
+
+    def _allgather(self, tensor):
+        gathered = self._hvd.allgather(_to_wire(tensor), name=_collective_name("allgather"),
+                                       ignore_name_scope=True)
+        return _from_wire(gathered, tensor.dtype)
+
+    def _bfloat16_mean(self, group):
+        """Mean of bfloat16 tensors: gather every rank's bits, average in float32."""
+        if not all(t.shape.is_fully_defined() for t in group):
+            raise ValueError("bfloat16 tensors to allreduce must have static shapes, got "
+                             f"{[t.shape for t in group]}")
+        sizes = [t.shape.num_elements() for t in group]
+        flat = tf.concat([tf.reshape(t, [-1]) for t in group], axis=0)
+        gathered = self._hvd.allgather(_to_wire(flat),
+                                       name=_collective_name("allreduce_bfloat16"),
+                                       ignore_name_scope=True)
+        per_rank = tf.reshape(_from_wire(gathered, tf.bfloat16), [self.size, sum(sizes)])
+        mean = tf.cast(tf.reduce_mean(tf.cast(per_rank, tf.float32), axis=0), tf.bfloat16)
+        return [tf.reshape(part, t.shape) for part, t in zip(tf.split(mean, sizes), group)]
+
+
+_GRAPH_NAMING = weakref.WeakKeyDictionary()  # graph -> (name prefix, collective counter)
+
+
+def _collective_name(kind):
+    """`<prefix>_<n>_<kind>`: n counts the collectives and nested graphs of this graph.
+
+    A nested graph (a `tf.cond` branch, a `tf.while_loop` body, an inner `tf.function`)
+    takes the next number of its outer graph as its prefix, so its collectives never
+    share a name with the outer graph's, which may run at the same time.
+    """
+    if tf.executing_eagerly():
+        return f"tfkfac_{kind}"
+    prefix, counter = _graph_naming(tf.compat.v1.get_default_graph())
+    return f"{prefix}_{next(counter)}_{kind}"
+
+
+def _graph_naming(graph):
+    if graph not in _GRAPH_NAMING:
+        outer = getattr(graph, "outer_graph", None)
+        if outer is not None and outer.building_function:
+            outer_prefix, outer_counter = _graph_naming(outer)
+            prefix = f"{outer_prefix}_{next(outer_counter)}"
+        else:
+            prefix = "tfkfac"
+        _GRAPH_NAMING[graph] = (prefix, itertools.count())
+    return _GRAPH_NAMING[graph]
+
+
+def _to_wire(tensor):
+    """Horovod rejects bfloat16: send its bit pattern as int16."""
+    return tf.bitcast(tensor, tf.int16) if tensor.dtype == tf.bfloat16 else tensor
+
+
+def _from_wire(tensor, dtype):
+    return tf.bitcast(tensor, tf.bfloat16) if dtype == tf.bfloat16 else tensor
