@@ -13,11 +13,11 @@ import tensorflow as tf
 
 from pipelines import counters, seeds
 
-# Consecutive elements are echoed together with one vectorized `tf.repeat` (same output
-# order as echoing one by one, a few microseconds per element instead of tens); the
-# chunk is kept under this many bytes so echoing large batches adds no latency.
-_CHUNK_BYTES = 1 << 20
-_MAX_CHUNK = 64
+# Small elements (single examples) are echoed in chunks of consecutive elements with
+# one vectorized `tf.repeat` (same output order; a few microseconds per element instead
+# of tens); larger ones (batches) one at a time without copying them.
+_SMALL_ELEMENT_BYTES = 64 << 10
+_CHUNK = 64
 _COUNT_SALT, _SHUFFLE_SALT = 0, 1
 
 
@@ -53,21 +53,22 @@ def echo(factor, shuffle_buffer=0, seed=None):
         key = seeds.derive(_seed_or_draw(seed))
         count_key = seeds.derive(key, _COUNT_SALT)
 
-        def repeat_chunk(indices, elements):
-            size = tf.shape(indices)[0]
-            counts = tf.fill([size], whole)
-            if fraction > 0:
-                draws = tf.random.stateless_uniform([size], seeds.derive(count_key, indices[0]))
-                counts += tf.cast(draws < fraction, tf.int32)
-            repeated = tf.nest.map_structure(lambda t: tf.repeat(t, counts, axis=0), elements)
-            if isinstance(elements, dict) and counters.FRESH_KEY in elements:
-                repeated[counters.FRESH_KEY] *= _first_copy_mask(counts, repeated[counters.FRESH_KEY])
-            return repeated
+        def counts(indices):
+            """floor(e), plus 1 with probability e - floor(e), per element."""
+            fixed = tf.fill(tf.shape(indices), whole)
+            if not fraction:
+                return fixed
+            draws = tf.random.stateless_uniform(tf.shape(indices), seeds.derive(count_key, indices[0]))
+            return fixed + tf.cast(draws < fraction, tf.int32)
 
-        echoed = (dataset.enumerate()
-                  .batch(_chunk_size(dataset.element_spec))
-                  .map(repeat_chunk, num_parallel_calls=tf.data.AUTOTUNE)
-                  .unbatch())
+        if _is_small(dataset.element_spec):
+            echoed = (dataset.enumerate().batch(_CHUNK)
+                      .map(lambda indices, chunk: _repeat_chunk(chunk, counts(indices)),
+                           num_parallel_calls=tf.data.AUTOTUNE)
+                      .unbatch())
+        else:
+            echoed = dataset.enumerate().flat_map(
+                lambda index, element: _repeat_element(element, counts(index[None])[0]))
         if shuffle_buffer:
             echoed = echoed.shuffle(shuffle_buffer, seed=seeds.op_seed(seeds.derive(key, _SHUFFLE_SALT)))
         return echoed
@@ -91,20 +92,39 @@ def _seed_or_draw(seed):
     return tf.random.uniform([], maxval=tf.int64.max, dtype=tf.int64)
 
 
-def _first_copy_mask(counts, flags):
-    """1 where a repeated row is the first copy of its element, else 0, shaped to
-    broadcast against `flags` (rank 1 for examples, rank 2 for batches)."""
-    owner = tf.repeat(tf.range(tf.size(counts)), counts)
-    starts = tf.cumsum(counts, exclusive=True)
-    first = tf.equal(tf.range(tf.size(owner)), tf.gather(starts, owner))
-    return tf.reshape(tf.cast(first, flags.dtype), [-1] + [1] * (flags.shape.rank - 1))
+def _has_fresh_flag(element):
+    return isinstance(element, dict) and counters.FRESH_KEY in element
 
 
-def _chunk_size(element_spec):
-    sizes = []
+def _repeat_chunk(chunk, counts):
+    """Repeats row i of every tensor in `chunk` counts[i] times; only first copies keep
+    their fresh flag."""
+    repeated = tf.nest.map_structure(lambda t: tf.repeat(t, counts, axis=0), chunk)
+    if _has_fresh_flag(chunk):
+        owner = tf.repeat(tf.range(tf.size(counts)), counts)
+        starts = tf.cumsum(counts, exclusive=True)
+        first = tf.equal(tf.range(tf.size(owner)), tf.gather(starts, owner))
+        flags = repeated[counters.FRESH_KEY]
+        repeated[counters.FRESH_KEY] = flags * tf.cast(first, flags.dtype)
+    return repeated
+
+
+def _repeat_element(element, count):
+    """A dataset of `count` copies of `element`; repeats get a zero fresh flag."""
+    first = tf.data.Dataset.from_tensors(element)
+    if _has_fresh_flag(element):
+        repeat = {**element, counters.FRESH_KEY: tf.zeros_like(element[counters.FRESH_KEY])}
+    else:
+        repeat = element
+    return first.concatenate(tf.data.Dataset.from_tensors(repeat).repeat(tf.cast(count, tf.int64) - 1))
+
+
+def _is_small(element_spec):
+    """Whether elements have static shapes and are small enough to echo in chunks."""
+    size = 0
     for spec in tf.nest.flatten(element_spec):
         elements = spec.shape.num_elements() if isinstance(spec, tf.TensorSpec) else None
         if elements is None or spec.dtype == tf.string:
-            return 1
-        sizes.append(elements * spec.dtype.size)
-    return int(max(1, min(_MAX_CHUNK, _CHUNK_BYTES // max(1, sum(sizes)))))
+            return False
+        size += elements * spec.dtype.size
+    return size <= _SMALL_ELEMENT_BYTES

@@ -65,13 +65,24 @@ def shard(dataset, num_shards, index):
     return dataset if num_shards == 1 else dataset.shard(num_shards, index)
 
 
-def simulate_read_latency(seconds_per_example):
-    """Returns a `tf.data.Dataset.apply` transformation that waits `seconds_per_example`
-    before each example, one example at a time, like a single reader on slow storage.
-    It is the upstream-cost knob of `bench/echo_benchmark.py`."""
+def simulate_read_latency(seconds_per_example, examples_per_read=32):
+    """Returns a `tf.data.Dataset.apply` transformation that delays the stream like one
+    reader on slow storage: each read of `examples_per_read` examples waits
+    `examples_per_read * seconds_per_example` before they flow on. Reading in blocks
+    keeps the wait, not the scheduling of many short sleeps on a busy machine, the
+    cost. It is the upstream-cost knob of `bench/echo_benchmark.py`."""
     if seconds_per_example < 0:
         raise ValueError(f"seconds_per_example must be >= 0, got {seconds_per_example!r}")
-    microseconds = int(round(seconds_per_example * 1e6))
+    if not isinstance(examples_per_read, int) or examples_per_read < 1:
+        raise ValueError(f"examples_per_read must be an int >= 1, got {examples_per_read!r}")
+    microseconds = int(round(seconds_per_example * examples_per_read * 1e6))
     if microseconds == 0:
         return lambda dataset: dataset
-    return tf_data_testing.sleep(microseconds)
+
+    def apply(dataset):
+        # One slot per example, released a read at a time after each read's wait.
+        slots = (tf.data.Dataset.range(2**62).apply(tf_data_testing.sleep(microseconds))
+                 .flat_map(lambda _: tf.data.Dataset.range(examples_per_read)))
+        return tf.data.Dataset.zip((dataset, slots)).map(lambda example, _: example)
+
+    return apply

@@ -39,7 +39,7 @@ class IntegerFactorTest(absltest.TestCase):
             np.testing.assert_array_equal(got, want)
 
     def test_large_elements_are_echoed_one_at_a_time_with_the_same_result(self):
-        # 1 MiB per element: no chunking, still each element e times in order.
+        # 1 MiB per element takes the copy-free one-at-a-time path.
         big = tf.data.Dataset.range(4).map(lambda i: tf.fill([512, 512], tf.cast(i, tf.float32)))
         firsts = [float(x[0, 0]) for x in big.apply(pipelines.echo(2))]
         self.assertEqual(firsts, [0, 0, 1, 1, 2, 2, 3, 3])
@@ -95,6 +95,20 @@ class FreshFlagTest(absltest.TestCase):
         flags = [e[counters.FRESH_KEY].tolist()
                  for e in batches.apply(pipelines.echo(3)).as_numpy_iterator()]
         self.assertEqual(flags, [[1] * 4, [0] * 4, [0] * 4] * 3)
+
+    def test_large_batches_with_fractional_factor(self):
+        # Batches of 64 KiB+ (the one-at-a-time path): counts and flags as for examples.
+        batches = (tf.data.Dataset.from_tensor_slices(
+            {"image": np.zeros((400, 64, 64), np.float32), "id": np.arange(400)})
+            .map(counters.mark_fresh).batch(8))
+        echoed = list(batches.apply(pipelines.echo(1.5, seed=2)).as_numpy_iterator())
+        firsts = np.array([e["id"][0] for e in echoed])
+        counts = np.bincount(firsts // 8)
+        self.assertTrue(set(counts) <= {1, 2})
+        self.assertAlmostEqual(counts.mean(), 1.5, delta=0.25)  # 50 Bernoulli(0.5) draws
+        flags = np.array([e[counters.FRESH_KEY] for e in echoed])
+        first_copy = np.concatenate([[True], firsts[1:] != firsts[:-1]])
+        np.testing.assert_array_equal(flags, np.repeat(first_copy[:, None], 8, axis=1).astype(np.int32))
 
 
 class ShuffleAfterEchoTest(absltest.TestCase):

@@ -45,10 +45,14 @@ def inverse_precondition(grad, a_inv, g_inv):
 
 
 def kl_clip_scale(preconditioned, grads, learning_rate, kl_clip):
-    """ν = min(1, sqrt(κ / (η² Σ |<P, ∇>|))) of Pauloski et al. (eq. 18)."""
-    vg_sum = tf.add_n(
-        [tf.abs(tf.reduce_sum(p * g)) for p, g in zip(preconditioned, grads)]
-    )
+    """ν = min(1, sqrt(κ / (η² Σ_layers |<P, ∇>|))) of Pauloski et al. (eq. 18).
+
+    `preconditioned` and `grads` hold one list of tensors per layer; the inner product
+    of a layer runs over all its variables before the absolute value is taken.
+    """
+    vg_sum = tf.add_n([
+        tf.abs(tf.add_n([tf.reduce_sum(p * g) for p, g in zip(layer_p, layer_g)]))
+        for layer_p, layer_g in zip(preconditioned, grads)])
     lr = tf.cast(learning_rate, vg_sum.dtype)
     ratio = kl_clip / tf.maximum(lr * lr * vg_sum, 1e-30)
     return tf.minimum(1.0, tf.sqrt(ratio))

@@ -29,9 +29,10 @@ import tensorflow as tf
 from tfkfac import blocks as blocks_lib
 from tfkfac import linalg, schedules
 from tfkfac.capture import Recorder
-from tfkfac.distributed import base as comm_base
+from tfkfac import distributed
 
 METHODS = ("eigen", "inverse")
+PLACEMENTS = ("replicated", "owner")
 PHASES = ("factors", "decomposition", "precondition", "update")
 ATTACH_HINT = (
     "KFAC has no layer captures for this step: it needs its own train step. Attach it "
@@ -56,7 +57,7 @@ def _check_frequency(name, value):
 
 def _validate(learning_rate, damping, momentum, factor_decay, kl_clip, factor_update_freq,
               inv_update_freq, method, bn_damping_multiplier, inner_optimizer,
-              weight_decay):
+              weight_decay, placement, factor_wire_dtype, eigen_wire_dtype):
     _check_positive("learning_rate", learning_rate)
     _check_positive("damping", damping)
     _check_positive("bn_damping_multiplier", bn_damping_multiplier)
@@ -76,6 +77,13 @@ def _validate(learning_rate, damping, momentum, factor_decay, kl_clip, factor_up
             f"inv_update_freq={inv_update_freq}, factor_update_freq={factor_update_freq}")
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}; received {method!r}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"`placement` must be one of {PLACEMENTS}; received {placement!r}")
+    for name, value in (("factor_wire_dtype", factor_wire_dtype),
+                        ("eigen_wire_dtype", eigen_wire_dtype)):
+        if value not in distributed.packing.WIRE_DTYPES:
+            raise ValueError(f"`{name}` must be one of {tuple(distributed.packing.WIRE_DTYPES)}; "
+                             f"received {value!r}")
     if inner_optimizer is not None:
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise ValueError(
@@ -131,18 +139,29 @@ class KFAC(keras.optimizers.Optimizer):
       weight_decay: decoupled weight decay of the built-in update (Keras semantics).
       xla: compile the factor statistics and the preconditioning with XLA
         (`jit_compile=True`). Decompositions always use TensorFlow's LAPACK kernels.
-      communicator: a `tfkfac.distributed` communicator; default single process.
+      placement: where preconditioning happens across processes. "replicated"
+        (Pauloski et al.): every rank receives every decomposition and preconditions
+        all layers; stale steps send nothing but gradients. "owner" (Osawa et al.):
+        each layer's owner decomposes and preconditions it, and the preconditioned
+        gradients are gathered every step.
+      factor_wire_dtype: dtype of the packed factors on the wire ("float32",
+        "float16", "bfloat16"); accumulation and storage stay float32.
+      eigen_wire_dtype: dtype of decompositions / preconditioned gradients on the wire.
+      communicator: a `tfkfac.distributed` communicator; default
+        `tfkfac.distributed.get_communicator("auto")` (Horovod under horovodrun).
       model: if given, `attach(model)` is called.
     """
 
     def __init__(self, learning_rate=0.01, damping=1e-3, momentum=0.9, factor_decay=0.95,
                  kl_clip=1e-3, factor_update_freq=1, inv_update_freq=10, method="eigen",
                  bn_damping_multiplier=1.0, skip_layers=(), inner_optimizer=None,
-                 weight_decay=None, xla=True, communicator=None, model=None,
-                 name="kfac", **kwargs):
+                 weight_decay=None, xla=True, placement="replicated",
+                 factor_wire_dtype="float32", eigen_wire_dtype="float32",
+                 communicator=None, model=None, name="kfac", **kwargs):
         _validate(learning_rate, damping, momentum, factor_decay, kl_clip,
                   factor_update_freq, inv_update_freq, method, bn_damping_multiplier,
-                  inner_optimizer, weight_decay)
+                  inner_optimizer, weight_decay, placement, factor_wire_dtype,
+                  eigen_wire_dtype)
         if isinstance(learning_rate, int):
             learning_rate = float(learning_rate)
         if callable(learning_rate) and not isinstance(
@@ -161,7 +180,10 @@ class KFAC(keras.optimizers.Optimizer):
         self.skip_layers = tuple(skip_layers)
         self.inner_optimizer = inner_optimizer
         self.xla = bool(xla)
-        self._comm = communicator or comm_base.SingleProcess()
+        self.placement = placement
+        self.factor_wire_dtype = factor_wire_dtype
+        self.eigen_wire_dtype = eigen_wire_dtype
+        self._comm = communicator or distributed.get_communicator("auto")
         self._init_kfac_fields()
         if model is not None:
             self.attach(model)
@@ -200,6 +222,8 @@ class KFAC(keras.optimizers.Optimizer):
             raise ValueError("This KFAC optimizer is already attached to a model.")
         self._blocks, self._skipped = self._discover(model)
         self._recorder = Recorder(self._blocks)
+        self._owners = self._assign_owners()
+        self._comm.broadcast_variables(model.variables, root_rank=0)
         self._model_ref = weakref.ref(model)
         object.__setattr__(model, "train_step", self._make_train_step(model))
         object.__setattr__(model, "make_train_function",
@@ -275,7 +299,7 @@ class KFAC(keras.optimizers.Optimizer):
             yield tape
 
     def gradients(self, tape, loss, variables, loss_scale=1.0):
-        """Weight gradients of `loss`, keeping the layer captures for the next apply.
+        """Weight gradients of `loss` (averaged over ranks), keeping the layer captures.
 
         `loss_scale` is the factor `loss` was multiplied by (mixed precision); the
         captured output gradients are unscaled by it before they enter G.
@@ -283,6 +307,12 @@ class KFAC(keras.optimizers.Optimizer):
         calls = self._recorder.take()
         outputs = [[s for _, s in block_calls] for block_calls in calls]
         gradients, output_grads = tape.gradient(loss, (list(variables), outputs))
+        if self._comm.size > 1:
+            # Averaged here, before any loss-scale finiteness check, so that every rank
+            # takes the same branch and issues the same collectives.
+            gradients = self._comm.grouped_allreduce_mean(
+                [tf.zeros(v.shape, v.dtype) if g is None else g
+                 for g, v in zip(gradients, variables)], category="gradients")
         inverse_scale = 1.0 / tf.cast(loss_scale, tf.float32)
         self._pending_calls = [
             [(x, tf.zeros_like(s) if g is None else tf.cast(g, tf.float32) * inverse_scale)
@@ -378,8 +408,6 @@ class KFAC(keras.optimizers.Optimizer):
             with keras.src.backend.name_scope(self.name, caller=self):
                 self.build(variables)
         grads = list(grads)
-        if self._comm.size > 1:
-            grads = self._comm.grouped_allreduce_mean(grads, category="gradients")
         step = self._iterations
         damping = tf.cast(schedules.value_at(self.damping, step), tf.float32)
         self._timed("factors", lambda: self._maybe_update_factors(step, calls))
@@ -446,35 +474,86 @@ class KFAC(keras.optimizers.Optimizer):
         return tf.cond(step >= self._next_factor_step, update, lambda: tf.constant(False))
 
     def _reduce_statistics(self, statistics):
+        """Average factor statistics over ranks: packed symmetric ones in one call."""
         if self._comm.size == 1:
             return statistics
-        flat = [s for block_stats in statistics for s in block_stats]
-        reduced = self._comm.grouped_allreduce_mean(flat, category="factors")
+        flat = [stat for block_stats in statistics for stat in block_stats]
+        symmetric = [i for i, stat in enumerate(flat) if len(stat.shape) == 2]
+        diagonal = [i for i, stat in enumerate(flat) if len(stat.shape) == 1]
+        reduced = list(flat)
+        matrices = distributed.allreduce_symmetric(
+            self._comm, [flat[i] for i in symmetric], self.factor_wire_dtype, "factors")
+        vectors = self._comm.grouped_allreduce_mean([flat[i] for i in diagonal], "factors")
+        for i, value in zip(symmetric + diagonal, matrices + vectors):
+            reduced[i] = value
         it = iter(reduced)
         return [[next(it) for _ in block_stats] for block_stats in statistics]
 
     # decompositions ------------------------------------------------------
+    def _assign_owners(self):
+        """Owner rank per decomposition item (replicated) or per block (owner).
+
+        Greedy longest-processing-time on cost dim³: deterministic, so every rank
+        computes the same assignment without talking.
+        """
+        if self.placement == "owner":
+            costs = [sum(distributed.eigen_cost(block.factor_shapes()[j][0])
+                         for j in block.symmetric_factors()) or 1.0
+                     for block in self._blocks]
+        else:
+            costs = [distributed.eigen_cost(self._blocks[b].factor_shapes()[j][0])
+                     for b, j in self._work_items()]
+        return distributed.lpt_assignment(costs, self._comm.size)
+
     def _work_items(self):
         return [(b, j) for b, block in enumerate(self._blocks)
                 for j in block.symmetric_factors()]
 
-    def _decompose(self, factors, damping):
+    def _owned_items(self):
+        """Decomposition items this rank computes."""
+        items = self._work_items()
+        if self.placement == "owner":
+            return [(b, j) for b, j in items if self._owners[b] == self._comm.rank]
+        return [item for item, owner in zip(items, self._owners) if owner == self._comm.rank]
+
+    def _decompose(self, items, factors, damping):
         return [self._blocks[b].decompose(j, factors[b], self.method, damping)
-                for b, j in self._work_items()]
+                for b, j in items]
+
+    def _decomposition_targets(self, b, j):
+        index = self._blocks[b].symmetric_factors().index(j)
+        return self._block_state[b]["decompositions"][index]
+
+    def _share_decompositions(self, owned, results):
+        """Replicated placement: every rank gets every item from its owner."""
+        if self.placement == "owner" or self._comm.size == 1:
+            return owned, results
+        items = self._work_items()
+        computed = dict(zip(owned, results))
+        local, shapes, owners = [], [], []
+        for item, owner in zip(items, self._owners):
+            for k, variable in enumerate(self._decomposition_targets(*item)):
+                local.append(computed[item][k] if item in computed else None)
+                shapes.append(variable.shape)
+                owners.append(owner)
+        values = iter(distributed.gather_from_owners(
+            self._comm, local, shapes, owners, self.eigen_wire_dtype, "eigen"))
+        return items, [[next(values) for _ in self._decomposition_targets(*item)]
+                       for item in items]
 
     def _maybe_update_decompositions(self, step, damping):
         def update():
             factors = [[v.value for v in s["factors"]] for s in self._block_state]
-            results = self._decompose_fn(factors, damping)
-            failures = []
-            for (b, j), result in zip(self._work_items(), results):
-                index = self._blocks[b].symmetric_factors().index(j)
-                targets = self._block_state[b]["decompositions"][index]
+            owned = self._owned_items()
+            results = self._decompose_fn(owned, factors, damping) if owned else []
+            items, results = self._share_decompositions(owned, results)
+            failures = [tf.constant(False)]
+            for item, result in zip(items, results):
                 ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r)) for r in result])
-                for variable, value in zip(targets, result):
+                for variable, value in zip(self._decomposition_targets(*item), result):
                     variable.assign(tf.where(ok, value, variable))
                 failures.append(tf.logical_not(ok))
-            failed = tf.reduce_sum(tf.cast(failures, tf.int64)) if failures else tf.constant(0, tf.int64)
+            failed = tf.reduce_sum(tf.cast(failures, tf.int64))
             self._failed_decompositions.assign_add(failed)
             self._decomposition_updates.assign_add(1)
             _warn_if(failed > 0, "KFAC warning:", failed,
@@ -487,32 +566,50 @@ class KFAC(keras.optimizers.Optimizer):
                        lambda: tf.constant(0, tf.int64))
 
     # preconditioning -----------------------------------------------------
-    def _precondition(self, block_grads, factors, decompositions, damping, learning_rate):
-        preconditioned = [
-            block.precondition(grads, block_factors, decomposition, self.method, damping)
-            for block, grads, block_factors, decomposition
-            in zip(self._blocks, block_grads, factors, decompositions)]
-        if self.kl_clip is None:
-            return preconditioned
-        flat_p = [p for ps in preconditioned for p in ps]
-        flat_g = [tf.cast(g, tf.float32) for gs in block_grads for g in gs]
-        nu = linalg.kl_clip_scale(flat_p, flat_g, learning_rate, self.kl_clip)
-        return [[p * nu for p in ps] for ps in preconditioned]
+    def _precondition(self, block_indices, block_grads, factors, decompositions, damping):
+        return [self._blocks[b].precondition(grads, block_factors, decomposition,
+                                             self.method, damping)
+                for b, grads, block_factors, decomposition
+                in zip(block_indices, block_grads, factors, decompositions)]
+
+    def _preconditioned_blocks(self, block_grads, damping):
+        """Preconditioned gradients per block: all locally, or by owners then gathered."""
+        indices = list(range(len(self._blocks)))
+        if self.placement == "owner" and self._comm.size > 1:
+            indices = [b for b in indices if self._owners[b] == self._comm.rank]
+        state = [self._block_state[b] for b in indices]
+        local = self._precondition_fn(
+            tuple(indices), [block_grads[b] for b in indices],
+            [[v.value for v in s["factors"]] for s in state],
+            [[[v.value for v in d] for d in s["decompositions"]] for s in state],
+            damping) if indices else []
+        if not (self.placement == "owner" and self._comm.size > 1):
+            return local
+        computed = dict(zip(indices, local))
+        values, shapes, owners = [], [], []
+        for b, block in enumerate(self._blocks):
+            for k, variable in enumerate(block.variables):
+                values.append(computed[b][k] if b in computed else None)
+                shapes.append(variable.shape)
+                owners.append(self._owners[b])
+        gathered = iter(distributed.gather_from_owners(
+            self._comm, values, shapes, owners, self.eigen_wire_dtype, "preconditioned"))
+        return [[next(gathered) for _ in block.variables] for block in self._blocks]
 
     def _preconditioned(self, grads, variables, damping):
         if not self._blocks:
             return grads
         index = {id(v): i for i, v in enumerate(variables)}
         slots = [[index[id(v)] for v in block.variables] for block in self._blocks]
-        block_grads = [[tf.zeros(variables[i].shape) if grads[i] is None else grads[i]
-                        for i in block_slots] for block_slots in slots]
-        factors = [[v.value for v in s["factors"]] for s in self._block_state]
-        decompositions = [[[v.value for v in d] for d in s["decompositions"]]
-                          for s in self._block_state]
-        optimizer = self.inner_optimizer or self
-        learning_rate = tf.cast(optimizer.learning_rate, tf.float32)
-        preconditioned = self._precondition_fn(block_grads, factors, decompositions,
-                                               damping, learning_rate)
+        block_grads = [[tf.zeros(variables[i].shape) if grads[i] is None
+                        else tf.cast(grads[i], tf.float32) for i in block_slots]
+                       for block_slots in slots]
+        preconditioned = self._preconditioned_blocks(block_grads, damping)
+        if self.kl_clip is not None:
+            optimizer = self.inner_optimizer or self
+            nu = linalg.kl_clip_scale(preconditioned, block_grads,
+                                      optimizer.learning_rate, self.kl_clip)
+            preconditioned = [[p * nu for p in ps] for ps in preconditioned]
         grads = list(grads)
         for block_slots, block_p in zip(slots, preconditioned):
             for i, p in zip(block_slots, block_p):
@@ -564,6 +661,9 @@ class KFAC(keras.optimizers.Optimizer):
             "inner_optimizer": (None if self.inner_optimizer is None else
                                 keras.saving.serialize_keras_object(self.inner_optimizer)),
             "xla": self.xla,
+            "placement": self.placement,
+            "factor_wire_dtype": self.factor_wire_dtype,
+            "eigen_wire_dtype": self.eigen_wire_dtype,
         })
         return config
 

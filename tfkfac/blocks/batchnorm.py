@@ -3,6 +3,8 @@
 Per-example gradients of γ and β come from the normalized input x̂ and the output
 gradient: dl_i/dγ = Σ_pos (N dL/dy_i) x̂_i, dl_i/dβ = Σ_pos N dL/dy_i; then
 F = (1/N) Σ_i (dl_i/dθ)², and the gradient is preconditioned as ∇ / (F + ρ_BN λ).
+As for g_i = N dL/ds_i in the Kronecker blocks, N dL/dy_i holds the batch statistics of
+later BatchNorm layers fixed: the exact per-example gradient would need N backward passes.
 """
 
 import tensorflow as tf
