@@ -189,6 +189,45 @@ class UpdateRuleTest(absltest.TestCase):
         self.assertEqual(optimizer.summary()["counters"]["factor_updates"], 4)
         self.assertEqual(optimizer.summary()["counters"]["decomposition_updates"], 2)
 
+    def test_nan_batch_skips_the_step_and_leaves_weights_and_factors(self):
+        # Trainable weights only: BatchNorm's moving statistics are updated by the
+        # forward pass itself, before any optimizer sees the batch.
+        model, optimizer = compiled(small_cnn())
+        fit(model, steps=1)
+        trainable = lambda: [w.numpy().copy() for w in model.trainable_weights]
+        weights, factors = trainable(), factor_values(optimizer)
+        poisoned = X[:16].copy()
+        poisoned[3, 2, 2, 0] = np.nan
+        model.fit(poisoned, Y[:16], batch_size=16, epochs=1, verbose=0)
+        self.assertEqual(max_difference(weights, trainable()), 0.0)
+        self.assertEqual(max_difference(factors, factor_values(optimizer)), 0.0)
+        counters = optimizer.summary()["counters"]
+        self.assertEqual((counters["steps"], counters["skipped_steps"]), (1, 1))
+        fit(model, steps=1)  # training goes on with clean data
+        self.assertEqual(optimizer.summary()["counters"]["steps"], 2)
+
+    def test_failed_decomposition_keeps_the_previous_one(self):
+        model, optimizer = compiled(small_cnn(), factor_update_freq=2, inv_update_freq=2)
+        fit(model, steps=1)
+        state = optimizer._block_state[-1]
+        previous = [v.numpy().copy() for v in state["decompositions"][0]]
+        # Corrupt a stored factor directly (the finite check on new statistics is
+        # bypassed) so the next eigendecomposition returns non-finite values.
+        poisoned = state["factors"][0].numpy()
+        poisoned[0, 0] = np.inf
+        state["factors"][0].assign(poisoned)
+        model.fit(X[16:32], Y[16:32], batch_size=16, epochs=1, verbose=0)  # stale step 1
+        optimizer._next_decomposition_step.assign(2)
+        optimizer._next_factor_step.assign(10)  # step 2: decomposition only
+        fit(model, steps=1)
+        counters = optimizer.summary()["counters"]
+        self.assertEqual(counters["decomposition_updates"], 2)
+        self.assertGreaterEqual(counters["failed_decompositions"], 1)
+        for before, variable in zip(previous, state["decompositions"][0]):
+            np.testing.assert_array_equal(before, variable.numpy())
+        for weight in model.get_weights():
+            self.assertTrue(np.all(np.isfinite(weight)))
+
     def test_optimizer_not_attached_to_the_compiled_model_says_how(self):
         model = small_cnn()
         model.compile(optimizer=tfkfac.KFAC(), loss=LOSS)

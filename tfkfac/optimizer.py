@@ -355,7 +355,7 @@ class KFAC(keras.optimizers.Optimizer):
                          if uses_momentum else None)
         if self.inner_optimizer is not None:
             self.inner_optimizer.build(var_list)
-        if self._blocks:
+        if self._model_ref is not None:
             self._create_block_state()
 
     @keras.src.utils.tracking.no_automatic_dependency_tracking
@@ -365,6 +365,7 @@ class KFAC(keras.optimizers.Optimizer):
             return
         counter = lambda name: self.add_variable((), initializer="zeros", dtype="int64",
                                                  name=name)
+        self._skipped_steps = counter("skipped_steps")
         self._factor_updates = counter("factor_updates")
         self._skipped_factor_updates = counter("skipped_factor_updates")
         self._decomposition_updates = counter("decomposition_updates")
@@ -395,7 +396,7 @@ class KFAC(keras.optimizers.Optimizer):
                 variable.assign(value)
 
     def _kfac_variables(self):
-        counters = [self._factor_updates, self._skipped_factor_updates,
+        counters = [self._skipped_steps, self._factor_updates, self._skipped_factor_updates,
                     self._decomposition_updates, self._failed_decompositions,
                     self._next_factor_step, self._next_decomposition_step]
         per_block = [v for s in self._block_state
@@ -428,11 +429,26 @@ class KFAC(keras.optimizers.Optimizer):
         grads = list(grads)
         step = self._iterations
         damping = tf.cast(schedules.value_at(self.damping, step), tf.float32)
-        self._timed("factors", lambda: self._maybe_update_factors(step, calls))
-        self._timed("decomposition", lambda: self._maybe_update_decompositions(step, damping))
-        grads = self._timed("precondition",
-                            lambda: self._preconditioned(grads, variables, damping))
-        self._timed("update", lambda: self._apply_update(grads, variables))
+
+        def kfac_step():
+            self._timed("factors", lambda: self._maybe_update_factors(step, calls))
+            self._timed("decomposition",
+                        lambda: self._maybe_update_decompositions(step, damping))
+            preconditioned = self._timed(
+                "precondition", lambda: self._preconditioned(grads, variables, damping))
+            self._timed("update", lambda: self._apply_update(preconditioned, variables))
+            return tf.constant(True)
+
+        def skip_step():
+            # A NaN/Inf gradient must not reach the weights, the factors or the step count.
+            self._skipped_steps.assign_add(1)
+            _warn_if(tf.constant(True),
+                     "KFAC warning: non-finite gradients; step skipped, weights unchanged")
+            return tf.constant(False)
+
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
+                                for g in grads if g is not None])
+        tf.cond(finite, kfac_step, skip_step)
 
     def _apply_update(self, grads, variables):
         if self.inner_optimizer is None:
@@ -653,6 +669,7 @@ class KFAC(keras.optimizers.Optimizer):
                 for v in s["factors"] + [v for d in s["decompositions"] for v in d]))
             info["counters"] = {
                 "steps": int(self._iterations.numpy()),
+                "skipped_steps": int(self._skipped_steps.numpy()),
                 "factor_updates": int(self._factor_updates.numpy()),
                 "skipped_factor_updates": int(self._skipped_factor_updates.numpy()),
                 "decomposition_updates": int(self._decomposition_updates.numpy()),
