@@ -23,19 +23,9 @@ import tensorflow as tf  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
+from kfac_reference import DAMPING, LR, N, assert_close  # noqa: E402
 
-N = 8
-LR = 0.5
-DAMPING = 1e-2
 RHO_BN = 3.0
-RTOL = 1e-4
-
-
-def assert_close(actual, expected, rtol=RTOL, msg=""):
-    expected = np.asarray(expected, np.float64)
-    atol = 1e-5 * max(float(np.max(np.abs(expected))), 1e-12)
-    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol,
-                               atol=atol, err_msg=msg)
 
 
 def loss_fn(reduction="sum_over_batch_size"):

@@ -26,24 +26,16 @@ import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
+from kfac_reference import (DAMPING, LR, assert_close, kron_precondition,  # noqa: E402
+                            loop_step)
 
-N = 4
+N = 4  # this file's batch size (kfac_reference.N, used elsewhere, is 8)
 C_IN = 2
 FILTERS = 3
 CLASSES = 2
-LR = 0.5
-DAMPING = 1e-2
-RTOL = 1e-4
 # The XLA path is compared with the non-XLA one in test_kfac_dense.py; compiling this
 # conv net with XLA costs ~20 s on the shared 2-core machine, so the fit here runs without.
 XLA_FIT = False
-
-
-def assert_close(actual, expected, rtol=RTOL, msg=""):
-    expected = np.asarray(expected, np.float64)
-    atol = 1e-5 * max(float(np.max(np.abs(expected))), 1e-12)
-    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol,
-                               atol=atol, err_msg=msg)
 
 
 # ----------------------------------------------------------------- numpy reference
@@ -110,11 +102,6 @@ def conv_net_reference(conv, dense, x, labels, use_bias):
     }
 
 
-def kron_precondition(A, G, grad, damping):
-    big = np.kron(A, G) + damping * np.eye(A.shape[0] * G.shape[0])
-    return np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
-
-
 # ------------------------------------------------------------------------ models
 def conv_model(input_hw, kernel_size, strides, padding, dilation, use_bias, seed=0):
     keras.utils.set_random_seed(seed)
@@ -129,15 +116,6 @@ def conv_model(input_hw, kernel_size, strides, padding, dilation, use_bias, seed
 
 def ce_loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def loop_step(model, opt, x, labels):
-    """One custom-loop step; returns the change of every trainable variable."""
-    before = [v.numpy().copy() for v in model.trainable_variables]
-    with opt.record() as tape:
-        loss = ce_loss()(labels, model(x, training=True))
-    opt.minimize(loss, tape=tape)
-    return [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
 
 
 def plain_kfac(**kwargs):
@@ -177,7 +155,7 @@ class Conv2DTest(parameterized.TestCase):
 
         opt = plain_kfac()
         opt.attach(model)
-        deltas = loop_step(model, opt, x, labels)
+        deltas = loop_step(model, opt, ce_loss(), x, labels)
         self.assertEqual([b.kind for b in opt._blocks], ["conv2d", "dense"])
         a, g = [f.numpy() for f in opt._block_state[0]["factors"]]
         assert_close(a, ref["A"], msg="conv A")
@@ -236,7 +214,7 @@ class Conv2DTest(parameterized.TestCase):
         for model, inputs in ((conv_net, x.reshape(8, 1, 1, 5)), (dense_net, x)):
             opt = plain_kfac()
             opt.attach(model)
-            deltas = loop_step(model, opt, inputs, labels)
+            deltas = loop_step(model, opt, ce_loss(), inputs, labels)
             factors = [f.numpy() for s in opt._block_state for f in s["factors"]]
             results.append((deltas, factors))
         (conv_deltas, conv_factors), (dense_deltas, dense_factors) = results

@@ -2,10 +2,11 @@
 
 DESIGN.md §2: one step with momentum=0, kl_clip=None and no inner optimizer changes every
 managed kernel/bias by exactly -lr * P, P = (A ⊗ G + λI)⁻¹ vec(∇) split back into kernel
-and bias. The reference below runs the tiny network's forward and backward in numpy
+and bias. The reference runs the tiny network's forward and backward in numpy
 (float64, from the float32 weights), builds A = (1/N) Σ ā āᵀ and G = (1/N) Σ g gᵀ with
 g_i = N dL/ds_i at the pre-activation, and solves with an explicit dense Kronecker
-product (np.kron), never with the eigen formula the optimizer uses.
+product (np.kron), never with the eigen formula the optimizer uses; it lives in
+kfac_reference.py, shared with the other K-FAC tests.
 
 Tolerances: the problems are small and well conditioned (λ = 1e-2, N = 8); float32 TF
 against float64 numpy agrees to rtol 1e-4 (observed <= 4e-6), with an absolute floor of
@@ -21,80 +22,9 @@ import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
-
-N = 8
-LR = 0.5
-DAMPING = 1e-2
-RTOL = 1e-4
-
-
-def assert_close(actual, expected, rtol=RTOL, msg=""):
-    expected = np.asarray(expected, np.float64)
-    atol = 1e-5 * max(float(np.max(np.abs(expected))), 1e-12)
-    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol,
-                               atol=atol, err_msg=msg)
-
-
-# ----------------------------------------------------------------- numpy reference
-ACTIVATIONS = {
-    None: (lambda h: h, lambda h: np.ones_like(h)),
-    "tanh": (np.tanh, lambda h: 1.0 - np.tanh(h) ** 2),
-    "sigmoid": (lambda h: 1 / (1 + np.exp(-h)),
-                lambda h: (1 / (1 + np.exp(-h))) * (1 - 1 / (1 + np.exp(-h)))),
-}
-
-
-def loss_and_output_grad(s, y, loss):
-    """Mean loss over the batch (sum_over_batch_size) and dL/ds, in float64."""
-    n, d = s.shape
-    if loss == "mse":
-        return np.mean(np.mean((s - y) ** 2, axis=1)), 2.0 * (s - y) / (n * d)
-    if loss == "ce":  # sparse categorical cross-entropy from logits
-        z = s - s.max(axis=1, keepdims=True)
-        p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
-        onehot = np.eye(d)[y.astype(int)]
-        return -np.mean(np.log(p[np.arange(n), y.astype(int)])), (p - onehot) / n
-    raise ValueError(loss)
-
-
-def mlp_reference(layers, x, y, loss):
-    """Per Dense layer: A, G, gradient matrix ∇ (bias row last), computed in numpy.
-
-    `layers`: list of (W, b or None, activation name).
-    """
-    inputs, pre = [], []
-    a = x.astype(np.float64)
-    for w, b, act in layers:
-        inputs.append(a)
-        h = a @ w + (0.0 if b is None else b)
-        pre.append(h)
-        a = ACTIVATIONS[act][0](h)
-    _, d_out = loss_and_output_grad(a, y, loss)
-    per_layer = [None] * len(layers)
-    for k in reversed(range(len(layers))):
-        w, b, act = layers[k]
-        ds = d_out * ACTIVATIONS[act][1](pre[k])      # dL/ds at the pre-activation
-        a_in = inputs[k]
-        a_bar = np.concatenate([a_in, np.ones((len(a_in), 1))], 1) if b is not None else a_in
-        n = len(a_in)
-        A = a_bar.T @ a_bar / n
-        g = n * ds                                     # g_i = N dL/ds_i
-        G = g.T @ g / n
-        grad = a_bar.T @ ds                            # [dL/dW; dL/db]
-        g_post = n * d_out                             # at the output (post-activation)
-        per_layer[k] = {"A": A, "G": G, "grad": grad, "G_post": g_post.T @ g_post / n}
-        d_out = ds @ w.T
-    return per_layer
-
-
-def kron_precondition(A, G, grad, damping):
-    """(A ⊗ G + λI)⁻¹ vec(∇) with an explicit dense Kronecker product.
-
-    With the row-major vec of the (d_a, d_g) matrix ∇, vec(A X G) = (A ⊗ G) vec(X)
-    for symmetric G, so this is the contract's P.
-    """
-    big = np.kron(A, G) + damping * np.eye(A.shape[0] * G.shape[0])
-    return np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+from kfac_reference import (DAMPING, LR, N, assert_close, dense_layers,  # noqa: E402
+                            kron_precondition, loop_step, loss_and_output_grad,
+                            mlp_reference)
 
 
 # ------------------------------------------------------------------------ models
@@ -107,16 +37,6 @@ def make_model(spec, seed=0):
                                          bias_initializer="random_normal",
                                          name=f"layer{i}"))
     return keras.Sequential(layers)
-
-
-def dense_layers(model):
-    out = []
-    for layer in model.layers:
-        w = layer.kernel.numpy().astype(np.float64)
-        b = layer.bias.numpy().astype(np.float64) if layer.use_bias else None
-        act = layer.activation.__name__ if layer.activation.__name__ != "linear" else None
-        out.append((w, b, act))
-    return out
 
 
 def data(loss, classes, seed=1):
@@ -149,12 +69,8 @@ def one_fit_step(model, opt, x, y, loss):
 
 def one_loop_step(model, opt, x, y, loss):
     opt.attach(model)
-    loss_fn = keras_loss(loss)  # reduction sum_over_batch_size: L = (1/N) Σ l_i
-    before = weights_of(model)
-    with opt.record() as tape:
-        value = loss_fn(y, model(x, training=True))
-    opt.minimize(value, tape=tape)
-    return [a - b for a, b in zip(weights_of(model), before)]
+    # reduction sum_over_batch_size: L = (1/N) Σ l_i
+    return loop_step(model, opt, keras_loss(loss), x, y)
 
 
 def plain_kfac(xla):

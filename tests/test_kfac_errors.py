@@ -27,23 +27,8 @@ import tensorflow as tf  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
-
-N = 8
-LR = 0.5
-DAMPING = 1e-2
-RTOL = 1e-4
-
-
-def assert_close(actual, expected, rtol=RTOL, msg=""):
-    expected = np.asarray(expected, np.float64)
-    atol = 1e-5 * max(float(np.max(np.abs(expected))), 1e-12)
-    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol,
-                               atol=atol, err_msg=msg)
-
-
-def kron_precondition(A, G, grad, damping):
-    big = np.kron(A, G) + damping * np.eye(A.shape[0] * G.shape[0])
-    return np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+from kfac_reference import (DAMPING, LR, N, assert_close, kron_precondition,  # noqa: E402
+                            loop_step)
 
 
 def np_weights(layer):
@@ -55,14 +40,6 @@ def raw_gradients(model, loss_fn, x, y):
         loss = loss_fn(y, model(x, training=True))
     return [tf.convert_to_tensor(g).numpy().astype(np.float64)
             for g in tape.gradient(loss, model.trainable_variables)]
-
-
-def loop_step(model, opt, loss_fn, x, y):
-    before = [v.numpy().copy() for v in model.trainable_variables]
-    with opt.record() as tape:
-        loss = loss_fn(y, model(x, training=True))
-    opt.minimize(loss, tape=tape)
-    return [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
 
 
 def kfac_warnings(caught):

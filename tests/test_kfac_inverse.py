@@ -2,9 +2,9 @@
 
 DESIGN.md §2: π = sqrt((tr A / dim A) / (tr G / dim G)),
 P = (A + π√λ I)⁻¹ ∇ (G + (√λ/π) I)⁻¹. The reference runs the tiny network's forward and
-backward in float64 numpy and inverts the damped factors with np.linalg.inv. One step
-with momentum=0, kl_clip=None must change each kernel/bias by -lr * P; the stored
-decompositions must be the two damped inverses.
+backward in float64 numpy (kfac_reference.py) and inverts the damped factors with
+np.linalg.inv. One step with momentum=0, kl_clip=None must change each kernel/bias by
+-lr * P; the stored decompositions must be the two damped inverses.
 
 Tolerances: rtol 1e-4 with an absolute floor of 1e-5 * max|ref| (float32 TF against
 float64 numpy on N = 8, λ = 1e-2, well conditioned). Dropping π (π = 1) changes the
@@ -20,43 +20,7 @@ import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
-
-N = 8
-LR = 0.5
-RTOL = 1e-4
-
-
-def assert_close(actual, expected, rtol=RTOL, msg=""):
-    expected = np.asarray(expected, np.float64)
-    atol = 1e-5 * max(float(np.max(np.abs(expected))), 1e-12)
-    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol,
-                               atol=atol, err_msg=msg)
-
-
-def mlp_reference(layers, x, y_onehot):
-    """A, G, ∇ per Dense layer for softmax cross-entropy (mean over the batch)."""
-    inputs, pre = [], []
-    a = x.astype(np.float64)
-    for w, b, act in layers:
-        inputs.append(a)
-        h = a @ w + (0.0 if b is None else b)
-        pre.append(h)
-        a = np.tanh(h) if act == "tanh" else h
-    n = len(x)
-    z = a - a.max(1, keepdims=True)
-    p = np.exp(z) / np.exp(z).sum(1, keepdims=True)
-    d_out = (p - y_onehot) / n
-    out = [None] * len(layers)
-    for k in reversed(range(len(layers))):
-        w, b, act = layers[k]
-        ds = d_out * (1.0 - np.tanh(pre[k]) ** 2 if act == "tanh" else 1.0)
-        a_bar = inputs[k]
-        if b is not None:
-            a_bar = np.concatenate([a_bar, np.ones((n, 1))], 1)
-        g = n * ds
-        out[k] = {"A": a_bar.T @ a_bar / n, "G": g.T @ g / n, "grad": a_bar.T @ ds}
-        d_out = ds @ w.T
-    return out
+from kfac_reference import LR, N, assert_close, dense_layers, mlp_reference  # noqa: E402
 
 
 def pi_inverses(A, G, damping, use_pi=True):
@@ -89,11 +53,7 @@ class InverseMethodTest(parameterized.TestCase):
         rng = np.random.default_rng(12)
         x = rng.normal(size=(N, 5)).astype(np.float32)
         labels = rng.integers(0, 3, size=N)
-        layers = [(l.kernel.numpy().astype(np.float64),
-                   l.bias.numpy().astype(np.float64) if use_bias else None,
-                   "tanh" if l.activation.__name__ == "tanh" else None)
-                  for l in model.layers]
-        reference = mlp_reference(layers, x, np.eye(3)[labels])
+        reference = mlp_reference(dense_layers(model), x, labels, "ce")
 
         opt = tfkfac.KFAC(learning_rate=LR, damping=damping, momentum=0.0, kl_clip=None,
                           method="inverse", xla=xla)

@@ -1,6 +1,7 @@
 """tfkfac.KFAC over several steps: KL clip, running averages, update frequencies, schedules.
 
-References (DESIGN.md §2), all computed here independently of the optimizer:
+References (DESIGN.md §2), all computed independently of the optimizer (here and in
+kfac_reference.py):
 - KL clip (Pauloski eq. 18): ν = min(1, sqrt(κ / (η² Σ_layers |<P, ∇>|))), <P, ∇> the
   inner product of a layer's whole [W; b] matrices; P from a run with kl_clip=None,
   ∇ from a plain tf.GradientTape. The clipped run's update must be ν times the unclipped.
@@ -29,48 +30,8 @@ import tensorflow as tf  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
-
-N = 8
-LR = 0.5
-DAMPING = 1e-2
-RTOL = 1e-4
-
-
-def assert_close(actual, expected, rtol=RTOL, msg=""):
-    expected = np.asarray(expected, np.float64)
-    atol = 1e-5 * max(float(np.max(np.abs(expected))), 1e-12)
-    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol,
-                               atol=atol, err_msg=msg)
-
-
-# ----------------------------------------------------------------- numpy reference
-def mlp_reference(model, x, y):
-    """A, G, ∇ for Input(5) -> Dense(4, tanh) -> Dense(3), mean-squared error."""
-    layers = [(l.kernel.numpy().astype(np.float64), l.bias.numpy().astype(np.float64),
-               l.activation.__name__ == "tanh") for l in model.layers]
-    inputs, pre = [], []
-    a = x.astype(np.float64)
-    for w, b, tanh in layers:
-        inputs.append(a)
-        h = a @ w + b
-        pre.append(h)
-        a = np.tanh(h) if tanh else h
-    n, d = a.shape
-    d_out = 2.0 * (a - y) / (n * d)
-    out = [None] * len(layers)
-    for k in reversed(range(len(layers))):
-        w, _, tanh = layers[k]
-        ds = d_out * (1.0 - np.tanh(pre[k]) ** 2 if tanh else 1.0)
-        a_bar = np.concatenate([inputs[k], np.ones((n, 1))], 1)
-        g = n * ds
-        out[k] = {"A": a_bar.T @ a_bar / n, "G": g.T @ g / n, "grad": a_bar.T @ ds}
-        d_out = ds @ w.T
-    return out
-
-
-def kron_precondition(A, G, grad, damping):
-    big = np.kron(A, G) + damping * np.eye(A.shape[0] * G.shape[0])
-    return np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+from kfac_reference import (DAMPING, LR, N, assert_close, dense_layers,  # noqa: E402
+                            kron_precondition, loop_step, mlp_reference)
 
 
 def warmup_recursion(gamma0, target, warmup, steps):
@@ -101,14 +62,6 @@ def batch(seed):
 MSE = keras.losses.MeanSquaredError()
 
 
-def loop_step(model, opt, x, y):
-    before = [v.numpy().copy() for v in model.trainable_variables]
-    with opt.record() as tape:
-        loss = MSE(y, model(x, training=True))
-    opt.minimize(loss, tape=tape)
-    return [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
-
-
 def snapshot(opt):
     factors = [f.numpy().copy() for s in opt._block_state for f in s["factors"]]
     decomps = [v.numpy().copy() for s in opt._block_state
@@ -130,7 +83,7 @@ class KLClipTest(parameterized.TestCase):
                  for g in tape.gradient(loss, model.trainable_variables)]
         unclipped = loop_step(
             model, tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0,
-                               kl_clip=None, xla=False, model=model), x, y)
+                               kl_clip=None, xla=False, model=model), MSE, x, y)
         p = [-d.astype(np.float64) / LR for d in unclipped]
         per_variable = [float(np.sum(pv * gv)) for pv, gv in zip(p, grads)]
         # variables are (kernel, bias) per layer
@@ -146,7 +99,7 @@ class KLClipTest(parameterized.TestCase):
             model = make_model(seed)
             clipped = loop_step(
                 model, tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0,
-                                   kl_clip=kappa, xla=False, model=model), x, y)
+                                   kl_clip=kappa, xla=False, model=model), MSE, x, y)
             for got, want in zip(clipped, unclipped):
                 assert_close(got, nu * want.astype(np.float64), msg=f"nu={nu}")
 
@@ -167,11 +120,12 @@ class RunningAverageTest(parameterized.TestCase):
         opt.attach(model)
         (x1, y1), (x2, y2) = batch(201), batch(202)
 
-        ref1 = mlp_reference(model, x1, y1)
-        deltas1 = loop_step(model, opt, x1, y1)
+        ref1 = mlp_reference(dense_layers(model), x1, y1, "mse")
+        deltas1 = loop_step(model, opt, MSE, x1, y1)
         self.assertAlmostEqual(opt.current_damping(), dampings[1], places=6)
-        ref2 = mlp_reference(model, x2, y2)  # at the weights after step 1
-        deltas2 = loop_step(model, opt, x2, y2)
+        # at the weights after step 1
+        ref2 = mlp_reference(dense_layers(model), x2, y2, "mse")
+        deltas2 = loop_step(model, opt, MSE, x2, y2)
 
         expected1, expected2 = [], []
         for k, state in enumerate(opt._block_state):
@@ -230,7 +184,7 @@ class FrequencyTest(parameterized.TestCase):
         opt.attach(model)
         history = []
         for step in range(9):
-            loop_step(model, opt, *batch(300 + step))
+            loop_step(model, opt, MSE, *batch(300 + step))
             history.append(snapshot(opt) + (opt.summary()["counters"],))
         self.check_schedule(history, {0, 2, 4, 6, 8}, {0, 4, 8})
 
@@ -268,7 +222,7 @@ class FrequencyTest(parameterized.TestCase):
         self.assertEqual(expected, {0, 1, 2, 3, 4, 5, 11})
         history = []
         for step in range(13):
-            loop_step(model, opt, *batch(500 + step))
+            loop_step(model, opt, MSE, *batch(500 + step))
             history.append(snapshot(opt) + (opt.summary()["counters"],))
         self.check_schedule(history, expected, expected)
 
