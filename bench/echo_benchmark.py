@@ -1,22 +1,24 @@
 """Data-echoing benchmark: an upstream-bound Fashion-MNIST pipeline feeding a real Keras
-training step, with and without echoing.
+training step (the trainers' CNN, plain SGD), with and without echoing.
 
-Upstream stands for slow storage: a simulated read latency per example (one reader),
-tuned so that R = t_upstream / t_downstream is about `--ratio`, then measured:
-t_upstream is the time per batch of the pipeline alone, t_downstream the time per
-training step on a batch already in memory. Each echo variant runs with e = 1, 2, 3
-(plus the plain pipeline) and reports downstream steps/s and fresh examples/s; the
-paper predicts steps/s grows like min(e, R) while fresh examples/s stays flat until
-e > R. The echo stage's own overhead is measured twice: its extra time per batch on an
-in-memory source as a fraction of the training step, and steps/s at e = 1 versus the
-plain pipeline.
+Upstream stands for slow storage: a simulated read latency per example (one reader,
+reading 32 examples at a time), tuned so that R = t_upstream / t_downstream is about
+`--ratio`, then measured again before every repeat: t_upstream is the time per batch
+of the plain pipeline alone, t_downstream the time per training step on a batch
+already in memory. Each echo variant runs with e = 1, 2, 3 (plus the pipeline without
+an echo stage) and reports downstream steps/s and fresh examples/s; the paper predicts
+steps/s growing like min(e, R) while fresh examples/s stays flat until e > R. The echo
+stage's own overhead is measured twice: the CPU time it adds per batch on an
+in-memory source, as a fraction of the training step, and steps/s at e = 1 versus
+the pipeline without it.
 
-Run (about 4 minutes on 2 cores; in the background):
+Run (about 5 minutes on 2 cores; in the background):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/echo_benchmark.py \
       > /tmp/echo_benchmark.log 2>&1 &
 Writes bench/results/echo_benchmark.json and .png.
 """
 
+import gc
 import json
 import os
 import statistics
@@ -30,6 +32,7 @@ import tensorflow as tf
 
 import pipelines
 from pipelines import counters, idx_dataset
+from trainers import models
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -39,10 +42,10 @@ flags.DEFINE_integer("batch_size", 128, "Examples per training step.")
 flags.DEFINE_float("ratio", 3.0, "Target R = t_upstream / t_downstream.")
 flags.DEFINE_list("factors", ["1", "2", "3"], "Echo factors to measure.")
 flags.DEFINE_list("variants", list(pipelines.ECHO_MODES[1:]), "Echo modes to measure.")
-flags.DEFINE_float("seconds", 5.0, "Timed training seconds per measurement.")
-flags.DEFINE_integer("warmup_steps", 10, "Untimed steps before each measurement.")
-flags.DEFINE_integer("repeats", 2, "Interleaved repeats of every configuration (median kept).")
-flags.DEFINE_integer("shuffle_buffer", 2048, "The pipeline's one shuffle buffer.")
+flags.DEFINE_float("seconds", 3.0, "Timed training seconds per measurement.")
+flags.DEFINE_integer("warmup_steps", 8, "Untimed steps before each measurement.")
+flags.DEFINE_integer("repeats", 3, "Interleaved repeats of every configuration (median kept).")
+flags.DEFINE_integer("shuffle_buffer", 1024, "The pipeline's one shuffle buffer.")
 flags.DEFINE_integer("seed", 0, "Data and model seed.")
 flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                     "Where echo_benchmark.json and .png go.")
@@ -77,16 +80,7 @@ class TimedWindow(keras.callbacks.Callback):
 
 
 def make_model():
-    keras.utils.set_random_seed(FLAGS.seed)
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(10),
-    ])
+    model = models.build_model("cnn", (28, 28, 1), 10, seed=FLAGS.seed)
     model.compile(keras.optimizers.SGD(0.02),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -105,15 +99,16 @@ def build(echo_mode="none", echo_factor=1, read_latency=0.0, source="fashion_mni
                            read_latency=read_latency)
 
 
-def seconds_per_batch(dataset, batches):
-    """Wall time per batch of iterating `dataset` alone, after two warm-up batches."""
+def seconds_per_batch(dataset, batches, clock=time.perf_counter):
+    """Time per batch of iterating `dataset` alone, after two warm-up batches, on
+    `clock` (wall time, or `time.process_time` for the CPU time of all our threads)."""
     iterator = iter(dataset)
     for _ in range(2):
         next(iterator)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(batches):
         next(iterator)
-    return (time.perf_counter() - start) / batches
+    return (clock() - start) / batches
 
 
 def downstream_seconds(model):
@@ -139,10 +134,11 @@ def calibrate(model):
     return latency, t_down, t_up
 
 
-def echo_stage_overhead(t_down, tries=5):
-    """Time the echo stage itself (e = 1) adds per training batch, on in-memory decoded
-    Fashion-MNIST examples, and that time as a fraction of the training step (fastest
-    of `tries` interleaved passes, to see through other load on the machine)."""
+def echo_stage_overhead(t_down, tries=3):
+    """CPU time the echo stage itself (e = 1) adds per training batch, on in-memory
+    decoded Fashion-MNIST examples, and that time as a fraction of the training step.
+    CPU time of this process, unlike wall time, does not move with other load on the
+    machine; the least of `tries` interleaved passes is kept."""
     raw = next(idx_dataset.load_idx("fashion_mnist", "train[:20000]").batch(20000)
                .as_numpy_iterator())
     examples = tf.data.Dataset.from_tensor_slices(
@@ -156,23 +152,24 @@ def echo_stage_overhead(t_down, tries=5):
         "batch": (examples.batch(batch), examples.batch(batch).apply(pipelines.echo(1))),
     }
     num_batches = 20000 // batch - 2
+    gc.collect()  # end the iterators of earlier measurements and their threads
     overhead = {}
     for name, (plain, echoed) in stages.items():
         times = {"plain": [], "echoed": []}
         for _ in range(tries):
-            times["plain"].append(seconds_per_batch(plain, num_batches))
-            times["echoed"].append(seconds_per_batch(echoed, num_batches))
+            for kind, dataset in (("plain", plain), ("echoed", echoed)):
+                times[kind].append(seconds_per_batch(dataset, num_batches, time.process_time))
         extra = min(times["echoed"]) - min(times["plain"])
-        overhead[name] = {"plain_ms_per_batch": 1e3 * min(times["plain"]),
-                          "echoed_ms_per_batch": 1e3 * min(times["echoed"]),
-                          "extra_ms_per_batch": 1e3 * extra,
+        overhead[name] = {"plain_cpu_ms_per_batch": 1e3 * min(times["plain"]),
+                          "echoed_cpu_ms_per_batch": 1e3 * min(times["echoed"]),
+                          "extra_cpu_ms_per_batch": 1e3 * extra,
                           "percent_of_step": 100.0 * extra / t_down}
     return overhead
 
 
 def measure_all(model, latency):
     """Runs every configuration `repeats` times, interleaved, re-measuring t_down and
-    t_up (so R) at the start of each repeat; keeps medians."""
+    t_up (so R) at the start of each repeat; keeps medians (the machine is shared)."""
     configs = [("none", 1.0)] + [(mode, float(e)) for mode in FLAGS.variants for e in FLAGS.factors]
     runs = {config: [] for config in configs}
     ratios = []
@@ -181,7 +178,8 @@ def measure_all(model, latency):
         ratios.append({"t_downstream_s": t_down, "t_upstream_s": t_up, "ratio": t_up / t_down})
         print(f"[repeat {repeat}] t_down {1e3 * t_down:.1f} ms, t_up {1e3 * t_up:.1f} ms, "
               f"R = {t_up / t_down:.2f}", flush=True)
-        for mode, factor in configs:
+        # Alternate the order (ABBA) so a drift in machine load hits every config alike.
+        for mode, factor in (configs if repeat % 2 == 0 else configs[::-1]):
             dataset, counters = build(mode, factor, latency)
             result = timed_fit(model, dataset, counters)
             runs[(mode, factor)].append(result)
@@ -222,6 +220,7 @@ def plot(report, path):
         axis.axhline(plain[key], color="gray", linestyle=":", label="no echo stage")
         axis.set_xlabel("echo factor e")
         axis.set_xticks(factors)
+        axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
     steps_axis.set_ylabel("training steps / s")
     fresh_axis.set_ylabel("fresh examples / s")
@@ -279,11 +278,11 @@ def main(argv):
               f"{s['speedup_vs_e1']:6.2f}x {s['speedup_vs_plain']:7.2f}x "
               f"{s['fresh_examples_per_s']:11.1f}")
     for name, stage in overhead.items():
-        print(f"echo stage ({name}, e=1): +{stage['extra_ms_per_batch']:.2f} ms per batch = "
+        print(f"echo stage ({name}, e=1): +{stage['extra_cpu_ms_per_batch']:.2f} CPU ms per batch = "
               f"{stage['percent_of_step']:.2f}% of a {1e3 * t_down:.1f} ms training step "
               "(at calibration)")
-    print(f"R = {report['ratio_measured']:.2f} (per repeat: "
-          f"{', '.join(f'{r["ratio"]:.2f}' for r in ratios)}); "
+    per_repeat = ", ".join(f"{r['ratio']:.2f}" for r in ratios)
+    print(f"R = {report['ratio_measured']:.2f} (per repeat: {per_repeat}); "
           f"wrote {json_path} in {report['wall_seconds']:.0f} s")
 
 

@@ -104,8 +104,9 @@ def _repeat_chunk(chunk, counts):
         owner = tf.repeat(tf.range(tf.size(counts)), counts)
         starts = tf.cumsum(counts, exclusive=True)
         first = tf.equal(tf.range(tf.size(owner)), tf.gather(starts, owner))
-        flags = repeated[counters.FRESH_KEY]
-        repeated[counters.FRESH_KEY] = flags * tf.cast(first, flags.dtype)
+        flags = repeated[counters.FRESH_KEY]  # (rows,) for examples, (rows, B) for batches
+        first = tf.reshape(tf.cast(first, flags.dtype), [-1] + [1] * (flags.shape.rank - 1))
+        repeated[counters.FRESH_KEY] = flags * first
     return repeated
 
 

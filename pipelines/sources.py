@@ -83,6 +83,9 @@ def simulate_read_latency(seconds_per_example, examples_per_read=32):
         # One slot per example, released a read at a time after each read's wait.
         slots = (tf.data.Dataset.range(2**62).apply(tf_data_testing.sleep(microseconds))
                  .flat_map(lambda _: tf.data.Dataset.range(examples_per_read)))
-        return tf.data.Dataset.zip((dataset, slots)).map(lambda example, _: example)
+        # The reader reads ahead into a buffer of two reads, as a storage client would,
+        # so its waits overlap the work downstream.
+        return (tf.data.Dataset.zip((dataset, slots)).map(lambda example, _: example)
+                .prefetch(2 * examples_per_read))
 
     return apply

@@ -90,11 +90,13 @@ class FreshFlagTest(absltest.TestCase):
         self.assertEqual(flags.sum(), 500)
 
     def test_batch_echo_zeroes_the_flags_of_repeated_batches(self):
-        batches = (tf.data.Dataset.from_tensor_slices({"id": np.arange(12)})
-                   .map(counters.mark_fresh).batch(4))
-        flags = [e[counters.FRESH_KEY].tolist()
-                 for e in batches.apply(pipelines.echo(3)).as_numpy_iterator()]
-        self.assertEqual(flags, [[1] * 4, [0] * 4, [0] * 4] * 3)
+        # Static batch size (chunked path) and unknown batch size (one at a time).
+        for drop_remainder in (True, False):
+            batches = (tf.data.Dataset.from_tensor_slices({"id": np.arange(12)})
+                       .map(counters.mark_fresh).batch(4, drop_remainder=drop_remainder))
+            flags = [e[counters.FRESH_KEY].tolist()
+                     for e in batches.apply(pipelines.echo(3)).as_numpy_iterator()]
+            self.assertEqual(flags, [[1] * 4, [0] * 4, [0] * 4] * 3)
 
     def test_large_batches_with_fractional_factor(self):
         # Batches of 64 KiB+ (the one-at-a-time path): counts and flags as for examples.

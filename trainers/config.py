@@ -9,14 +9,18 @@ import datetime
 import os
 from typing import Optional, Tuple
 
+import pipelines
+from tfkfac import distributed, optimizer as kfac_optimizer
 from trainers import models
 
 OPTIMIZERS = ("kfac", "sgd", "adam")
 LR_SCHEDULES = ("constant", "warmup", "step", "polynomial")
-KFAC_METHODS = ("eigen", "inverse")
-WIRE_DTYPES = ("float32", "float16", "bfloat16")
-ECHO_MODES = ("none", "example_before_augment", "example_after_augment", "batch")
-PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+# The choices the optimizer and the pipelines accept, so the flags never drift from them.
+KFAC_METHODS = kfac_optimizer.METHODS
+KFAC_PLACEMENTS = kfac_optimizer.PLACEMENTS
+WIRE_DTYPES = tuple(distributed.packing.WIRE_DTYPES)
+ECHO_MODES = pipelines.ECHO_MODES
+PRECISIONS = tuple(pipelines.PRECISIONS)
 VERBOSITIES = (0, 1, 2)
 
 # Fields that only mean something to K-FAC; setting one with another optimizer is a mistake.
@@ -48,16 +52,16 @@ class TrainConfig:
     lr_decay_epochs: Tuple[float, ...] = ()
     lr_decay_factor: float = 0.1
     lr_decay_power: float = 2.0
-    damping: float = 1e-3
+    damping: float = 1e-2
     factor_update_freq: int = 10
     inv_update_freq: int = 100
     kl_clip: Optional[float] = 1e-3
     kfac_method: str = "eigen"
-    kfac_placement: Optional[str] = None
+    kfac_placement: str = "replicated"
     factor_wire_dtype: str = "float32"
     eigen_wire_dtype: str = "float32"
     batch_size: int = 128
-    epochs: int = 3
+    epochs: int = 2
     steps: Optional[int] = None
     echo_mode: str = "none"
     echo_factor: float = 1.0
@@ -69,6 +73,7 @@ class TrainConfig:
     running_mixup: bool = False
     read_latency: float = 0.0
     precision: str = "float32"
+    eval_every_steps: int = 0
     target_accuracy: Optional[float] = None
     stop_at_target: bool = False
     model_dir: Optional[str] = None
@@ -87,6 +92,7 @@ class TrainConfig:
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("kfac_method", self.kfac_method, KFAC_METHODS)
+        _one_of("kfac_placement", self.kfac_placement, KFAC_PLACEMENTS)
         _one_of("factor_wire_dtype", self.factor_wire_dtype, WIRE_DTYPES)
         _one_of("eigen_wire_dtype", self.eigen_wire_dtype, WIRE_DTYPES)
         _one_of("echo_mode", self.echo_mode, ECHO_MODES)
@@ -99,6 +105,9 @@ class TrainConfig:
         _positive("epochs", self.epochs)
         if self.steps is not None:
             _positive("steps", self.steps)
+        if self.eval_every_steps < 0:
+            raise ValueError(f"eval_every_steps must be >= 0 (0 = at epoch ends only), got "
+                             f"{self.eval_every_steps}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         self._validate_schedule()

@@ -25,11 +25,26 @@ def dataset_info(name, data_dir=None):
                          f"or a prepared TFDS dataset name; got {name!r}") from error
 
 
+def split_sizes(config):
+    """Returns `(info, train examples, eval examples)` of the config's dataset and splits,
+    raising ValueError for an unknown dataset or a split it does not have."""
+    info = dataset_info(config.dataset, config.data_dir)
+    sizes = []
+    for flag in ("train_split", "eval_split"):
+        split = getattr(config, flag)
+        try:
+            sizes.append(info.splits[split].num_examples)
+        except (KeyError, ValueError) as error:
+            raise ValueError(f"{flag} must be one of {', '.join(sorted(info.splits.keys()))} "
+                             f"(or a TFDS slice of one); got {split!r}: {error}") from error
+    return (info, *sizes)
+
+
 class TrainingData:
     """Training and evaluation streams of one rank for a `TrainConfig`."""
 
     def __init__(self, config, rank, num_ranks, input_dtype):
-        info = dataset_info(config.dataset, config.data_dir)
+        info, train_examples, eval_examples = split_sizes(config)
         self._config = config
         self._rank = rank
         self._num_ranks = num_ranks
@@ -37,10 +52,10 @@ class TrainingData:
         self._counters = None
         self.input_shape = tuple(info.features["image"].shape)
         self.num_classes = info.features["label"].num_classes
-        examples_per_rank = info.splits[config.train_split].num_examples // num_ranks
+        examples_per_rank = train_examples // num_ranks
         # `Dataset.shard` gives rank r every num_ranks-th example starting at r.
-        eval_examples = -(-(info.splits[config.eval_split].num_examples - rank) // num_ranks)
-        self._eval_batches = -(-eval_examples // config.batch_size)
+        eval_examples_here = -(-(eval_examples - rank) // num_ranks)
+        self._eval_batches = -(-eval_examples_here // config.batch_size)
         self.steps_per_epoch = int(examples_per_rank * config.echo_factor) // config.batch_size
         if self.steps_per_epoch < 1:
             raise ValueError(
@@ -91,7 +106,12 @@ class TrainingData:
         """Classifiers learn the labels; the autoencoder reconstructs its flattened input."""
         if not self._autoencoder:
             return dataset
+        # Sequential on purpose (tf.data would parallelize this stateless map by itself):
+        # a parallel map pulls batches ahead of training, and the pipeline's
+        # fresh-example counters, which count batches as they are taken, with them.
+        options = tf.data.Options()
+        options.experimental_optimization.map_parallelization = False
         return dataset.map(
             lambda image, label: (image, tf.reshape(tf.cast(image, tf.float32),
-                                                    [tf.shape(image)[0], -1])),
-            num_parallel_calls=tf.data.AUTOTUNE)
+                                                    [tf.shape(image)[0], -1]))
+        ).with_options(options)

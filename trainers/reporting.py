@@ -1,8 +1,9 @@
 """What a run measured, per step and per epoch, and the files that report it.
 
-`EpochRecorder` times steps and training, averages metrics over ranks, adds the learning
-rate, damping and fresh-example count to the epoch logs (so the progress bar, CSV and
-TensorBoard all show them) and notes when the target accuracy was first reached.
+`StepTimer` times steps by phase. `EpochRecorder` also keeps the training clock (paused
+while evaluating), evaluates mid-epoch on request, averages metrics over ranks, adds the
+learning rate, damping and fresh-example count to the epoch logs (so the progress bar, CSV
+and TensorBoard all show them) and notes when the target accuracy was first reached.
 `EpochWriter` turns that record into `metrics.csv` and TensorBoard scalars; only the chief
 rank uses it. Everything the recorder keeps lives in `RunCounters`, which the checkpoint
 stores, so a resumed run reports the same totals as an uninterrupted one.
@@ -40,6 +41,8 @@ class RunCounters:
     step_time: Dict[str, List[float]] = dataclasses.field(default_factory=dict)
     to_target: Optional[Dict[str, float]] = None
     history: List[Dict[str, float]] = dataclasses.field(default_factory=list)
+    # Every evaluation (mid-epoch ones and each epoch's end): the accuracy-vs-time curve.
+    evaluations: List[Dict[str, float]] = dataclasses.field(default_factory=list)
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -50,75 +53,110 @@ class RunCounters:
 
     def mean_step_time_s(self):
         """Mean seconds per step for each phase and over all timed steps."""
-        means = {phase: total / count for phase, (count, total) in self.step_time.items()
-                 if count}
-        count = sum(c for c, _ in self.step_time.values())
-        if count:
-            means["all"] = sum(t for _, t in self.step_time.values()) / count
-        return means
+        return mean_step_times(self.step_time)
 
 
-class EpochRecorder(keras.callbacks.Callback):
-    """Measures a run and completes each epoch's logs.
+def mean_step_times(step_time):
+    """{phase: mean seconds} and "all" from {phase: [count, total seconds]}."""
+    means = {phase: total / count for phase, (count, total) in step_time.items() if count}
+    count = sum(c for c, _ in step_time.values())
+    if count:
+        means["all"] = sum(t for _, t in step_time.values()) / count
+    return means
 
-    Args:
-      counters: the `RunCounters` to update (restored ones when resuming).
-      communicator: averages the epoch metrics over ranks (`grouped_allreduce_mean`).
-      scalars_fn: returns extra per-epoch scalars, e.g. {"learning_rate": ..., "damping": ...}.
-      fresh_examples_fn: returns the fresh examples this rank read in the current epoch.
-      phase_fn: maps a global step index to the name of the work it did ("factor", ...).
-      target_accuracy: eval accuracy whose first crossing is recorded, or None.
-      stop_at_target: ends training once the target is reached.
+
+class StepTimer(keras.callbacks.Callback):
+    """Adds each training step's wall time to `totals[phase_fn(step)]` = [count, seconds].
+
+    The first step of each phase seen by this timer traces and compiles, so it is not
+    counted. A step's time runs from asking for its batch to its finished update, so
+    waiting on the input pipeline is included.
     """
 
-    def __init__(self, counters, communicator, scalars_fn, fresh_examples_fn, phase_fn,
-                 target_accuracy=None, stop_at_target=False):
+    def __init__(self, phase_fn, totals, first_step=0):
         super().__init__()
-        self.counters = counters
-        self._communicator = communicator
-        self._scalars_fn = scalars_fn
-        self._fresh_examples_fn = fresh_examples_fn
+        self.step = first_step
+        self.totals = totals
         self._phase_fn = phase_fn
-        self._target_accuracy = target_accuracy
-        self._stop_at_target = stop_at_target
         self._phases_seen = set()
-        self._epoch_start = None
-        self._epoch_train_time = None
         self._step_start = None
-
-    @property
-    def target_reached(self):
-        return self.counters.to_target is not None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_start = time.perf_counter()
-        self._epoch_train_time = None
 
     def on_train_batch_begin(self, batch, logs=None):
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
         elapsed = time.perf_counter() - self._step_start
-        phase = self._phase_fn(self.counters.steps)
-        self.counters.steps += 1
-        # The first step of each phase in a process traces and compiles: not a step time.
+        phase = self._phase_fn(self.step)
+        self.step += 1
         if phase not in self._phases_seen:
             self._phases_seen.add(phase)
             return
-        count, total = self.counters.step_time.get(phase, (0, 0.0))
-        self.counters.step_time[phase] = [count + 1, total + elapsed]
+        count, total = self.totals.get(phase, (0, 0.0))
+        self.totals[phase] = [count + 1, total + elapsed]
+
+
+class EpochRecorder(StepTimer):
+    """Measures a run, evaluates it on schedule, and completes each epoch's logs.
+
+    The training clock runs only while training: evaluation (at epoch ends and every
+    `eval_every_steps` steps) is paused out of it, so time to target is training time.
+
+    Args:
+      counters: the `RunCounters` to update (restored ones when resuming).
+      communicator: averages metrics over ranks (`grouped_allreduce_mean`).
+      scalars_fn: returns extra per-epoch scalars, e.g. {"learning_rate": ..., "damping": ...}.
+      fresh_examples_fn: returns the fresh examples this rank read in the current epoch.
+      phase_fn: maps a global step index to the name of the work it did ("factors", ...).
+      evaluate_fn: returns this rank's eval metrics ({"val_accuracy": ...}) mid-epoch.
+      eval_every_steps: evaluate every this many steps too (0: only at epoch ends).
+      target_accuracy: eval accuracy whose first crossing is recorded, or None.
+      stop_at_target: ends training once the target is reached.
+    """
+
+    def __init__(self, counters, communicator, scalars_fn, fresh_examples_fn, phase_fn,
+                 evaluate_fn=None, eval_every_steps=0, target_accuracy=None,
+                 stop_at_target=False):
+        super().__init__(phase_fn, counters.step_time, first_step=counters.steps)
+        self.counters = counters
+        self._communicator = communicator
+        self._scalars_fn = scalars_fn
+        self._fresh_examples_fn = fresh_examples_fn
+        self._evaluate_fn = evaluate_fn
+        self._eval_every_steps = eval_every_steps
+        self._target_accuracy = target_accuracy
+        self._stop_at_target = stop_at_target
+        self._clock_start = None
+        self._epoch_steps = 0
+
+    @property
+    def target_reached(self):
+        return self.counters.to_target is not None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_steps = 0
+        self._start_clock()
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        self.counters.steps = self.step
+        self._epoch_steps += 1
+        last_of_epoch = self._epoch_steps == self.params.get("steps")
+        if (self._eval_every_steps and self.step % self._eval_every_steps == 0
+                and not last_of_epoch):  # fit itself evaluates after the last step
+            self._stop_clock()
+            metrics = self._averaged(self._evaluate_fn())
+            fresh = self.counters.fresh_examples + self._global_fresh_examples()
+            self._record_evaluation(metrics, fresh, self.counters.epochs +
+                                    self._epoch_steps / self.params["steps"])
+            self._start_clock()
 
     def on_test_begin(self, logs=None):
-        # Evaluation inside fit ends the epoch's training time.
-        if self._epoch_start is not None and self._epoch_train_time is None:
-            self._epoch_train_time = time.perf_counter() - self._epoch_start
+        self._stop_clock()  # fit's own evaluation after the epoch's last step
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._epoch_train_time is None:
-            self._epoch_train_time = time.perf_counter() - self._epoch_start
+        self._stop_clock()
         counters = self.counters
         counters.epochs = epoch + 1
-        counters.train_time_s += self._epoch_train_time
         logs.update(self._averaged(logs))
         counters.fresh_examples += self._global_fresh_examples()
         logs.update(self._scalars_fn())
@@ -127,29 +165,44 @@ class EpochRecorder(keras.callbacks.Callback):
                "train_time_s": counters.train_time_s}
         row.update({key: float(value) for key, value in logs.items()})
         counters.history.append(row)
-        accuracy = logs.get(EVAL_ACCURACY_KEY)
+        self._record_evaluation({k: v for k, v in logs.items() if k.startswith("val_")},
+                                counters.fresh_examples, counters.epochs)
+
+    def _start_clock(self):
+        self._clock_start = time.perf_counter()
+
+    def _stop_clock(self):
+        if self._clock_start is not None:
+            self.counters.train_time_s += time.perf_counter() - self._clock_start
+            self._clock_start = None
+
+    def _record_evaluation(self, metrics, fresh_examples, epochs):
+        counters = self.counters
+        point = {"steps": counters.steps, "epochs": epochs,
+                 "train_time_s": counters.train_time_s, "fresh_examples": fresh_examples}
+        point.update(metrics)
+        counters.evaluations.append(point)
+        accuracy = metrics.get(EVAL_ACCURACY_KEY)
         if (self._target_accuracy is not None and counters.to_target is None
                 and accuracy is not None and accuracy >= self._target_accuracy):
-            counters.to_target = {"time_s": counters.train_time_s, "steps": counters.steps,
-                                  "epochs": counters.epochs,
-                                  "fresh_examples": counters.fresh_examples,
+            counters.to_target = {"time_s": point["train_time_s"], "steps": point["steps"],
+                                  "epochs": epochs, "fresh_examples": fresh_examples,
                                   "accuracy": float(accuracy)}
             if self._stop_at_target:
                 self.model.stop_training = True
 
-    def _averaged(self, logs):
-        """Epoch metrics as the mean over ranks (identity on one process)."""
-        keys = sorted(key for key, value in logs.items() if np.isscalar(value))
-        values = [tf.constant(float(logs[key]), tf.float64) for key in keys]
+    def _averaged(self, metrics):
+        """Scalar metrics as their mean over ranks (identity on one process)."""
+        keys = sorted(key for key, value in metrics.items() if np.isscalar(value))
+        values = [tf.constant(float(metrics[key]), tf.float64) for key in keys]
         averaged = self._communicator.grouped_allreduce_mean(values, category="metrics")
         return {key: float(value) for key, value in zip(keys, averaged)}
 
     def _global_fresh_examples(self):
-        """The epoch's fresh examples summed over ranks: their mean times the rank count."""
+        """This epoch's fresh examples so far, summed over ranks (mean x rank count)."""
         local = tf.constant(float(self._fresh_examples_fn()), tf.float64)
         mean = self._communicator.grouped_allreduce_mean([local], category="metrics")[0]
         return int(round(float(mean) * self._communicator.size))
-
 
 class EpochWriter(keras.callbacks.Callback):
     """Writes the recorder's history to `metrics.csv` and TensorBoard scalars (chief only).

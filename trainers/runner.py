@@ -14,8 +14,8 @@ import keras
 import pipelines
 import tfkfac
 from tfkfac import distributed
-from trainers import checkpoints, config as config_lib, data as data_lib, lr_schedules
-from trainers import models, reporting
+from trainers import checkpoints, config as config_lib, data as data_lib, data_parallel
+from trainers import lr_schedules, models, reporting
 
 SUMMARY_FILE = "summary.json"
 
@@ -26,6 +26,7 @@ def check(config, explicitly_set=()):
     `explicitly_set` names the config fields the user set (see `TrainConfig.validate`).
     """
     config.validate(explicitly_set)
+    data_lib.split_sizes(config)
     _check_model_dir(config.resolved_model_dir(), config)
 
 
@@ -34,58 +35,122 @@ def run(config, explicitly_set=()):
 
     Under horovodrun every rank calls this; only rank 0 writes files and prints logs.
     """
-    check(config, explicitly_set)
-    communicator = getattr(distributed, "get_communicator", distributed.base.SingleProcess)()
-    chief = communicator.rank == 0
-    model_dir = config.resolved_model_dir()
+    return Trainer(config, explicitly_set).train()
 
-    input_dtype = pipelines.set_precision(config.precision)
-    data = data_lib.TrainingData(config, communicator.rank, communicator.size, input_dtype)
-    total_steps = config.steps or config.epochs * data.steps_per_epoch
-    num_epochs = math.ceil(total_steps / data.steps_per_epoch)
 
-    model = models.build_model(config.model, data.input_shape, data.num_classes, config.seed)
-    optimizer = _build_optimizer(config, data.steps_per_epoch, total_steps, communicator)
-    if config.optimizer == "kfac":
-        optimizer.attach(model)
-    model.compile(optimizer=optimizer, jit_compile=config.xla, **_loss_and_metrics(config))
-    # Create every optimizer variable now: the checkpoint and the broadcast need them.
-    model.optimizer.build(model.trainable_variables)
+class Trainer:
+    """One run's assembled pieces: data, model, optimizer, checkpoints, counters.
 
-    store = checkpoints.CheckpointStore(model_dir, model, model.optimizer)
-    state = store.restore() if config.resume else None
-    counters = reporting.RunCounters.from_dict(state["counters"]) if state else (
-        reporting.RunCounters())
-    # Every rank starts from rank 0's initial (or restored) variables.
-    communicator.broadcast_variables(model.variables + model.optimizer.variables)
-    if chief:
-        os.makedirs(model_dir, exist_ok=True)
-        reporting.write_json(os.path.join(model_dir, checkpoints.CONFIG_FILE), config.to_dict())
+    Building it restores the last checkpoint when `config.resume` is set and gives every
+    rank rank 0's variables; `train()` then runs the remaining epochs. Benchmarks use the
+    pieces (`model`, `data`, ...) to time steps without a second training loop.
+    """
 
-    recorder = reporting.EpochRecorder(
-        counters, communicator,
-        scalars_fn=lambda: _optimizer_scalars(config, optimizer),
-        fresh_examples_fn=data.fresh_examples,
-        phase_fn=_phase_fn(config),
-        target_accuracy=config.target_accuracy,
-        stop_at_target=config.stop_at_target)
-    callbacks = [recorder] + ([reporting.EpochWriter(model_dir, recorder)] if chief else [])
-    eval_data = data.evaluation()
-    for epoch in range(counters.epochs, num_epochs):
-        if config.stop_at_target and recorder.target_reached:
-            break
-        model.fit(data.train(epoch), epochs=epoch + 1, initial_epoch=epoch,
-                  steps_per_epoch=min(data.steps_per_epoch, total_steps - counters.steps),
-                  validation_data=eval_data, callbacks=callbacks, shuffle=False,
-                  verbose=config.verbose if chief else 0)
-        if chief:
-            store.save(epoch + 1, {"counters": counters.to_dict()})
+    def __init__(self, config, explicitly_set=()):
+        check(config, explicitly_set)
+        self.config = config
+        self.communicator = distributed.get_communicator()
+        self.chief = self.communicator.rank == 0
+        self.model_dir = config.resolved_model_dir()
 
-    summary = _summary(config, model_dir, communicator.size, counters)
-    if chief:
-        reporting.write_json(os.path.join(model_dir, SUMMARY_FILE), summary)
-        _print_summary(summary)
-    return summary
+        input_dtype = pipelines.set_precision(config.precision)
+        self.data = data_lib.TrainingData(config, self.communicator.rank,
+                                          self.communicator.size, input_dtype)
+        self.total_steps = config.steps or config.epochs * self.data.steps_per_epoch
+        self.num_epochs = math.ceil(self.total_steps / self.data.steps_per_epoch)
+
+        self.model = models.build_model(config.model, self.data.input_shape,
+                                        self.data.num_classes, config.seed)
+        self.optimizer = _build_optimizer(config, self.data.steps_per_epoch, self.total_steps,
+                                          self.communicator)
+        if config.optimizer == "kfac":
+            self.optimizer.attach(self.model)
+        self.model.compile(optimizer=self.optimizer, jit_compile=config.xla,
+                           **_loss_and_metrics(config))
+        # Create every optimizer variable now: the checkpoint and the broadcast need them.
+        self.model.optimizer.build(self.model.trainable_variables)
+
+        self._store = checkpoints.CheckpointStore(self.model_dir, self.model,
+                                                  self.model.optimizer)
+        state = self._store.restore() if config.resume else None
+        self.counters = (reporting.RunCounters.from_dict(state["counters"]) if state
+                         else reporting.RunCounters())
+        # Every rank starts from rank 0's initial (or restored) variables.
+        self.communicator.broadcast_variables(self.model.variables +
+                                              self.model.optimizer.variables)
+
+    def train(self):
+        """Runs the epochs left, checkpointing after each; returns the run summary."""
+        config = self.config
+        if self.chief:
+            os.makedirs(self.model_dir, exist_ok=True)
+            reporting.write_json(os.path.join(self.model_dir, checkpoints.CONFIG_FILE),
+                                 config.to_dict())
+        eval_data = self.data.evaluation()
+        recorder = reporting.EpochRecorder(
+            self.counters, self.communicator,
+            scalars_fn=lambda: _optimizer_scalars(config, self.optimizer),
+            fresh_examples_fn=self.data.fresh_examples,
+            phase_fn=phase_fn(config),
+            evaluate_fn=lambda: self._evaluate_mid_epoch(eval_data),
+            eval_every_steps=config.eval_every_steps,
+            target_accuracy=config.target_accuracy,
+            stop_at_target=config.stop_at_target)
+        callbacks = [recorder]
+        if self.chief:
+            callbacks.append(reporting.EpochWriter(self.model_dir, recorder))
+        for epoch in range(self.counters.epochs, self.num_epochs):
+            if config.stop_at_target and recorder.target_reached:
+                break
+            self.model.fit(
+                self.data.train(epoch), epochs=epoch + 1, initial_epoch=epoch,
+                steps_per_epoch=min(self.data.steps_per_epoch,
+                                    self.total_steps - self.counters.steps),
+                validation_data=eval_data, callbacks=callbacks, shuffle=False,
+                verbose=config.verbose if self.chief else 0)
+            if self.chief:
+                self._store.save(epoch + 1, {"counters": self.counters.to_dict()})
+
+        summary = self.summary()
+        if self.chief:
+            reporting.write_json(os.path.join(self.model_dir, SUMMARY_FILE), summary)
+            _print_summary(summary)
+        return summary
+
+    def _evaluate_mid_epoch(self, eval_data):
+        """Eval metrics ("val_" names, like fit's), leaving the running training metrics
+        of the epoch as they were (`evaluate` resets the metrics it shares with fit)."""
+        metric_variables = self.model.metrics_variables
+        saved = [variable.numpy() for variable in metric_variables]
+        results = self.model.evaluate(eval_data, verbose=0, return_dict=True)
+        for variable, value in zip(metric_variables, saved):
+            variable.assign(value)
+        return {f"val_{name}": value for name, value in results.items()}
+
+    def summary(self):
+        """The run so far: final metrics, totals, time to target, step times, history."""
+        config, counters = self.config, self.counters
+        final = counters.history[-1] if counters.history else {}
+        summary = {
+            "model_dir": self.model_dir,
+            "config": config.to_dict(),
+            "num_ranks": self.communicator.size,
+            "eval_split": config.eval_split,
+            "final_eval_accuracy": final.get(reporting.EVAL_ACCURACY_KEY),
+            "final_metrics": final,
+            "epochs": counters.epochs,
+            "steps": counters.steps,
+            "train_time_s": counters.train_time_s,
+            "fresh_examples": counters.fresh_examples,
+            "target_accuracy": config.target_accuracy,
+            "to_target": counters.to_target,
+            "mean_step_time_s": counters.mean_step_time_s(),
+            "history": counters.history,
+            "evaluations": counters.evaluations,
+        }
+        if config.optimizer == "kfac":
+            summary["kfac"] = self.optimizer.summary()
+        return summary
 
 
 def _check_model_dir(model_dir, config):
@@ -111,14 +176,17 @@ def _jsonable(value):
 def _build_optimizer(config, steps_per_epoch, total_steps, communicator):
     learning_rate = lr_schedules.build_learning_rate(config, steps_per_epoch, total_steps)
     if config.optimizer == "sgd":
-        return keras.optimizers.SGD(learning_rate, momentum=config.momentum)
+        return data_parallel.averaging(keras.optimizers.SGD, communicator)(
+            learning_rate, momentum=config.momentum)
     if config.optimizer == "adam":
-        return keras.optimizers.Adam(learning_rate)
+        return data_parallel.averaging(keras.optimizers.Adam, communicator)(learning_rate)
+    # K-FAC averages gradients (and factors) over ranks itself.
     return tfkfac.KFAC(
         learning_rate=learning_rate, damping=config.damping, momentum=config.momentum,
         kl_clip=config.kl_clip, factor_update_freq=config.factor_update_freq,
-        inv_update_freq=config.inv_update_freq, method=config.kfac_method,
-        communicator=communicator)
+        inv_update_freq=config.inv_update_freq, method=config.kfac_method, xla=config.xla,
+        placement=config.kfac_placement, factor_wire_dtype=config.factor_wire_dtype,
+        eigen_wire_dtype=config.eigen_wire_dtype, communicator=communicator)
 
 
 def _loss_and_metrics(config):
@@ -143,7 +211,7 @@ def _optimizer_scalars(config, optimizer):
     return scalars
 
 
-def _phase_fn(config):
+def phase_fn(config):
     """Names the K-FAC work a step does, so step times can be reported per phase."""
     if config.optimizer != "kfac":
         return lambda step: "step"
@@ -156,26 +224,6 @@ def _phase_fn(config):
         return "stale"
 
     return phase
-
-
-def _summary(config, model_dir, num_ranks, counters):
-    final = counters.history[-1] if counters.history else {}
-    return {
-        "model_dir": model_dir,
-        "config": config.to_dict(),
-        "num_ranks": num_ranks,
-        "eval_split": config.eval_split,
-        "final_eval_accuracy": final.get(reporting.EVAL_ACCURACY_KEY),
-        "final_metrics": final,
-        "epochs": counters.epochs,
-        "steps": counters.steps,
-        "train_time_s": counters.train_time_s,
-        "fresh_examples": counters.fresh_examples,
-        "target_accuracy": config.target_accuracy,
-        "to_target": counters.to_target,
-        "mean_step_time_s": counters.mean_step_time_s(),
-        "history": counters.history,
-    }
 
 
 def _print_summary(summary):

@@ -50,8 +50,10 @@ flags.DEFINE_integer("inv_update_freq", _DEFAULTS.inv_update_freq,
 flags.DEFINE_float("kl_clip", _DEFAULTS.kl_clip, "K-FAC KL clip kappa; 0 turns it off.")
 flags.DEFINE_enum("kfac_method", _DEFAULTS.kfac_method, config_lib.KFAC_METHODS,
                   "K-FAC preconditioning: eigendecomposition or factored inverses.")
-flags.DEFINE_string("kfac_placement", None,
-                    "Distributed K-FAC: where preconditioning runs (see tfkfac.distributed).")
+flags.DEFINE_enum("kfac_placement", _DEFAULTS.kfac_placement, config_lib.KFAC_PLACEMENTS,
+                  "Distributed K-FAC: replicated (every rank holds every eigenbasis and "
+                  "preconditions all layers; stale steps send only gradients) or owner "
+                  "(each layer's owner preconditions it and shares the result every step).")
 flags.DEFINE_enum("factor_wire_dtype", _DEFAULTS.factor_wire_dtype, config_lib.WIRE_DTYPES,
                   "Distributed K-FAC: dtype of factors on the wire.")
 flags.DEFINE_enum("eigen_wire_dtype", _DEFAULTS.eigen_wire_dtype, config_lib.WIRE_DTYPES,
@@ -78,6 +80,9 @@ flags.DEFINE_float("read_latency", _DEFAULTS.read_latency,
                    "Simulated storage latency per example in seconds (slow input demo).")
 flags.DEFINE_enum("precision", _DEFAULTS.precision, config_lib.PRECISIONS,
                   "Keras dtype policy; mixed policies keep float32 variables and K-FAC state.")
+flags.DEFINE_integer("eval_every_steps", _DEFAULTS.eval_every_steps,
+                     "Also evaluate every this many steps (finer time-to-target and "
+                     "accuracy-vs-time curves); 0 evaluates at epoch ends only.")
 flags.DEFINE_float("target_accuracy", None,
                    "Eval accuracy whose first crossing is reported (time, steps, epochs, "
                    "fresh examples).")
@@ -88,7 +93,9 @@ flags.DEFINE_string("model_dir", None, "Where logs and checkpoints go (default: 
 flags.DEFINE_bool("resume", _DEFAULTS.resume,
                   "Continue the run in --model_dir from its last checkpoint.")
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of initialization and data order.")
-flags.DEFINE_bool("xla", _DEFAULTS.xla, "Compile the train step with XLA.")
+flags.DEFINE_bool("xla", _DEFAULTS.xla,
+                  "Compile with XLA: the whole train step for sgd/adam, K-FAC's local stages "
+                  "(factors, decompositions, preconditioning) for kfac.")
 flags.DEFINE_enum("verbose", str(_DEFAULTS.verbose), ["0", "1", "2"],
                   "Keras fit verbosity: 0 silent, 1 progress bar, 2 one line per epoch.")
 

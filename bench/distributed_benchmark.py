@@ -1,0 +1,440 @@
+"""Distributed K-FAC benchmark: 1 process vs 2 Horovod ranks on this machine.
+
+Same global batch (strong scaling): one process with batch G against 2 ranks with G/2
+each, for the MLP and the small CNN of `trainers/models.py` on real Fashion-MNIST, with
+`tfkfac.KFAC` in `model.fit` (factor_update_freq 5, inv_update_freq 20 by default).
+Measured after warm-up steps (XLA compiles, first factor and inverse steps):
+- time per training step (wall clock over the timed window; the slowest rank);
+- decomposition phase per inverse step (`opt.summary()["phase_seconds"]`, which for 2
+  ranks includes the exchange), on the slowest rank vs the single process;
+- bytes per step handed to collectives (`comm.bytes_sent()`), per category, by placement
+  and wire dtype, amortized over the timed window, plus the bytes of one factor step and
+  one inverse step (measured in the warm-up);
+for "replicated" and "owner" placements, float32 wires (timed) and float16/bfloat16
+wires (bytes only, warm-up steps). Each rank uses cores/ranks intra-op threads.
+
+Run (about 5 minutes on 2 loaded cores; in the background):
+  cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/distributed_benchmark.py \\
+      > /tmp/distributed_benchmark.log 2>&1 &
+Writes bench/results/distributed.json and distributed.png; prints the ratios.
+"""
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["mlp", "cnn"], "Models of trainers/models.py to measure.")
+flags.DEFINE_integer("global_batch", 128, "Examples per step over all ranks.")
+flags.DEFINE_integer("warmup_steps", 6, "Untimed steps (include a factor and an inverse step).")
+flags.DEFINE_integer("timed_steps", 40, "Timed steps per configuration.")
+flags.DEFINE_integer("factor_update_freq", 5, "K-FAC factor update interval.")
+flags.DEFINE_integer("inv_update_freq", 10, "K-FAC decomposition interval.")
+flags.DEFINE_list("timed_configs", ["replicated:float32:float32", "owner:float32:float32"],
+                  "2-rank configurations timed: placement:factor_wire:eigen_wire.")
+flags.DEFINE_list("bytes_configs", ["replicated:float16:float16", "owner:float16:float16"],
+                  "2-rank configurations run for the warm-up steps only (bytes).")
+flags.DEFINE_integer("num_ranks", 2, "Ranks of the distributed run.")
+flags.DEFINE_integer("timeout", 900, "Seconds before a run is killed.")
+flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                               "results"),
+                    "Where distributed.json and distributed.png go.")
+flags.DEFINE_string("worker_out", None, "Internal: run as a worker, write results here.")
+
+PHASES = ("factors", "decomposition", "precondition", "update")
+
+
+# ----------------------------------------------------------------------------- worker
+def worker_main(out_path):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfkfac
+    from pipelines import idx_dataset
+    from tfkfac import distributed
+    from trainers import models
+
+    # Threading must be set before TensorFlow starts (the communicator makes variables).
+    threads = max(1, (os.cpu_count() or 1) // distributed.launched_world_size())
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    comm = distributed.get_communicator("auto")
+    local_batch = FLAGS.global_batch // comm.size
+    total_steps = FLAGS.warmup_steps + FLAGS.timed_steps
+    ds = idx_dataset.load_idx("fashion_mnist", f"train[:{total_steps * FLAGS.global_batch}]")
+    x, y = next(iter(ds.map(lambda e: (tf.cast(e["image"], tf.float32) / 255.0, e["label"]))
+                     .batch(total_steps * FLAGS.global_batch)))
+    # Rank r takes the r-th part of every global batch.
+    shape = (total_steps, comm.size, local_batch)
+    x = x.numpy().reshape(shape + (28, 28, 1))[:, comm.rank].reshape((-1, 28, 28, 1))
+    y = y.numpy().reshape(shape)[:, comm.rank].reshape(-1)
+
+    class Probe(keras.callbacks.Callback):
+        """Per-step bytes in the warm-up; time, phases and bytes over the timed window."""
+
+        def __init__(self, optimizer, warmup):
+            super().__init__()
+            self.optimizer, self.warmup = optimizer, warmup
+            self.warmup_bytes, self.marks = [], {}
+            self.times, self.decomposition = [], []  # After every step.
+
+        def snapshot(self):
+            summary = self.optimizer.summary()
+            return {"time": time.perf_counter(), "bytes": comm.bytes_sent(),
+                    "calls": comm.collective_calls(), "phases": summary["phase_seconds"],
+                    "counters": summary["counters"]}
+
+        def on_train_begin(self, logs=None):
+            comm.reset_counters()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter())
+            self.decomposition.append(
+                self.optimizer.summary()["phase_seconds"]["decomposition"])
+            if batch < self.warmup:
+                self.warmup_bytes.append(comm.bytes_sent())
+            if batch == self.warmup - 1:
+                self.marks["start"] = self.snapshot()
+
+        def on_train_end(self, logs=None):
+            self.marks["end"] = self.snapshot()
+
+    def measure(model_name, placement, factor_wire, eigen_wire, steps):
+        model = models.build_model(model_name, (28, 28, 1), 10, seed=0)
+        optimizer = tfkfac.KFAC(
+            learning_rate=0.02, damping=1e-2, placement=placement,
+            factor_wire_dtype=factor_wire, eigen_wire_dtype=eigen_wire,
+            factor_update_freq=FLAGS.factor_update_freq,
+            inv_update_freq=FLAGS.inv_update_freq, communicator=comm).attach(model)
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        probe = Probe(optimizer, FLAGS.warmup_steps)
+        start = time.perf_counter()
+        model.fit(x[: steps * local_batch], y[: steps * local_batch], batch_size=local_batch,
+                  epochs=1, shuffle=False, verbose=0, callbacks=[probe])
+        result = {
+            "model": model_name, "placement": placement, "factor_wire": factor_wire,
+            "eigen_wire": eigen_wire, "rank": comm.rank, "size": comm.size,
+            "threads": threads, "local_batch": local_batch, "steps": steps,
+            "wall_seconds": time.perf_counter() - start,
+            "parameters": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
+            "factor_dims": [s[0] for b in optimizer.summary()["managed"]
+                            for s in b["factor_shapes"] if len(s) == 2],
+            "warmup_bytes": probe.warmup_bytes,
+        }
+        if steps > FLAGS.warmup_steps:
+            a, b = probe.marks["start"], probe.marks["end"]
+            timed = steps - FLAGS.warmup_steps
+            result["timed"] = {
+                "steps": timed,
+                "step_seconds": (b["time"] - a["time"]) / timed,
+                "phase_seconds": {p: b["phases"][p] - a["phases"][p] for p in PHASES},
+                "factor_updates": b["counters"]["factor_updates"]
+                - a["counters"]["factor_updates"],
+                "decomposition_updates": b["counters"]["decomposition_updates"]
+                - a["counters"]["decomposition_updates"],
+                "bytes_per_step": {c: (b["bytes"][c] - a["bytes"][c]) / timed
+                                   for c in b["bytes"]},
+                "calls_per_step": {c: (b["calls"][c] - a["calls"][c]) / timed
+                                   for c in b["calls"]},
+                # Per step s of the window (s = warmup .. steps-1): its wall time and
+                # its decomposition-phase seconds.
+                "step_seconds_each": list(np.diff(probe.times[FLAGS.warmup_steps - 1:])),
+                "decomposition_seconds_each":
+                    list(np.diff(probe.decomposition[FLAGS.warmup_steps - 1:])),
+            }
+        print(f"rank {comm.rank}/{comm.size}: {model_name} {placement} {factor_wire}/"
+              f"{eigen_wire} {steps} steps in {result['wall_seconds']:.1f} s", flush=True)
+        return result
+
+    results = []
+    total = FLAGS.warmup_steps + FLAGS.timed_steps
+    for model_name in FLAGS.models:
+        if comm.size == 1:
+            results.append(measure(model_name, "replicated", "float32", "float32", total))
+            continue
+        for config in FLAGS.timed_configs:
+            results.append(measure(model_name, *config.split(":"), total))
+        for config in FLAGS.bytes_configs:
+            results.append(measure(model_name, *config.split(":"), FLAGS.warmup_steps))
+    with open(f"{out_path}.rank{comm.rank}.json", "w") as f:
+        json.dump(results, f)
+
+
+# ----------------------------------------------------------------------------- driver
+def _run(command, timeout, env):
+    start = time.time()
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=env, start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        raise RuntimeError(f"{command[:6]} did not finish in {timeout} s:\n{output[-3000:]}")
+    if job.returncode:
+        raise RuntimeError(f"{command[:6]} exited {job.returncode}:\n{output[-3000:]}")
+    print(f"{' '.join(command[:6])} ... took {time.time() - start:.0f} s", flush=True)
+    return [line for line in output.splitlines() if "steps in" in line]
+
+
+def _worker_args(out):
+    args = [os.path.abspath(__file__), f"--worker_out={out}"]
+    for name in ("models", "timed_configs", "bytes_configs"):
+        args.append(f"--{name}={','.join(getattr(FLAGS, name))}")
+    for name in ("global_batch", "warmup_steps", "timed_steps", "factor_update_freq",
+                 "inv_update_freq"):
+        args.append(f"--{name}={getattr(FLAGS, name)}")
+    return args
+
+
+def run_all(work_dir):
+    venv_bin = os.path.dirname(sys.executable)
+    env = dict(os.environ, PATH=os.pathsep.join([venv_bin, os.environ.get("PATH", "")]),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    for variable in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        env.pop(variable, None)
+    single = os.path.join(work_dir, "single")
+    multi = os.path.join(work_dir, "multi")
+    for line in _run([sys.executable] + _worker_args(single), FLAGS.timeout, env):
+        print("  " + line)
+    horovodrun = shutil.which("horovodrun", path=env["PATH"])
+    n = FLAGS.num_ranks
+    for line in _run([horovodrun, "--gloo", "-np", str(n), "-H", f"localhost:{n}",
+                      sys.executable] + _worker_args(multi), FLAGS.timeout, env):
+        print("  " + line)
+    load = lambda path: json.load(open(path))
+    return (load(f"{single}.rank0.json"),
+            [load(f"{multi}.rank{r}.json") for r in range(n)])
+
+
+def _fmt(value, digits=3):
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _timing(timed_ranks):
+    """Times of the window; with several ranks each step counts at its slowest rank.
+
+    step_seconds: mean over the window (amortizes factor and inverse steps);
+    median_step_seconds: the typical (stale) step; decomposition: the decomposition
+    phase of each inverse step (s % inv_update_freq == 0), median and min over them.
+    The machine is shared, so the min is the least disturbed measurement.
+    """
+    steps = range(len(timed_ranks[0]["step_seconds_each"]))
+    slowest = lambda key, i: max(t[key][i] for t in timed_ranks)
+    inverse = [i for i in steps if (FLAGS.warmup_steps + i) % FLAGS.inv_update_freq == 0]
+    decomposition = [slowest("decomposition_seconds_each", i) for i in inverse]
+    return {
+        "step_seconds": max(t["step_seconds"] for t in timed_ranks),
+        "median_step_seconds": statistics.median(slowest("step_seconds_each", i)
+                                                 for i in steps),
+        "decomposition_seconds_per_inverse_step":
+            statistics.median(decomposition) if decomposition else None,
+        "decomposition_seconds_min": min(decomposition) if decomposition else None,
+        "decomposition_seconds_each_inverse_step": decomposition,
+    }
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _lpt_shares(dims, size):
+    """Share of the total dim^3 cost each rank owns under the LPT assignment (replicated)."""
+    from tfkfac import distributed
+
+    costs = [distributed.eigen_cost(n) for n in dims]
+    loads = distributed.rank_loads(costs, distributed.lpt_assignment(costs, size), size)
+    return [load / sum(costs) for load in loads]
+
+
+def _step_bytes(warmup_bytes, step):
+    before = warmup_bytes[step - 1] if step else {c: 0 for c in warmup_bytes[0]}
+    return {c: warmup_bytes[step][c] - before[c] for c in warmup_bytes[step]}
+
+
+def summarize(single, per_rank):
+    """One entry per model: the single process and each 2-rank configuration."""
+    report = {"settings": {
+        "global_batch": FLAGS.global_batch, "warmup_steps": FLAGS.warmup_steps,
+        "timed_steps": FLAGS.timed_steps, "factor_update_freq": FLAGS.factor_update_freq,
+        "inv_update_freq": FLAGS.inv_update_freq, "num_ranks": FLAGS.num_ranks,
+        "cpu_count": os.cpu_count(), "load_average_1min": os.getloadavg()[0]},
+        "models": {}}
+    for base in single:
+        name = base["model"]
+        timed = base["timed"]
+        entry = {
+            "parameters": base["parameters"], "factor_dims": base["factor_dims"],
+            "lpt_cost_share_per_rank": _lpt_shares(base["factor_dims"], FLAGS.num_ranks),
+            "single": dict(_timing([timed]), threads=base["threads"],
+                           batch=base["local_batch"], phase_seconds=timed["phase_seconds"]),
+            "distributed": []}
+        configs = [r for r in per_rank[0] if r["model"] == name]
+        for index, config in enumerate(configs):
+            ranks = [[r for r in results if r["model"] == name][index] for results in per_rank]
+            row = {"placement": config["placement"], "factor_wire": config["factor_wire"],
+                   "eigen_wire": config["eigen_wire"], "batch_per_rank": config["local_batch"],
+                   "threads_per_rank": config["threads"]}
+            # Warm-up step 0 is a factor + inverse step; step 1 is stale; the first
+            # factor-only step is factor_update_freq (if inside the warm-up).
+            per_step = [_step_bytes(r["warmup_bytes"], 0) for r in ranks]
+            row["inverse_step_bytes_per_rank"] = [sum(b.values()) for b in per_step]
+            row["factor_bytes_per_factor_step"] = per_step[0]["factors"]
+            row["eigen_bytes_per_inverse_step_all_ranks"] = sum(b["eigen"] for b in per_step)
+            stale = [_step_bytes(r["warmup_bytes"], 1) for r in ranks]
+            row["stale_step_bytes_mean_of_ranks"] = {
+                c: sum(b[c] for b in stale) / len(stale) for c in stale[0]}
+            if "timed" in config:
+                timed_ranks = [r["timed"] for r in ranks]
+                row.update(_timing(timed_ranks))
+                single_row = entry["single"]
+                row.update({
+                    "speedup_vs_single": _ratio(single_row["step_seconds"],
+                                                row["step_seconds"]),
+                    "median_step_speedup_vs_single": _ratio(
+                        single_row["median_step_seconds"], row["median_step_seconds"]),
+                    "decomposition_speedup_vs_single": _ratio(
+                        single_row["decomposition_seconds_per_inverse_step"],
+                        row["decomposition_seconds_per_inverse_step"]),
+                    "phase_seconds_per_rank": [t["phase_seconds"] for t in timed_ranks],
+                    "bytes_per_step_per_rank": [t["bytes_per_step"] for t in timed_ranks],
+                    "calls_per_step": timed_ranks[0]["calls_per_step"],
+                })
+            entry["distributed"].append(row)
+        report["models"][name] = entry
+    return report
+
+
+def plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    names = list(report["models"])
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    axes = axes.ravel()
+    width = 0.25
+    # (1) mean step time, (2) median step time, (3) decomposition per inverse step.
+    for ax, key, title in (
+            (axes[0], "step_seconds", "mean time per training step (s)"),
+            (axes[1], "median_step_seconds", "median time per step (s): a stale step"),
+            (axes[2], "decomposition_seconds_per_inverse_step",
+             "decomposition phase per inverse step (s, median)\n"
+             "2 ranks: slowest rank, exchange included")):
+        for i, name in enumerate(names):
+            entry = report["models"][name]
+            rows = [r for r in entry["distributed"] if key in r]
+            bars = [("1 process", entry["single"][key])] + [
+                (f"{FLAGS.num_ranks} ranks {r['placement']}", r[key]) for r in rows]
+            for j, (label, value) in enumerate(bars):
+                value = value or 0.0  # No inverse step in the timed window.
+                ax.bar(i + (j - 1) * width, value, width, color=f"C{j}",
+                       label=label if i == 0 else None)
+                ax.text(i + (j - 1) * width, value, f"{value:.3g}", ha="center",
+                        va="bottom", fontsize=7)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    # (4) bytes per step by configuration (amortized over the schedule), stacked.
+    ax = axes[3]
+    categories = ("gradients", "factors", "eigen", "preconditioned")
+    labels, stacks = [], []
+    for name in names:
+        for row in report["models"][name]["distributed"]:
+            labels.append(f"{name}\n{row['placement'][:5]}\n{row['factor_wire']}")
+            stacks.append([row["amortized_bytes_per_step_per_rank"][c] / 1e6
+                           for c in categories])
+    bottom = [0.0] * len(labels)
+    for k, category in enumerate(categories):
+        values = [s[k] for s in stacks]
+        ax.bar(range(len(labels)), values, 0.6, bottom=bottom, label=category, color=f"C{k}")
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.margins(y=0.1)
+    ax.set_xticks(range(len(labels)), labels, fontsize=6)
+    ax.set_title(f"MB per step per rank (amortized: factors every "
+                 f"{FLAGS.factor_update_freq}, inverse every {FLAGS.inv_update_freq})")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"Distributed K-FAC on {report['settings']['cpu_count']} cores: 1 process "
+                 f"vs {FLAGS.num_ranks} Gloo ranks, global batch {FLAGS.global_batch}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_amortized_bytes(report):
+    """Bytes per step per rank (mean of ranks) under the benchmark's update schedule,
+    from the measured per-step bytes: gradients (and preconditioned) every step,
+    factors every factor_update_freq steps, decompositions every inv_update_freq."""
+    for entry in report["models"].values():
+        for row in entry["distributed"]:
+            stale = row["stale_step_bytes_mean_of_ranks"]
+            n = FLAGS.num_ranks
+            row["amortized_bytes_per_step_per_rank"] = {
+                "gradients": stale["gradients"],
+                "preconditioned": stale["preconditioned"],
+                "factors": row["factor_bytes_per_factor_step"] / FLAGS.factor_update_freq,
+                "eigen": row["eigen_bytes_per_inverse_step_all_ranks"] / n
+                / FLAGS.inv_update_freq,
+            }
+            row["amortized_bytes_per_step_per_rank"]["total"] = sum(
+                row["amortized_bytes_per_step_per_rank"].values())
+
+
+def main(argv):
+    del argv
+    if FLAGS.worker_out:
+        worker_main(FLAGS.worker_out)
+        return
+    start = time.time()
+    with tempfile.TemporaryDirectory() as work_dir:
+        single, per_rank = run_all(work_dir)
+    report = summarize(single, per_rank)
+    add_amortized_bytes(report)
+    report["settings"]["benchmark_seconds"] = time.time() - start
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    json_path = os.path.join(FLAGS.output_dir, "distributed.json")
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=1)
+    plot(report, os.path.join(FLAGS.output_dir, "distributed.png"))
+    for name, entry in report["models"].items():
+        single_row = entry["single"]
+        print(f"{name}: {entry['parameters']} parameters, factor dims {entry['factor_dims']}")
+        print(f"  LPT share of the dim^3 cost per rank: "
+              f"{[round(x, 3) for x in entry['lpt_cost_share_per_rank']]}")
+        print(f"  1 process: {single_row['step_seconds'] * 1e3:.1f} ms/step (median "
+              f"{single_row['median_step_seconds'] * 1e3:.1f}), decomposition "
+              f"{_fmt(single_row['decomposition_seconds_per_inverse_step'])} s per inverse "
+              f"step (min {_fmt(single_row['decomposition_seconds_min'])})")
+        for row in entry["distributed"]:
+            label = f"{row['placement']:>10} {row['factor_wire']}/{row['eigen_wire']}"
+            text = (f"  {FLAGS.num_ranks} ranks {label}: "
+                    f"{row['amortized_bytes_per_step_per_rank']['total'] / 1e3:.1f} kB/step/rank"
+                    f" (factor step {row['factor_bytes_per_factor_step'] / 1e3:.1f} kB)")
+            if "step_seconds" in row:
+                text += (f", {row['step_seconds'] * 1e3:.1f} ms/step "
+                         f"(x{_fmt(row['speedup_vs_single'], 2)} vs 1 process; median "
+                         f"{row['median_step_seconds'] * 1e3:.1f} ms, "
+                         f"x{_fmt(row['median_step_speedup_vs_single'], 2)}), decomposition "
+                         f"{_fmt(row['decomposition_seconds_per_inverse_step'])} s on the "
+                         f"slowest rank (x{_fmt(row['decomposition_speedup_vs_single'], 2)}"
+                         f"; min {_fmt(row['decomposition_seconds_min'])} s)")
+            print(text)
+    print(f"wrote {json_path} and distributed.png in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,213 @@
+"""Wall time and steps to a target test accuracy: K-FAC vs SGD with momentum vs Adam on
+real Fashion-MNIST, plus the deep autoencoder's training error against time.
+
+Every trial is one run of the trainer (`trainers.runner.run`, what
+`python -m trainers.train` runs), so the numbers are what a user gets from the flags
+recorded beside them. Protocol, identical for the three optimizers:
+1. Tuning: the same budget of `len(grid)` trials each (the grids are below: learning
+   rates for SGD and Adam; damping for K-FAC, whose KL clip sets its step length, so
+   its learning rate barely matters), `--tune_epochs` epochs on train[:54000], scored
+   by accuracy on the held-out train[54000:]. The best setting is kept.
+2. Measurement: the kept setting with `--seeds` seeds on the full train split, test
+   accuracy every `--eval_every_steps` steps, up to `--max_epochs` epochs, stopping at
+   `--target_accuracy`. Reported: median training wall time (evaluation excluded) and
+   steps to the target over the seeds, the accuracy-vs-time curves, and the ratios
+   K-FAC / SGD.
+3. Autoencoder (Martens & Grosse 784-1000-500-250-30-250-500-1000-784): each optimizer
+   at a stated setting for `--autoencoder_epochs`; squared reconstruction error on
+   train[:10000] against training time.
+
+Runs live in `--work_dir`; a finished trial is read back instead of rerun and an
+interrupted one resumes from its checkpoint, so the benchmark can be restarted.
+
+Run (hours on 2 cores; in the background):
+  cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/time_to_accuracy.py \
+      > /tmp/time_to_accuracy.log 2>&1 &
+Writes bench/results/time_to_accuracy.json and .png and prints the ratios.
+"""
+
+import json
+import os
+import platform
+import statistics
+
+from absl import app, flags
+import matplotlib
+import tensorflow as tf
+
+from trainers import checkpoints, config as config_lib, runner
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["cnn", "resnet20"], "Classifiers to measure.")
+flags.DEFINE_list("optimizers", ["kfac", "sgd", "adam"], "Optimizers to compare.")
+flags.DEFINE_float("target_accuracy", 0.90, "Test accuracy to reach.")
+flags.DEFINE_integer("seeds", 3, "Seeds per optimizer in the measurement.")
+flags.DEFINE_integer("tune_epochs", 2, "Epochs of each tuning trial.")
+flags.DEFINE_integer("max_epochs", 10, "Epoch budget of each measured run.")
+flags.DEFINE_integer("eval_every_steps", 100, "Steps between test evaluations.")
+flags.DEFINE_integer("batch_size", 128, "Examples per step.")
+flags.DEFINE_integer("autoencoder_epochs", 5, "Epochs of each autoencoder run (0 skips it).")
+flags.DEFINE_string("work_dir", "/tmp/tfkfac_time_to_accuracy",
+                    "Where the trials' runs (checkpoints, logs) go.")
+flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                               "results"), "Where the JSON and PNG go.")
+
+TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
+# Tuning grids: the same number of trials for every optimizer.
+GRIDS = {
+    "sgd": [dict(learning_rate=lr) for lr in (0.01, 0.03, 0.1, 0.3)],
+    "adam": [dict(learning_rate=lr) for lr in (3e-4, 1e-3, 3e-3, 1e-2)],
+    "kfac": [dict(damping=d) for d in (1e-3, 3e-3, 1e-2, 3e-2)],
+}
+AUTOENCODER_SETTINGS = {
+    "sgd": dict(learning_rate=0.1),
+    "adam": dict(learning_rate=1e-3),
+    "kfac": dict(damping=1e-2),
+}
+AUTOENCODER_EVAL_SPLIT = "train[:10000]"
+
+
+def trial(name, **settings):
+    """Runs (or reads back) one trainer run in `work_dir/name`; returns its summary."""
+    model_dir = os.path.join(FLAGS.work_dir, name)
+    summary_path = os.path.join(model_dir, runner.SUMMARY_FILE)
+    if os.path.exists(summary_path):
+        with open(summary_path, encoding="utf-8") as f:
+            return json.load(f)
+    config = config_lib.TrainConfig(
+        model_dir=model_dir, batch_size=FLAGS.batch_size, verbose=2,
+        resume=checkpoints.read_state(model_dir) is not None, **settings)
+    print(f"--- {name}: {json.dumps(settings, sort_keys=True)}", flush=True)
+    return runner.run(config)
+
+
+def tune(model, optimizer):
+    """The grid setting with the best validation accuracy after `tune_epochs` epochs."""
+    scores = []
+    for index, setting in enumerate(GRIDS[optimizer]):
+        summary = trial(f"{model}-{optimizer}-tune{index}", model=model, optimizer=optimizer,
+                        train_split=TUNE_SPLIT, eval_split=VALIDATION_SPLIT,
+                        epochs=FLAGS.tune_epochs, **setting)
+        scores.append({"setting": setting,
+                       "validation_accuracy": summary["final_eval_accuracy"]})
+    best = max(scores, key=lambda s: s["validation_accuracy"])
+    return {"trials": scores, "best": best["setting"]}
+
+
+def measure(model, optimizer, setting):
+    runs = []
+    for seed in range(FLAGS.seeds):
+        summary = trial(f"{model}-{optimizer}-seed{seed}", model=model, optimizer=optimizer,
+                        seed=seed, epochs=FLAGS.max_epochs,
+                        eval_every_steps=FLAGS.eval_every_steps,
+                        target_accuracy=FLAGS.target_accuracy, stop_at_target=True,
+                        **setting)
+        runs.append({"seed": seed, "to_target": summary["to_target"],
+                     "mean_step_time_s": summary["mean_step_time_s"]["all"],
+                     "curve": [(p["train_time_s"], p["steps"], p["val_accuracy"])
+                               for p in summary["evaluations"]]})
+    reached = [r["to_target"] for r in runs if r["to_target"] is not None]
+    return {"setting": setting, "runs": runs, "reached": len(reached),
+            "median_time_s": _median_if_all(reached, runs, "time_s"),
+            "median_steps": _median_if_all(reached, runs, "steps"),
+            "median_step_time_s": statistics.median(r["mean_step_time_s"] for r in runs)}
+
+
+def _median_if_all(reached, runs, key):
+    """Median over the seeds, or None unless every seed reached the target."""
+    if len(reached) < len(runs):
+        return None
+    return statistics.median(r[key] for r in reached)
+
+
+def autoencoder(optimizer):
+    setting = AUTOENCODER_SETTINGS[optimizer]
+    summary = trial(f"autoencoder-{optimizer}", model="autoencoder", optimizer=optimizer,
+                    eval_split=AUTOENCODER_EVAL_SPLIT, epochs=FLAGS.autoencoder_epochs,
+                    eval_every_steps=FLAGS.eval_every_steps, **setting)
+    return {"setting": setting,
+            "final_train_squared_error": summary["final_metrics"].get("val_squared_error"),
+            "curve": [(p["train_time_s"], p["steps"], p["val_squared_error"])
+                      for p in summary["evaluations"]]}
+
+
+def ratios(results):
+    """K-FAC / SGD for median time and steps to target, where both reached it."""
+    kfac, sgd = results.get("kfac"), results.get("sgd")
+    if not kfac or not sgd or None in (kfac["median_time_s"], sgd["median_time_s"]):
+        return None
+    return {"time": kfac["median_time_s"] / sgd["median_time_s"],
+            "steps": kfac["median_steps"] / sgd["median_steps"]}
+
+
+def plot(report, path):
+    panels = list(report["models"]) + (["autoencoder"] if report["autoencoder"] else [])
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2),
+                                squeeze=False)
+    for axis, panel in zip(axes[0], panels):
+        if panel == "autoencoder":
+            for optimizer, result in report["autoencoder"].items():
+                times, _, errors = zip(*result["curve"])
+                axis.plot(times, errors, label=optimizer)
+            axis.set_yscale("log")
+            axis.set_ylabel(f"squared error on {AUTOENCODER_EVAL_SPLIT}")
+            axis.set_title("Deep autoencoder: training error")
+        else:
+            for optimizer, result in report["models"][panel]["optimizers"].items():
+                for run in result["runs"]:
+                    times, _, accuracies = zip(*run["curve"])
+                    axis.plot(times, accuracies, color=f"C{FLAGS.optimizers.index(optimizer)}",
+                              alpha=0.8, label=optimizer if run["seed"] == 0 else None)
+            axis.axhline(report["target_accuracy"], color="gray", linestyle="--",
+                         linewidth=0.8, label="target")
+            axis.set_ylim(0.7, 0.95)
+            axis.set_ylabel("test accuracy")
+            axis.set_title(f"{panel} on Fashion-MNIST ({report['seeds']} seeds each)")
+        axis.set_xlabel("training wall time (s)")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv):
+    del argv
+    report = {
+        "target_accuracy": FLAGS.target_accuracy, "seeds": FLAGS.seeds,
+        "batch_size": FLAGS.batch_size, "tune_epochs": FLAGS.tune_epochs,
+        "max_epochs": FLAGS.max_epochs, "eval_every_steps": FLAGS.eval_every_steps,
+        "tuning": {"grids": {o: GRIDS[o] for o in FLAGS.optimizers},
+                   "train_split": TUNE_SPLIT, "validation_split": VALIDATION_SPLIT},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "tensorflow": tf.__version__, "load_average_at_start": os.getloadavg()},
+        "models": {}, "autoencoder": {},
+    }
+    for model in FLAGS.models:
+        results = {}
+        for optimizer in FLAGS.optimizers:
+            tuning = tune(model, optimizer)
+            results[optimizer] = dict(measure(model, optimizer, tuning["best"]),
+                                      tuning=tuning["trials"])
+            print(f"{model} {optimizer}: {json.dumps({k: results[optimizer][k] for k in ('setting', 'reached', 'median_time_s', 'median_steps')})}",
+                  flush=True)
+        report["models"][model] = {"optimizers": results, "kfac_over_sgd": ratios(results)}
+        print(f"{model} K-FAC/SGD: {report['models'][model]['kfac_over_sgd']}", flush=True)
+    if FLAGS.autoencoder_epochs:
+        for optimizer in FLAGS.optimizers:
+            report["autoencoder"][optimizer] = autoencoder(optimizer)
+            print(f"autoencoder {optimizer}: final squared error "
+                  f"{report['autoencoder'][optimizer]['final_train_squared_error']:.3f}",
+                  flush=True)
+    report["machine"]["load_average_at_end"] = os.getloadavg()
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    with open(os.path.join(FLAGS.output_dir, "time_to_accuracy.json"), "w",
+              encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    plot(report, os.path.join(FLAGS.output_dir, "time_to_accuracy.png"))
+    print(f"wrote {FLAGS.output_dir}/time_to_accuracy.json and time_to_accuracy.png")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,200 @@
+"""One rank of the 2-rank K-FAC job launched by tests/test_distributed_kfac.py.
+
+Every scenario trains with `model.fit` and `tfkfac.KFAC` on the Horovod communicator and
+saves what this rank holds to `$DISTRIBUTED_KFAC_OUT_DIR/<scenario>.rank<r>.npz`:
+- `sync`: 20 steps on this rank's shard of real Fashion-MNIST (Conv2D + BatchNorm +
+  Dense), models initialized differently per rank (attach must broadcast): every model
+  and optimizer variable, collective calls/bytes after every step, factors after step 0.
+- `sync_float16`: its first step again with float16 factors on the wire.
+- `equivalence_<placement>_<method>`: per-rank batch B of fixed global batches of 2B,
+  factor_update_freq = inv_update_freq = 5 over 6 steps, some with
+  `steps_per_execution` > 1 (Keras then runs the steps in a tf.while_loop); the test
+  runs the same function in one process with batch 2B (`run_equivalence`).
+Last, rank 1 raises inside `model.fit` while rank 0 trains on: the job must end.
+Everything the test needs to rebuild (models, data, settings) lives here.
+"""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tfkfac  # noqa: E402
+from pipelines import idx_dataset  # noqa: E402
+from tfkfac import distributed  # noqa: E402
+
+OUT_DIR_VARIABLE = "DISTRIBUTED_KFAC_OUT_DIR"
+FAILURE_MESSAGE = "rank 1 fails inside model.fit on purpose"
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+KFAC_ARGS = dict(learning_rate=0.05, damping=1e-2)
+
+SYNC_STEPS, SYNC_BATCH = 20, 32
+SYNC_FREQ = dict(factor_update_freq=1, inv_update_freq=2)  # Every step a factor step.
+# (placement, method, steps_per_execution); per-rank batch B, the reference uses 2B.
+EQUIVALENCE_CASES = [("replicated", "eigen", 1), ("owner", "eigen", 1),
+                     ("replicated", "inverse", 4), ("owner", "inverse", 3)]
+EQUIVALENCE_STEPS, EQUIVALENCE_BATCH, EQUIVALENCE_FREQ = 6, 16, 5
+
+
+def small_cnn(seed, batch_norm):
+    """Conv2D (+ BatchNorm) + two Dense layers: every K-FAC block kind, small factors.
+
+    Factor dims: conv A 3*3*1+1 = 10, G 4; hidden A 6*6*4+1 = 145, G 32; logits A 33,
+    G 10; BatchNorm a diagonal of 2*4 (gamma, beta).
+    """
+    seeds = iter(range(1000 * seed, 1000 * seed + 10))
+    layers = [keras.Input((28, 28, 1)),
+              keras.layers.Conv2D(4, 3, strides=2, activation="relu", name="conv",
+                                  kernel_initializer=keras.initializers.HeNormal(next(seeds)))]
+    if batch_norm:
+        layers.append(keras.layers.BatchNormalization(name="bn"))
+    layers += [keras.layers.MaxPooling2D(2), keras.layers.Flatten(),
+               keras.layers.Dense(32, activation="relu", name="hidden",
+                                  kernel_initializer=keras.initializers.HeNormal(next(seeds))),
+               keras.layers.Dense(10, name="logits",
+                                  kernel_initializer=keras.initializers.GlorotUniform(next(seeds)))]
+    return keras.Sequential(layers, name="small_cnn")
+
+
+def compiled(model, comm, steps_per_execution=1, **kfac_args):
+    optimizer = tfkfac.KFAC(communicator=comm, **dict(KFAC_ARGS, **kfac_args)).attach(model)
+    model.compile(optimizer=optimizer, loss=LOSS, steps_per_execution=steps_per_execution)
+    return optimizer
+
+
+def normalize(example):
+    return tf.cast(example["image"], tf.float32) / 255.0, example["label"]
+
+
+def fixed_examples(count):
+    """The first `count` Fashion-MNIST training examples as numpy (x float32, y int64)."""
+    ds = idx_dataset.load_idx("fashion_mnist", f"train[:{count}]").map(normalize)
+    x, y = next(iter(ds.batch(count)))
+    return x.numpy(), y.numpy()
+
+
+def rank_part(array, global_batch, rank, size):
+    """Rank r's examples: the r-th of `size` equal parts of every global batch, in order."""
+    steps = len(array) // global_batch
+    parts = array[: steps * global_batch].reshape((steps, size, global_batch // size)
+                                                  + array.shape[1:])
+    return parts[:, rank].reshape((-1,) + array.shape[1:])
+
+
+class CounterLog(keras.callbacks.Callback):
+    """Collective calls and bytes per category after every execution; factors after the first."""
+
+    def __init__(self, comm, optimizer):
+        super().__init__()
+        self.comm, self.optimizer = comm, optimizer
+        self.calls, self.bytes, self.first_factors = [], [], None
+
+    def on_train_begin(self, logs=None):
+        self.comm.reset_counters()  # Count from the first step, after attach's broadcast.
+
+    def on_train_batch_end(self, batch, logs=None):
+        calls, sent = self.comm.collective_calls(), self.comm.bytes_sent()
+        self.calls.append([calls[c] for c in distributed.CATEGORIES])
+        self.bytes.append([sent[c] for c in distributed.CATEGORIES])
+        if self.first_factors is None:
+            self.first_factors = [np.asarray(v.numpy()) for s in self.optimizer._block_state
+                                  for v in s["factors"]]
+
+    def results(self):
+        saved = {"calls": np.asarray(self.calls), "bytes": np.asarray(self.bytes),
+                 "phase_seconds": np.asarray(
+                     [self.optimizer.summary()["phase_seconds"][p] for p in
+                      ("factors", "decomposition", "precondition", "update")])}
+        for i, factor in enumerate(self.first_factors):
+            saved[f"first_factor{i}"] = factor
+        return saved
+
+
+def run_equivalence(comm, placement, method, steps_per_execution=1):
+    """Model variables after EQUIVALENCE_STEPS steps on this rank's part of each batch.
+
+    With `comm.size == 1` this is the single-process reference with batch 2B.
+    """
+    global_batch = 2 * EQUIVALENCE_BATCH
+    x, y = fixed_examples(EQUIVALENCE_STEPS * global_batch)
+    model = small_cnn(seed=7, batch_norm=False)
+    optimizer = compiled(model, comm, steps_per_execution, placement=placement, method=method,
+                         factor_update_freq=EQUIVALENCE_FREQ, inv_update_freq=EQUIVALENCE_FREQ)
+    log = CounterLog(comm, optimizer)
+    model.fit(rank_part(x, global_batch, comm.rank, comm.size),
+              rank_part(y, global_batch, comm.rank, comm.size),
+              batch_size=global_batch // comm.size, epochs=1, shuffle=False, verbose=0,
+              callbacks=[log])
+    saved = log.results()
+    saved.update({f"weight{i:03d}": np.asarray(v.numpy())
+                  for i, v in enumerate(model.variables)})
+    counters = optimizer.summary()["counters"]
+    saved["kfac_counters"] = np.asarray([counters[k] for k in
+                                         ("steps", "factor_updates", "decomposition_updates")])
+    return saved
+
+
+def run_sync(comm, steps, factor_wire_dtype="float32"):
+    """`steps` fit steps on this rank's shard; the models start different on each rank."""
+    model = small_cnn(seed=comm.rank, batch_norm=True)
+    saved = {f"initial{i:03d}": np.asarray(v.numpy()) for i, v in enumerate(model.variables)}
+    optimizer = compiled(model, comm, factor_wire_dtype=factor_wire_dtype, **SYNC_FREQ)
+    log = CounterLog(comm, optimizer)
+    ds = idx_dataset.load_idx("fashion_mnist", "train").shard(comm.size, comm.rank)
+    ds = ds.map(normalize).batch(SYNC_BATCH).take(steps)
+    history = model.fit(ds, epochs=1, verbose=0, callbacks=[log])
+    saved.update(log.results())
+    saved["local_loss"] = np.asarray(history.history["loss"])  # This rank's shard only.
+    for kind, variables in (("model", model.variables), ("optimizer", optimizer.variables)):
+        for i, variable in enumerate(variables):
+            saved[f"{kind}{i:03d}"] = np.asarray(variable.numpy())
+    return model, ds, saved
+
+
+class FailOnRank1(keras.callbacks.Callback):
+    def __init__(self, rank):
+        super().__init__()
+        self.rank = rank
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.rank == 1 and batch == 2:
+            print(f"FAILING_AT {time.time():.3f}", flush=True)
+            raise RuntimeError(FAILURE_MESSAGE)
+
+
+def main(out_dir):
+    comm = distributed.get_communicator("auto")
+    assert type(comm).__name__ == "HorovodCommunicator" and comm.size == 2, comm
+    timings = {}
+
+    def run(name, function, *args):
+        start = time.time()
+        result = function(*args)
+        timings[name] = np.asarray(time.time() - start)
+        print(f"rank {comm.rank}: {name} done in {timings[name]:.1f} s", flush=True)
+        saved = result[-1] if isinstance(result, tuple) else result
+        np.savez(os.path.join(out_dir, f"{name}.rank{comm.rank}.npz"), **saved)
+        return result
+
+    model, ds, _ = run("sync", run_sync, comm, SYNC_STEPS)
+    run("sync_float16", run_sync, comm, 1, "float16")
+    for placement, method, steps_per_execution in EQUIVALENCE_CASES:
+        run(f"equivalence_{placement}_{method}", run_equivalence, comm, placement, method,
+            steps_per_execution)
+    np.savez(os.path.join(out_dir, f"timings.rank{comm.rank}.npz"), **timings)
+    # Both ranks have saved everything before one of them fails.
+    comm.grouped_allreduce_mean([tf.ones([1])], category="metrics")
+    print(f"rank {comm.rank} saved its results", flush=True)
+    model.fit(ds, epochs=1, verbose=0, callbacks=[FailOnRank1(comm.rank)])
+    print(f"rank {comm.rank}: fit finished although rank 1 failed", flush=True)
+
+
+if __name__ == "__main__":
+    main(os.environ[OUT_DIR_VARIABLE])

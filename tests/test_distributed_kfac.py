@@ -1,0 +1,277 @@
+"""Distributed K-FAC in a real 2-rank Horovod job (Gloo), checked against one process.
+
+One `horovodrun --gloo -np 2` job of distributed_kfac_worker.py trains several models
+with `model.fit`; each rank saves what it holds. The checks:
+- after 20 steps on sharded real Fashion-MNIST every model and optimizer variable
+  (BatchNorm moving statistics included) is bit-identical on both ranks;
+- 2 ranks with per-rank batch B end with the same weights as 1 process with batch 2B on
+  the same examples, for both placements and both methods, and with
+  `steps_per_execution` > 1 (steps inside a tf.while_loop);
+- factor bytes per factor step = Σ n(n+1)/2 x wire dtype size (+ BatchNorm diagonals in
+  float32), and float16-wire factors are within 2^-10 relative error of float32 ones;
+- stale steps send nothing but gradients (and, for "owner", preconditioned gradients);
+- a rank that raises inside `model.fit` ends the whole job within 60 s, error visible.
+"""
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+from absl import logging
+from absl.testing import absltest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TESTS_DIR)
+
+import distributed_kfac_worker as worker  # noqa: E402
+from horovod_launcher import run_under_horovodrun  # noqa: E402
+from tfkfac import distributed  # noqa: E402
+
+JOB_TIMEOUT_SECONDS = 270  # Measured 75-120 s on the 2-core machine at load 6-8.
+FAILURE_EXIT_SECONDS = 60
+# 2 ranks vs 1 process differ only by float32 summation order: measured max
+# |w_2ranks - w_1process| / max|w_1process| = 1.0e-5 after 6 steps (weights moved 0.13).
+EQUIVALENCE_RTOL = 1e-4
+# float16 rounds each rank's entry and the mean once each (unit roundoff 2^-11).
+FLOAT16_WIRE_RTOL = 2.0 ** -10
+FLOAT32 = 4
+
+# small_cnn's K-FAC factors (see worker.small_cnn), independent of tfkfac's own summary.
+SYMMETRIC_DIMS = [3 * 3 * 1 + 1, 4,  # conv: patch + bias, output channels
+                  6 * 6 * 4 + 1, 32,  # hidden: flattened 6x6x4 + bias, units
+                  32 + 1, 10]  # logits
+BN_DIAGONAL = 2 * 4  # gamma and beta of 4 channels
+PARAMS = (3 * 3 * 1 * 4 + 4) + (6 * 6 * 4 * 32 + 32) + (32 * 10 + 10)
+BN_PARAMS, BN_MOVING = 2 * 4, 2 * 4
+
+
+# The equivalence runs' schedule: factor and inverse steps at 0 and 5 of 6 steps.
+STEPS = worker.EQUIVALENCE_STEPS
+UPDATES = len(range(0, STEPS, worker.EQUIVALENCE_FREQ))
+
+
+def triangles(dims):
+    return sum(n * (n + 1) // 2 for n in dims)
+
+
+def per_step(cumulative):
+    """Per-execution increments of cumulative counters (rows: executions)."""
+    cumulative = np.asarray(cumulative)
+    return np.diff(np.concatenate([np.zeros_like(cumulative[:1]), cumulative]), axis=0)
+
+
+def column(category):
+    return distributed.CATEGORIES.index(category)
+
+
+class DistributedKfacTest(absltest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        os.makedirs(absltest.get_default_test_tmpdir(), exist_ok=True)
+        out_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        start = time.time()
+        os.environ[worker.OUT_DIR_VARIABLE] = out_dir  # Read by every rank.
+        try:
+            cls.returncode, cls.output = run_under_horovodrun(
+                os.path.join(TESTS_DIR, "distributed_kfac_worker.py"), num_ranks=2,
+                timeout=JOB_TIMEOUT_SECONDS)
+        finally:
+            del os.environ[worker.OUT_DIR_VARIABLE]
+        cls.exit_time = time.time()
+        logging.info("2-rank job exited %d after %.1f s", cls.returncode,
+                     cls.exit_time - start)
+        names = ["sync", "sync_float16", "timings"] + [
+            f"equivalence_{p}_{m}" for p, m, _ in worker.EQUIVALENCE_CASES]
+        cls.saved = {}
+        for name in names:
+            cls.saved[name] = []
+            for rank in range(2):
+                path = os.path.join(out_dir, f"{name}.rank{rank}.npz")
+                if not os.path.exists(path):
+                    raise AssertionError(f"rank {rank} saved no {name}; job output:\n"
+                                         + cls.output[-6000:])
+                cls.saved[name].append(dict(np.load(path)))
+        shutil.rmtree(out_dir)
+        logging.info("scenario seconds on rank 0: %s",
+                     {k: round(float(v), 1) for k, v in cls.saved["timings"][0].items()})
+        # Single-process references (batch 2B), after the job so they do not compete.
+        # With one process both placements run the same code: one reference per method.
+        comm = distributed.SingleProcess()
+        cls.references = {m: worker.run_equivalence(comm, "replicated", m)
+                          for m in sorted({m for _, m, _ in worker.EQUIVALENCE_CASES})}
+
+    def both_ranks(self, name, key):
+        """`key` of scenario `name`, asserted bit-identical on both ranks."""
+        first, second = (saved[key] for saved in self.saved[name])
+        np.testing.assert_array_equal(first, second, err_msg=f"{name}: {key}")
+        return first
+
+    def test_every_variable_identical_on_both_ranks_after_20_fit_steps(self):
+        rank0, rank1 = self.saved["sync"]
+        keys = sorted(k for k in rank0 if k.startswith(("model", "optimizer")))
+        # 10 model variables (BatchNorm moving statistics included) and the optimizer's
+        # iteration, learning rate, momenta, K-FAC counters, factors, decompositions.
+        self.assertLen([k for k in keys if k.startswith("model")], 10)
+        self.assertGreater(len(keys), 40)
+        for key in keys:
+            np.testing.assert_array_equal(rank0[key], rank1[key], err_msg=key)
+        # Each rank trained on its own shard (Keras's loss is the rank's own mean)...
+        self.assertNotEqual(float(rank0["local_loss"][0]), float(rank1["local_loss"][0]))
+        # ...and started from different weights: attach broadcast rank 0's.
+        self.assertFalse(np.array_equal(rank0["initial000"], rank1["initial000"]))
+        # 20 steps ran and moved the weights away from rank 0's start.
+        self.assertEqual(int(rank0["optimizer000"]), worker.SYNC_STEPS)
+        self.assertLen(rank0["calls"], worker.SYNC_STEPS)
+        self.assertGreater(np.max(np.abs(rank0["model000"] - rank0["initial000"])), 1e-3)
+
+    def assert_matches_one_process(self, placement, method):
+        name = f"equivalence_{placement}_{method}"
+        reference = self.references[method]
+        counters = [STEPS, UPDATES, UPDATES]  # steps, factor and decomposition updates
+        np.testing.assert_array_equal(reference["kfac_counters"], counters)
+        np.testing.assert_array_equal(self.both_ranks(name, "kfac_counters"), counters)
+        keys = sorted(k for k in reference if k.startswith("weight"))
+        self.assertLen(keys, 6)
+        initial = worker.small_cnn(seed=7, batch_norm=False).get_weights()
+        worst = 0.0
+        for key, start in zip(keys, initial):
+            expected, got = reference[key], self.both_ranks(name, key)
+            tolerance = EQUIVALENCE_RTOL * np.max(np.abs(expected))
+            np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance,
+                                       err_msg=f"{name}: {key}")
+            worst = max(worst, np.max(np.abs(got - expected)) / np.max(np.abs(expected)))
+            if key in ("weight000", "weight002", "weight004"):  # kernels
+                # Training moved every kernel far beyond the tolerance.
+                self.assertGreater(np.max(np.abs(expected - start)), 100 * tolerance, key)
+        logging.info("%s: max |w_2 ranks - w_1 process| / max|w| = %.2e", name, worst)
+
+    def test_two_ranks_match_one_process_with_double_batch(self):
+        # Both placements x both methods; the inverse cases run several steps per
+        # execution (see the next test), the reference always one.
+        for placement, method, _ in worker.EQUIVALENCE_CASES:
+            with self.subTest(placement=placement, method=method):
+                self.assert_matches_one_process(placement, method)
+
+    def test_steps_per_execution_runs_collectives_inside_while_loop(self):
+        cases = [c for c in worker.EQUIVALENCE_CASES if c[2] > 1]
+        self.assertNotEmpty(cases)
+        for placement, method, steps_per_execution in cases:
+            with self.subTest(placement=placement, method=method):
+                name = f"equivalence_{placement}_{method}"
+                # Each step issued its collectives exactly once: a gradient allreduce per
+                # step, a factor reduction per factor step, and per placement a
+                # decomposition exchange per inverse step or a preconditioned-gradient
+                # gather per step.
+                calls = self.both_ranks(name, "calls")
+                self.assertLen(calls, -(-STEPS // steps_per_execution))  # executions
+                expected = {"gradients": STEPS, "factors": UPDATES,
+                            "eigen": UPDATES if placement == "replicated" else 0,
+                            "preconditioned": STEPS if placement == "owner" else 0}
+                for category in distributed.CATEGORIES:
+                    self.assertEqual(calls[-1][column(category)],
+                                     expected.get(category, 0), category)
+                self.assert_matches_one_process(placement, method)
+
+    def shared_counts(self, name, key, category):
+        """Cumulative `key` ("calls"/"bytes") of one category; the same on both ranks."""
+        first, second = (saved[key][:, column(category)] for saved in self.saved[name])
+        np.testing.assert_array_equal(first, second, err_msg=f"{name}: {key} {category}")
+        return first
+
+    def test_factor_bytes_match_packed_triangle_formula(self):
+        # With BatchNorm every step is a factor step: packed triangles in the wire dtype,
+        # the BatchNorm diagonal as float32 in a second grouped call.
+        for name, wire_size in (("sync", FLOAT32), ("sync_float16", 2)):
+            expected = triangles(SYMMETRIC_DIMS) * wire_size + BN_DIAGONAL * FLOAT32
+            np.testing.assert_array_equal(
+                per_step(self.shared_counts(name, "bytes", "factors")), expected, name)
+            np.testing.assert_array_equal(
+                per_step(self.shared_counts(name, "calls", "factors")), 2, name)
+            # Gradients, with the BatchNorm moving statistics in the same call.
+            np.testing.assert_array_equal(
+                per_step(self.shared_counts(name, "bytes", "gradients")),
+                (PARAMS + BN_PARAMS + BN_MOVING) * FLOAT32, name)
+            np.testing.assert_array_equal(
+                per_step(self.shared_counts(name, "calls", "gradients")), 1, name)
+        # Without BatchNorm: one call per factor step.
+        for placement, method, _ in worker.EQUIVALENCE_CASES:
+            name = f"equivalence_{placement}_{method}"
+            self.assertEqual(self.shared_counts(name, "bytes", "factors")[-1],
+                             UPDATES * triangles(SYMMETRIC_DIMS) * FLOAT32, name)
+            self.assertEqual(self.shared_counts(name, "bytes", "gradients")[-1],
+                             STEPS * PARAMS * FLOAT32, name)
+            # Each rank sends the results it owns; together every result once per
+            # exchange: eigenvalues + eigenvectors (eigen) or the inverse (inverse).
+            ranks_total = sum(saved["bytes"][-1] for saved in self.saved[name])
+            per_factor = (lambda n: n + n * n) if method == "eigen" else (lambda n: n * n)
+            eigen = UPDATES * sum(per_factor(n) for n in SYMMETRIC_DIMS) * FLOAT32
+            preconditioned = STEPS * PARAMS * FLOAT32
+            if placement == "replicated":
+                self.assertEqual(ranks_total[column("eigen")], eigen, name)
+                self.assertEqual(ranks_total[column("preconditioned")], 0, name)
+            else:
+                self.assertEqual(ranks_total[column("eigen")], 0, name)
+                self.assertEqual(ranks_total[column("preconditioned")], preconditioned, name)
+
+    def test_float16_wire_factors_close_to_float32(self):
+        count = sum(k.startswith("first_factor") for k in self.saved["sync"][0])
+        self.assertEqual(count, len(SYMMETRIC_DIMS) + 1)
+        worst = 0.0
+        for i in range(count):
+            key = f"first_factor{i}"
+            reference = self.both_ranks("sync", key)
+            got = self.both_ranks("sync_float16", key)  # Bit-identical on both ranks.
+            self.assertTrue(np.all(np.isfinite(got)), key)
+            if reference.ndim == 1:  # BatchNorm diagonal: float32 on the wire either way.
+                np.testing.assert_allclose(got, reference, rtol=1e-6, err_msg=key)
+                continue
+            np.testing.assert_array_equal(got, got.T)
+            error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
+            self.assertLess(error, FLOAT16_WIRE_RTOL, key)
+            worst = max(worst, error)
+        self.assertGreater(worst, 0.0)  # float16 really was on the wire.
+        logging.info("float16 wire: max relative Frobenius error of factors %.2e", worst)
+
+    def test_stale_steps_issue_no_kfac_collectives(self):
+        factor_steps = set(range(0, STEPS, worker.EQUIVALENCE_FREQ))
+        self.assertEqual(factor_steps, {0, 5})
+        for placement, method, steps_per_execution in worker.EQUIVALENCE_CASES:
+            if steps_per_execution != 1:
+                continue
+            name = f"equivalence_{placement}_{method}"
+            for rank, saved in enumerate(self.saved[name]):
+                calls, sent = per_step(saved["calls"]), per_step(saved["bytes"])
+                self.assertLen(calls, STEPS)
+                for step in range(STEPS):
+                    fresh = step in factor_steps
+                    expected = {"gradients": 1, "factors": int(fresh),
+                                "eigen": int(fresh and placement == "replicated"),
+                                "preconditioned": int(placement == "owner")}
+                    for category in distributed.CATEGORIES:
+                        where = f"{name} rank {rank} step {step} {category}"
+                        self.assertEqual(calls[step, column(category)],
+                                         expected.get(category, 0), where)
+                        if not expected.get(category, 0):
+                            self.assertEqual(sent[step, column(category)], 0, where)
+
+    def test_failing_rank_ends_job_with_visible_error(self):
+        self.assertIn("saved its results", self.output)
+        self.assertNotEqual(self.returncode, 0, msg=self.output[-3000:])
+        self.assertIn(worker.FAILURE_MESSAGE, self.output)
+        self.assertNotIn("fit finished although rank 1 failed", self.output)
+        failed_at = float(re.search(r"FAILING_AT (\d+\.\d+)", self.output).group(1))
+        seconds = self.exit_time - failed_at
+        logging.info("job exited %.1f s after rank 1 raised", seconds)
+        self.assertLess(seconds, FAILURE_EXIT_SECONDS)
+
+
+if __name__ == "__main__":
+    absltest.main()

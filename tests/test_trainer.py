@@ -1,0 +1,283 @@
+"""trainers.train: flag validation, the files a run writes, checkpoint/resume equality and
+target-accuracy bookkeeping, on small slices of real Fashion-MNIST."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import flags
+from absl.testing import absltest, flagsaver, parameterized
+import numpy as np
+import tensorflow as tf
+
+from trainers import checkpoints, config as config_lib, reporting, runner, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
+BATCH = 32
+TRAIN_EXAMPLES = 640  # 20 steps per epoch
+# Checkpoint keys of the optimizer's step counter and K-FAC's factor-update counter.
+ITERATIONS_KEY = "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"
+FACTOR_UPDATES_KEY = "optimizer/_factor_updates/.ATTRIBUTES/VARIABLE_VALUE"
+# Small slices keep each run to seconds; the data is real Fashion-MNIST.
+SMALL = dict(train_split=f"train[:{TRAIN_EXAMPLES}]", eval_split="test[:256]",
+             batch_size=BATCH, verbose=0)
+
+
+def config_from_argv(*argv):
+    """The TrainConfig (and explicitly set names) that `python -m trainers.train argv` uses."""
+    with flagsaver.flagsaver():
+        FLAGS.unparse_flags()
+        try:
+            FLAGS(["train", *argv])
+            return train.config_from_flags(FLAGS)
+        finally:
+            FLAGS.mark_as_parsed()  # absltest's own flags stay readable afterwards
+
+
+def read_csv(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def checkpoint_tensors(prefix):
+    """Every saved tensor (model and optimizer variables) of a checkpoint, by key."""
+    reader = tf.train.load_checkpoint(prefix)
+    return {key: reader.get_tensor(key) for key in reader.get_variable_to_shape_map()
+            if "OBJECT_GRAPH" not in key}
+
+
+def tensorboard_scalars(directory):
+    """{tag: [(step, value)]} from the event files in `directory`."""
+    scalars = {}
+    for name in sorted(os.listdir(directory)):
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(directory, name)):
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(
+                    (event.step, float(tf.make_ndarray(value.tensor))))
+    return scalars
+
+
+class FlagValidationTest(parameterized.TestCase):
+
+    def test_defaults_are_the_make_train_job(self):
+        config, explicitly_set = config_from_argv()
+        self.assertEqual(explicitly_set, set())
+        self.assertEqual((config.model, config.dataset, config.optimizer),
+                         ("cnn", "fashion_mnist", "kfac"))
+        self.assertEqual(config, config_lib.TrainConfig())
+
+    @parameterized.parameters(
+        ("--model=vgg", "mlp|cnn|resnet20|autoencoder"),
+        ("--optimizer=rmsprop", "kfac|sgd|adam"),
+        ("--echo_mode=sometimes", "none|example_before_augment"),
+        ("--precision=float8", "float32|mixed_float16|mixed_bfloat16"),
+        ("--lr_schedule=cosine", "constant|warmup|step|polynomial"),
+    )
+    def test_unknown_choice_lists_allowed(self, arg, allowed):
+        with self.assertRaisesRegex(flags.IllegalFlagValueError, allowed):
+            config_from_argv(arg)
+
+    @parameterized.parameters(
+        (["--echo_factor=0.5", "--echo_mode=batch"], "echo_factor must be >= 1"),
+        (["--echo_factor=2"], "echo_factor=2.0 needs an echo_mode"),
+        (["--optimizer=sgd", "--damping=0.01", "--kl_clip=0.01"],
+         "damping, kl_clip only apply to optimizer=kfac"),
+        (["--factor_update_freq=10", "--inv_update_freq=15"], "must be a multiple"),
+        (["--target_accuracy=1.5"], r"target_accuracy must be in \(0, 1\]"),
+        (["--model=autoencoder", "--target_accuracy=0.5"], "applies to classifiers"),
+        (["--stop_at_target"], "stop_at_target needs a target_accuracy"),
+        (["--lr_schedule=step"], "needs lr_decay_epochs"),
+        (["--lr_schedule=step", "--lr_decay_epochs=5,2"], "strictly increasing"),
+        (["--lr_schedule=warmup"], "needs warmup_epochs > 0"),
+        (["--lr_decay_epochs=3"], "only applies to lr_schedule=step"),
+        (["--batch_size=0"], "batch_size must be > 0"),
+        (["--learning_rate=-1"], "learning_rate must be > 0"),
+        (["--running_mixup"], "running_mixup needs mixup_alpha > 0"),
+        (["--model=autoencoder", "--mixup_alpha=0.2"], "has none"),
+        (["--resume"], "resume needs the model_dir"),
+        (["--dataset=no_such_dataset"], "dataset must be one of fashion_mnist, mnist"),
+        (["--train_split=validation"], "train_split must be one of test, train.*'validation'"),
+    )
+    def test_inconsistent_settings_raise(self, argv, message):
+        config, explicitly_set = config_from_argv(*argv)
+        with self.assertRaisesRegex(ValueError, message):
+            runner.check(config, explicitly_set)
+
+    def test_binary_reports_bad_flag_and_exits_non_zero(self):
+        result = subprocess.run(
+            [sys.executable, "-m", "trainers.train", "--echo_factor=0.5",
+             "--echo_mode=batch"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("echo_factor must be >= 1", result.stderr)
+        self.assertNotIn("Traceback", result.stderr)
+
+
+class TrainerRunTest(parameterized.TestCase):
+
+    def run_trainer(self, model_dir, **overrides):
+        return runner.run(config_lib.TrainConfig(model_dir=model_dir, **dict(SMALL, **overrides)))
+
+    @parameterized.parameters("mlp", "cnn", "resnet20", "autoencoder")
+    def test_short_kfac_run_writes_all_outputs(self, model):
+        model_dir = self.create_tempdir().full_path
+        summary = self.run_trainer(model_dir, model=model, steps=30, learning_rate=0.01,
+                                   factor_update_freq=10, inv_update_freq=30)
+        metric = "squared_error" if model == "autoencoder" else "accuracy"
+
+        rows = read_csv(os.path.join(model_dir, "metrics.csv"))
+        self.assertLen(rows, 2)  # 30 steps at 20 per epoch: one full and one partial epoch
+        last = rows[-1]
+        self.assertEqual(int(last["steps"]), 30)
+        self.assertEqual(int(float(last["fresh_examples"])), 30 * BATCH)
+        self.assertAlmostEqual(float(last["learning_rate"]), 0.01, places=6)
+        self.assertAlmostEqual(float(last["damping"]), config_lib.TrainConfig().damping)
+        for column in ("loss", metric, "val_loss", f"val_{metric}", "train_time_s"):
+            self.assertTrue(np.isfinite(float(last[column])), column)
+
+        scalars = tensorboard_scalars(os.path.join(model_dir, "tensorboard"))
+        self.assertEqual([step for step, _ in scalars["val_loss"]], [1, 2])
+        self.assertAlmostEqual(scalars["val_loss"][-1][1], float(last["val_loss"]), places=5)
+        self.assertIn("fresh_examples", scalars)
+
+        on_disk = read_json(os.path.join(model_dir, runner.SUMMARY_FILE))
+        self.assertEqual(on_disk, json.loads(json.dumps(summary)))
+        self.assertEqual((summary["steps"], summary["epochs"]), (30, 2))
+        self.assertEqual(summary["fresh_examples"], 30 * BATCH)
+        self.assertGreater(summary["mean_step_time_s"]["all"], 0)
+        self.assertEqual(summary["final_metrics"]["val_loss"], float(last["val_loss"]))
+
+        state = checkpoints.read_state(model_dir)
+        self.assertEqual(state["checkpoint"], "epoch-2")
+        saved = checkpoint_tensors(os.path.join(model_dir, "checkpoints", "epoch-2"))
+        # Factors updated at steps 0, 10 and 20; all K-FAC state is saved with them.
+        self.assertEqual(saved[FACTOR_UPDATES_KEY], 3)
+        self.assertEqual(saved[ITERATIONS_KEY], 30)
+        self.assertTrue(all(np.all(np.isfinite(v)) for v in saved.values()
+                            if np.issubdtype(v.dtype, np.floating)))
+
+    def test_resume_ends_with_the_weights_of_an_uninterrupted_run(self):
+        # Mid-epoch evaluations must leave training untouched, so they run here too.
+        settings = dict(factor_update_freq=5, inv_update_freq=10, learning_rate=0.01,
+                        eval_every_steps=7)
+        straight = self.create_tempdir().full_path
+        resumed = self.create_tempdir().full_path
+        expected = self.run_trainer(straight, epochs=2, **settings)
+        self.run_trainer(resumed, epochs=1, **settings)
+        after_one = checkpoint_tensors(os.path.join(resumed, "checkpoints", "epoch-1"))
+        got = self.run_trainer(resumed, epochs=2, resume=True, **settings)
+
+        want = checkpoint_tensors(os.path.join(straight, "checkpoints", "epoch-2"))
+        have = checkpoint_tensors(os.path.join(resumed, "checkpoints", "epoch-2"))
+        self.assertEqual(sorted(want), sorted(have))
+        self.assertEqual(want[FACTOR_UPDATES_KEY], 8)
+        for key, value in want.items():
+            if "phase_seconds" in key:  # wall-clock totals, not training state
+                continue
+            np.testing.assert_allclose(have[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+        # The comparison can fail: one epoch less training is far from it.
+        self.assertGreater(max(np.max(np.abs(after_one[key] - want[key])) for key in want
+                               if np.issubdtype(want[key].dtype, np.floating)
+                               and "phase_seconds" not in key), 1e-3)
+
+        for key in ("steps", "epochs", "fresh_examples"):
+            self.assertEqual(got[key], expected[key], key)
+        self.assertEqual([row["epoch"] for row in got["history"]], [1, 2])
+        for mine, theirs in zip(got["history"], expected["history"]):
+            self.assertAlmostEqual(mine["val_loss"], theirs["val_loss"], places=4)
+        self.assertLen(read_csv(os.path.join(resumed, "metrics.csv")), 2)
+
+    def test_model_dir_guards(self):
+        model_dir = self.create_tempdir().full_path
+        self.run_trainer(model_dir, optimizer="sgd", steps=5)
+        with self.assertRaisesRegex(ValueError, "already holds a checkpoint; pass --resume"):
+            runner.check(config_lib.TrainConfig(model_dir=model_dir, optimizer="sgd", **SMALL))
+        changed = dict(SMALL, batch_size=16)
+        with self.assertRaisesRegex(ValueError, r"changed: batch_size \(32 -> 16\)"):
+            runner.check(config_lib.TrainConfig(model_dir=model_dir, optimizer="sgd",
+                                                resume=True, **changed))
+
+    def test_target_reached_and_stop(self):
+        model_dir = self.create_tempdir().full_path
+        summary = self.run_trainer(model_dir, optimizer="sgd", epochs=3, eval_every_steps=10,
+                                   target_accuracy=0.2, stop_at_target=True)
+        # Well above chance (0.1) after 10 SGD steps: the first evaluation reaches it and
+        # training stops there, mid-epoch, then fit evaluates once more.
+        first, at_stop = summary["evaluations"]
+        self.assertGreaterEqual(first["val_accuracy"], 0.2)
+        self.assertEqual((first["steps"], first["epochs"], first["fresh_examples"]),
+                         (10, 0.5, 10 * BATCH))
+        self.assertEqual(summary["to_target"], {
+            "epochs": 0.5, "steps": 10, "fresh_examples": 10 * BATCH,
+            "time_s": first["train_time_s"], "accuracy": first["val_accuracy"]})
+        self.assertEqual((summary["steps"], summary["epochs"]), (10, 1))
+        self.assertEqual(at_stop["steps"], 10)
+        self.assertLen(summary["history"], 1)
+
+    def test_unreached_target_is_null(self):
+        model_dir = self.create_tempdir().full_path
+        summary = self.run_trainer(model_dir, optimizer="sgd", steps=10, target_accuracy=1.0)
+        self.assertIsNone(summary["to_target"])
+        self.assertIsNone(read_json(os.path.join(model_dir, runner.SUMMARY_FILE))["to_target"])
+
+
+class _FakeModel:
+    stop_training = False
+
+
+class RecorderBookkeepingTest(absltest.TestCase):
+    """Drives EpochRecorder through the callbacks Keras calls, without training."""
+
+    def test_first_crossing_is_recorded_with_totals_at_that_point(self):
+        from tfkfac.distributed import base
+        counters = reporting.RunCounters()
+        fresh_per_epoch = {"count": 0}
+        # Mid-epoch evaluations after steps 2, 6 and 10; epoch ends after steps 4, 8, 12.
+        mid_epoch = iter([{"val_accuracy": 0.5}, {"val_accuracy": 0.7},
+                          {"val_accuracy": 0.2}])
+        recorder = reporting.EpochRecorder(
+            counters, base.SingleProcess(), scalars_fn=lambda: {"learning_rate": 0.1},
+            fresh_examples_fn=lambda: fresh_per_epoch["count"],
+            phase_fn=lambda step: "step", evaluate_fn=lambda: next(mid_epoch),
+            eval_every_steps=2, target_accuracy=0.75, stop_at_target=False)
+        recorder.set_model(_FakeModel())
+        recorder.set_params({"steps": 4})
+        for epoch, accuracy in enumerate([0.6, 0.8, 0.9]):
+            recorder.on_epoch_begin(epoch)
+            fresh_per_epoch["count"] = 0
+            for batch in range(4):
+                recorder.on_train_batch_begin(batch)
+                fresh_per_epoch["count"] += 10
+                recorder.on_train_batch_end(batch)
+            recorder.on_test_begin()
+            recorder.on_epoch_end(epoch, {"loss": 1.0, "val_accuracy": accuracy})
+        points = [(p["steps"], p["epochs"], p["fresh_examples"], p["val_accuracy"])
+                  for p in counters.evaluations]
+        self.assertEqual(points[:5], [(2, 0.5, 20, 0.5), (4, 1, 40, 0.6), (6, 1.5, 60, 0.7),
+                                      (8, 2, 80, 0.8), (10, 2.5, 100, 0.2)])
+        reached = counters.evaluations[3]
+        self.assertEqual(counters.to_target, {
+            "epochs": 2, "steps": 8, "fresh_examples": 80,
+            "time_s": reached["train_time_s"], "accuracy": 0.8})
+        self.assertEqual(counters.history[1]["train_time_s"], reached["train_time_s"])
+        self.assertEqual((counters.epochs, counters.steps, counters.fresh_examples),
+                         (3, 12, 120))
+        # First step of a phase (tracing) is not timed: 11 of 12 steps are.
+        self.assertEqual(counters.step_time["step"][0], 11)
+        self.assertFalse(recorder.model.stop_training)
+        self.assertEqual(reporting.RunCounters.from_dict(counters.to_dict()), counters)
+
+
+if __name__ == "__main__":
+    absltest.main()
