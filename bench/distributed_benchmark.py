@@ -50,6 +50,8 @@ flags.DEFINE_integer("timeout", 900, "Seconds before a run is killed.")
 flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                "results"),
                     "Where distributed.json and distributed.png go.")
+flags.DEFINE_string("replot", None, "Only redraw the PNG and reprint the figures from "
+                    "this distributed.json (no runs).")
 flags.DEFINE_string("worker_out", None, "Internal: run as a worker, write results here.")
 
 PHASES = ("factors", "decomposition", "precondition", "update")
@@ -265,13 +267,14 @@ def _step_bytes(warmup_bytes, step):
     return {c: warmup_bytes[step][c] - before[c] for c in warmup_bytes[step]}
 
 
-def summarize(single, per_rank):
+def summarize(single, per_rank, load_at_start):
     """One entry per model: the single process and each 2-rank configuration."""
     report = {"settings": {
         "global_batch": FLAGS.global_batch, "warmup_steps": FLAGS.warmup_steps,
         "timed_steps": FLAGS.timed_steps, "factor_update_freq": FLAGS.factor_update_freq,
         "inv_update_freq": FLAGS.inv_update_freq, "num_ranks": FLAGS.num_ranks,
-        "cpu_count": os.cpu_count(), "load_average_1min": os.getloadavg()[0]},
+        "cpu_count": os.cpu_count(), "load_average_1min_at_start": load_at_start,
+        "load_average_1min_at_end": os.getloadavg()[0]},
         "models": {}}
     for base in single:
         name = base["model"]
@@ -400,15 +403,22 @@ def main(argv):
         worker_main(FLAGS.worker_out)
         return
     start = time.time()
-    with tempfile.TemporaryDirectory() as work_dir:
-        single, per_rank = run_all(work_dir)
-    report = summarize(single, per_rank)
-    add_amortized_bytes(report)
-    report["settings"]["benchmark_seconds"] = time.time() - start
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     json_path = os.path.join(FLAGS.output_dir, "distributed.json")
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=1)
+    if FLAGS.replot:
+        with open(FLAGS.replot) as f:
+            report = json.load(f)
+        for name in ("factor_update_freq", "inv_update_freq", "num_ranks", "global_batch"):
+            setattr(FLAGS, name, report["settings"][name])
+    else:
+        load_at_start = os.getloadavg()[0]
+        with tempfile.TemporaryDirectory() as work_dir:
+            single, per_rank = run_all(work_dir)
+        report = summarize(single, per_rank, load_at_start)
+        add_amortized_bytes(report)
+        report["settings"]["benchmark_seconds"] = time.time() - start
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
     plot(report, os.path.join(FLAGS.output_dir, "distributed.png"))
     for name, entry in report["models"].items():
         single_row = entry["single"]
@@ -433,7 +443,8 @@ def main(argv):
                          f"slowest rank (x{_fmt(row['decomposition_speedup_vs_single'], 2)}"
                          f"; min {_fmt(row['decomposition_seconds_min'])} s)")
             print(text)
-    print(f"wrote {json_path} and distributed.png in {time.time() - start:.0f} s")
+    written = "distributed.png" if FLAGS.replot else f"{json_path} and distributed.png"
+    print(f"wrote {written} in {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -163,7 +163,8 @@ def plot(report, path):
                               alpha=0.8, label=optimizer if run["seed"] == 0 else None)
             axis.axhline(report["target_accuracy"], color="gray", linestyle="--",
                          linewidth=0.8, label="target")
-            axis.set_ylim(0.7, 0.95)
+            axis.set_ylim(max(0.0, report["target_accuracy"] - 0.2),
+                          min(1.0, report["target_accuracy"] + 0.05))
             axis.set_ylabel("test accuracy")
             axis.set_title(f"{panel} on Fashion-MNIST ({report['seeds']} seeds each)")
         axis.set_xlabel("training wall time (s)")

@@ -14,7 +14,8 @@ from absl.testing import absltest, flagsaver, parameterized
 import numpy as np
 import tensorflow as tf
 
-from trainers import checkpoints, config as config_lib, reporting, runner, train
+from trainers import checkpoints, config as config_lib, lr_schedules, reporting, runner
+from trainers import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -112,6 +113,10 @@ class FlagValidationTest(parameterized.TestCase):
         config, explicitly_set = config_from_argv(*argv)
         with self.assertRaisesRegex(ValueError, message):
             runner.check(config, explicitly_set)
+
+    def test_non_numeric_decay_epochs(self):
+        with self.assertRaisesRegex(ValueError, "lr_decay_epochs must be numbers"):
+            config_from_argv("--lr_schedule=step", "--lr_decay_epochs=ten")
 
     def test_binary_reports_bad_flag_and_exits_non_zero(self):
         result = subprocess.run(
@@ -230,6 +235,41 @@ class TrainerRunTest(parameterized.TestCase):
         summary = self.run_trainer(model_dir, optimizer="sgd", steps=10, target_accuracy=1.0)
         self.assertIsNone(summary["to_target"])
         self.assertIsNone(read_json(os.path.join(model_dir, runner.SUMMARY_FILE))["to_target"])
+
+
+class LearningRateScheduleTest(parameterized.TestCase):
+    """`--lr_schedule` values at chosen steps against the formulas, written out by hand."""
+
+    STEPS_PER_EPOCH, TOTAL_STEPS = 10, 50
+
+    def schedule_at(self, steps, **settings):
+        config = config_lib.TrainConfig(learning_rate=0.2, **settings)
+        config.validate()
+        schedule = lr_schedules.build_learning_rate(config, self.STEPS_PER_EPOCH,
+                                                    self.TOTAL_STEPS)
+        return [float(schedule(step)) if callable(schedule) else schedule for step in steps]
+
+    def test_constant(self):
+        self.assertEqual(self.schedule_at([0, 49]), [0.2, 0.2])
+
+    def test_warmup_ramps_then_holds(self):
+        # warmup_epochs=0.5 -> 5 steps: lr * (step + 1) / 5, then lr.
+        np.testing.assert_allclose(
+            self.schedule_at([0, 2, 4, 5, 30], lr_schedule="warmup", warmup_epochs=0.5),
+            [0.04, 0.12, 0.2, 0.2, 0.2], rtol=1e-6)
+
+    def test_step_decays_at_epoch_boundaries(self):
+        np.testing.assert_allclose(
+            self.schedule_at([0, 9, 10, 19, 20, 49], lr_schedule="step",
+                             lr_decay_epochs=(1.0, 2.0), lr_decay_factor=0.5),
+            [0.2, 0.2, 0.1, 0.1, 0.05, 0.05], rtol=1e-6)
+
+    def test_polynomial_reaches_zero_with_warmup(self):
+        steps = [0, 1, 10, 25, 50]
+        expected = [0.2 * (1 - t / 50) ** 2 * min(1.0, (t + 1) / 2) for t in steps]
+        np.testing.assert_allclose(
+            self.schedule_at(steps, lr_schedule="polynomial", lr_decay_power=2.0,
+                             warmup_epochs=0.2), expected, rtol=1e-5, atol=1e-9)
 
 
 class _FakeModel:

@@ -63,7 +63,7 @@ class TrainingData:
                 f"({examples_per_rank} examples x echo_factor {config.echo_factor}) of "
                 f"{config.dataset} {config.train_split}")
         self._autoencoder = models.is_autoencoder(config.model)
-        self._one_hot = config.mixup_alpha > 0 and not self._autoencoder
+        self._one_hot = config.mixup_alpha > 0  # mixup mixes one-hot labels
 
     def _build(self, **kwargs):
         config = self._config

@@ -55,7 +55,9 @@ def build_learning_rate(config, steps_per_epoch, total_steps):
                          f"{steps_per_epoch} and {total_steps}")
     lr = float(config.learning_rate)
     if config.lr_schedule == "step":
-        boundaries = [int(round(e * steps_per_epoch)) for e in config.lr_decay_epochs]
+        # Keras switches to the next value after a boundary; step k (0-based) is the first
+        # step of epoch e when k = e * steps_per_epoch, so that step must already decay.
+        boundaries = [int(round(e * steps_per_epoch)) - 1 for e in config.lr_decay_epochs]
         values = [lr * config.lr_decay_factor ** i for i in range(len(boundaries) + 1)]
         schedule = keras.optimizers.schedules.PiecewiseConstantDecay(boundaries, values)
     elif config.lr_schedule == "polynomial":

@@ -108,7 +108,11 @@ def config_from_flags(flag_values):
     for field in dataclasses.fields(config_lib.TrainConfig):
         value = flag_values[field.name].value
         if field.name == "lr_decay_epochs":
-            value = tuple(float(epoch) for epoch in value)
+            try:
+                value = tuple(float(epoch) for epoch in value)
+            except ValueError as error:
+                raise ValueError(f"lr_decay_epochs must be numbers of epochs, e.g. 10,20; "
+                                 f"got {','.join(value)}") from error
         elif field.name == "verbose":
             value = int(value)
         elif field.name == "kl_clip" and value == 0:
@@ -123,8 +127,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
-    config, explicitly_set = config_from_flags(FLAGS)
     try:
+        config, explicitly_set = config_from_flags(FLAGS)
         runner.check(config, explicitly_set)
     except ValueError as error:
         raise app.UsageError(str(error)) from error
