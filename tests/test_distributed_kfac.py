@@ -9,7 +9,8 @@ with `model.fit`; each rank saves what it holds. The checks:
   `steps_per_execution` > 1 (steps inside a tf.while_loop);
 - factor bytes per factor step = Σ n(n+1)/2 x wire dtype size (+ BatchNorm diagonals in
   float32), and float16-wire factors are within 2^-10 relative error of float32 ones;
-- stale steps send nothing but gradients (and, for "owner", preconditioned gradients);
+- stale steps send nothing but gradients and the averaged fit logs (and, for "owner",
+  preconditioned gradients);
 - a rank that raises inside `model.fit` ends the whole job within 60 s, error visible.
 """
 
@@ -169,10 +170,10 @@ class DistributedKfacTest(absltest.TestCase):
                 # Each step issued its collectives exactly once: a gradient allreduce per
                 # step, a factor reduction per factor step, and per placement a
                 # decomposition exchange per inverse step or a preconditioned-gradient
-                # gather per step.
+                # gather per step, and the fit logs' average per step.
                 calls = self.both_ranks(name, "calls")
                 self.assertLen(calls, -(-STEPS // steps_per_execution))  # executions
-                expected = {"gradients": STEPS, "factors": UPDATES,
+                expected = {"gradients": STEPS, "metrics": STEPS, "factors": UPDATES,
                             "eigen": UPDATES if placement == "replicated" else 0,
                             "preconditioned": STEPS if placement == "owner" else 0}
                 for category in distributed.CATEGORIES:
@@ -252,7 +253,7 @@ class DistributedKfacTest(absltest.TestCase):
                 self.assertLen(calls, STEPS)
                 for step in range(STEPS):
                     fresh = step in factor_steps
-                    expected = {"gradients": 1, "factors": int(fresh),
+                    expected = {"gradients": 1, "metrics": 1, "factors": int(fresh),
                                 "eigen": int(fresh and placement == "replicated"),
                                 "preconditioned": int(placement == "owner")}
                     for category in distributed.CATEGORIES:

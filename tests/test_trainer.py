@@ -14,6 +14,7 @@ from absl.testing import absltest, flagsaver, parameterized
 import numpy as np
 import tensorflow as tf
 
+from tfkfac import distributed
 from trainers import checkpoints, config as config_lib, lr_schedules, reporting, runner
 from trainers import train
 
@@ -280,14 +281,13 @@ class RecorderBookkeepingTest(absltest.TestCase):
     """Drives EpochRecorder through the callbacks Keras calls, without training."""
 
     def test_first_crossing_is_recorded_with_totals_at_that_point(self):
-        from tfkfac.distributed import base
         counters = reporting.RunCounters()
         fresh_per_epoch = {"count": 0}
         # Mid-epoch evaluations after steps 2, 6 and 10; epoch ends after steps 4, 8, 12.
         mid_epoch = iter([{"val_accuracy": 0.5}, {"val_accuracy": 0.7},
                           {"val_accuracy": 0.2}])
         recorder = reporting.EpochRecorder(
-            counters, base.SingleProcess(), scalars_fn=lambda: {"learning_rate": 0.1},
+            counters, distributed.SingleProcess(), scalars_fn=lambda: {"learning_rate": 0.1},
             fresh_examples_fn=lambda: fresh_per_epoch["count"],
             phase_fn=lambda step: "step", evaluate_fn=lambda: next(mid_epoch),
             eval_every_steps=2, target_accuracy=0.75, stop_at_target=False)

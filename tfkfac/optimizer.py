@@ -285,9 +285,19 @@ class KFAC(keras.optimizers.Optimizer):
             gradients = self.gradients(tape, scaled_loss, variables,
                                        loss_scale=model.optimizer.scale_loss(1.0))
             model.optimizer.apply(gradients, variables)
-            return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return self._averaged_over_ranks(
+                model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
 
         return train_step
+
+    def _averaged_over_ranks(self, logs):
+        """`model.fit` logs as the mean over ranks (each rank's running mean, equal batches)."""
+        if self._comm.size == 1:
+            return logs
+        names = [name for name, value in logs.items() if tf.is_tensor(value)]
+        values = self._comm.grouped_allreduce_mean(
+            [tf.cast(logs[name], tf.float32) for name in names], category="metrics")
+        return {**logs, **dict(zip(names, values))}
 
     @staticmethod
     def _make_train_function_factory(model):
