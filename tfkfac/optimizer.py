@@ -518,20 +518,13 @@ class KFAC(keras.optimizers.Optimizer):
         return tf.cond(step >= self._next_factor_step, update, lambda: tf.constant(False))
 
     def _reduce_statistics(self, statistics):
-        """Average factor statistics over ranks: packed symmetric ones in one call."""
+        """Average factor statistics over ranks: one grouped call, symmetric-packed."""
         if self._comm.size == 1:
             return statistics
-        flat = [stat for block_stats in statistics for stat in block_stats]
-        symmetric = [i for i, stat in enumerate(flat) if len(stat.shape) == 2]
-        diagonal = [i for i, stat in enumerate(flat) if len(stat.shape) == 1]
-        reduced = list(flat)
-        matrices = distributed.allreduce_symmetric(
-            self._comm, [flat[i] for i in symmetric], self.factor_wire_dtype, "factors")
-        vectors = self._comm.grouped_allreduce_mean([flat[i] for i in diagonal], "factors")
-        for i, value in zip(symmetric + diagonal, matrices + vectors):
-            reduced[i] = value
-        it = iter(reduced)
-        return [[next(it) for _ in block_stats] for block_stats in statistics]
+        reduced = iter(distributed.allreduce_symmetric(
+            self._comm, [stat for block_stats in statistics for stat in block_stats],
+            self.factor_wire_dtype, "factors"))
+        return [[next(reduced) for _ in block_stats] for block_stats in statistics]
 
     # decompositions ------------------------------------------------------
     def _assign_owners(self):
