@@ -11,8 +11,8 @@ recorded beside them. Protocol, identical for the three optimizers:
 2. Measurement: the kept setting with `--seeds` seeds on the full train split, test
    accuracy every `--eval_every_steps` steps, up to `--max_epochs` epochs, stopping at
    `--target_accuracy`. Reported: median training wall time (evaluation excluded) and
-   steps to the target over the seeds, the accuracy-vs-time curves, and the ratios
-   K-FAC / SGD.
+   steps to the target over the seeds (a seed that never reaches it counts as
+   infinite), the accuracy-vs-time curves, and the ratios K-FAC / SGD.
 3. Autoencoder (Martens & Grosse 784-1000-500-250-30-250-500-1000-784): each optimizer
    at a stated setting for `--autoencoder_epochs`; squared reconstruction error on
    train[:10000] against training time.
@@ -27,6 +27,7 @@ Writes bench/results/time_to_accuracy.json and .png and prints the ratios.
 """
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -70,8 +71,17 @@ AUTOENCODER_SETTINGS = {
 AUTOENCODER_EVAL_SPLIT = "train[:10000]"
 
 
+def slug(setting):
+    """A directory-name form of a setting, e.g. "damping=0.03"."""
+    return ",".join(f"{key}={value}" for key, value in sorted(setting.items()))
+
+
 def trial(name, **settings):
-    """Runs (or reads back) one trainer run in `work_dir/name`; returns its summary."""
+    """Runs (or reads back) one trainer run in `work_dir/name`; returns its summary.
+
+    `name` must say everything that differs between trials (settings included), since
+    a finished trial is read back by name.
+    """
     model_dir = os.path.join(FLAGS.work_dir, name)
     summary_path = os.path.join(model_dir, runner.SUMMARY_FILE)
     if os.path.exists(summary_path):
@@ -87,10 +97,10 @@ def trial(name, **settings):
 def tune(model, optimizer):
     """The grid setting with the best validation accuracy after `tune_epochs` epochs."""
     scores = []
-    for index, setting in enumerate(GRIDS[optimizer]):
-        summary = trial(f"{model}-{optimizer}-tune{index}", model=model, optimizer=optimizer,
-                        train_split=TUNE_SPLIT, eval_split=VALIDATION_SPLIT,
-                        epochs=FLAGS.tune_epochs, **setting)
+    for setting in GRIDS[optimizer]:
+        summary = trial(f"{model}-{optimizer}-tune-{slug(setting)}", model=model,
+                        optimizer=optimizer, train_split=TUNE_SPLIT,
+                        eval_split=VALIDATION_SPLIT, epochs=FLAGS.tune_epochs, **setting)
         scores.append({"setting": setting,
                        "validation_accuracy": summary["final_eval_accuracy"]})
     best = max(scores, key=lambda s: s["validation_accuracy"])
@@ -100,8 +110,8 @@ def tune(model, optimizer):
 def measure(model, optimizer, setting):
     runs = []
     for seed in range(FLAGS.seeds):
-        summary = trial(f"{model}-{optimizer}-seed{seed}", model=model, optimizer=optimizer,
-                        seed=seed, epochs=FLAGS.max_epochs,
+        summary = trial(f"{model}-{optimizer}-seed{seed}-{slug(setting)}", model=model,
+                        optimizer=optimizer, seed=seed, epochs=FLAGS.max_epochs,
                         eval_every_steps=FLAGS.eval_every_steps,
                         target_accuracy=FLAGS.target_accuracy, stop_at_target=True,
                         **setting)
@@ -109,23 +119,25 @@ def measure(model, optimizer, setting):
                      "mean_step_time_s": summary["mean_step_time_s"]["all"],
                      "curve": [(p["train_time_s"], p["steps"], p["val_accuracy"])
                                for p in summary["evaluations"]]})
-    reached = [r["to_target"] for r in runs if r["to_target"] is not None]
-    return {"setting": setting, "runs": runs, "reached": len(reached),
-            "median_time_s": _median_if_all(reached, runs, "time_s"),
-            "median_steps": _median_if_all(reached, runs, "steps"),
+    return {"setting": setting, "runs": runs,
+            "reached": sum(r["to_target"] is not None for r in runs),
+            "median_time_s": _median_to_target(runs, "time_s"),
+            "median_steps": _median_to_target(runs, "steps"),
             "median_step_time_s": statistics.median(r["mean_step_time_s"] for r in runs)}
 
 
-def _median_if_all(reached, runs, key):
-    """Median over the seeds, or None unless every seed reached the target."""
-    if len(reached) < len(runs):
-        return None
-    return statistics.median(r[key] for r in reached)
+def _median_to_target(runs, key):
+    """Median over the seeds, a seed that never reached the target counting as infinite;
+    None when that median is infinite (fewer than half the seeds reached it)."""
+    values = [math.inf if r["to_target"] is None else r["to_target"][key] for r in runs]
+    median = statistics.median(values)
+    return None if math.isinf(median) else median
 
 
 def autoencoder(optimizer):
     setting = AUTOENCODER_SETTINGS[optimizer]
-    summary = trial(f"autoencoder-{optimizer}", model="autoencoder", optimizer=optimizer,
+    summary = trial(f"autoencoder-{optimizer}-{slug(setting)}", model="autoencoder",
+                    optimizer=optimizer,
                     eval_split=AUTOENCODER_EVAL_SPLIT, epochs=FLAGS.autoencoder_epochs,
                     eval_every_steps=FLAGS.eval_every_steps, **setting)
     return {"setting": setting,

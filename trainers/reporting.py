@@ -204,6 +204,18 @@ class EpochRecorder(StepTimer):
         mean = self._communicator.grouped_allreduce_mean([local], category="metrics")[0]
         return int(round(float(mean) * self._communicator.size))
 
+class RunProgressBar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar, counting the run's epochs: the trainer calls `fit` once per
+    epoch, so Keras alone would print "Epoch 3/3" for the third of ten."""
+
+    def __init__(self, num_epochs):
+        super().__init__()
+        self._num_epochs = num_epochs
+
+    def set_params(self, params):
+        super().set_params(dict(params, epochs=self._num_epochs))
+
+
 class EpochWriter(keras.callbacks.Callback):
     """Writes the recorder's history to `metrics.csv` and TensorBoard scalars (chief only).
 

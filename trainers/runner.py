@@ -99,6 +99,8 @@ class Trainer:
         callbacks = [recorder]
         if self.chief:
             callbacks.append(reporting.EpochWriter(self.model_dir, recorder))
+            if config.verbose:  # last, so it shows the logs the recorder completed
+                callbacks.append(reporting.RunProgressBar(self.num_epochs))
         for epoch in range(self.counters.epochs, self.num_epochs):
             if config.stop_at_target and recorder.target_reached:
                 break
