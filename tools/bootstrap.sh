@@ -21,7 +21,6 @@ PIP_PACKAGES=(
   "matplotlib"
   "setuptools"
   "wheel"
-  "cmake"
 )
 PIP_STAMP="$VENV/.tfkfac-pip-stamp"
 PROJECT_STAMP="$VENV/.tfkfac-project-stamp"
@@ -104,9 +103,11 @@ else
     cat "$xla"
     echo "#endif  // HAVE_GPU"; } > "$xla.new"
   mv "$xla.new" "$xla"
+  # Debian's cmake (3.25) builds it; CMake >= 4 (e.g. PyPI's) rejects Gloo's
+  # cmake_minimum_required < 3.5 unless told the policy floor.
   HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
   HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo \
-  MAKEFLAGS=-j2 \
+  CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j2 \
     pip_quiet install -q --no-build-isolation --no-cache-dir "$src"
   horovod_ok || { step "horovod: import failed or built without Gloo/MPI"; exit 1; }
   echo "$horovod_wanted" > "$HOROVOD_STAMP"
