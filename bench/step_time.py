@@ -27,7 +27,7 @@ import statistics
 import tempfile
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 import matplotlib
 import tensorflow as tf
 
@@ -169,6 +169,7 @@ def plot(report, path):
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
     report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.blocks,
               "machine": machine(), "configurations": CONFIGURATIONS, "models": {}}
     for model in FLAGS.models:
