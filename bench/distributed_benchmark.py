@@ -21,10 +21,7 @@ Writes bench/results/distributed.json and distributed.png; prints the ratios.
 
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +30,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from tfkfac.distributed import launch  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "cnn"], "Models of trainers/models.py to measure.")
@@ -135,6 +134,7 @@ def worker_main(out_path):
             "factor_dims": [s[0] for b in optimizer.summary()["managed"]
                             for s in b["factor_shapes"] if len(s) == 2],
             "warmup_bytes": probe.warmup_bytes,
+            "kfac_state_bytes": optimizer.summary()["state_bytes"],
         }
         if steps > FLAGS.warmup_steps:
             a, b = probe.marks["start"], probe.marks["end"]
@@ -176,18 +176,11 @@ def worker_main(out_path):
 
 
 # ----------------------------------------------------------------------------- driver
-def _run(command, timeout, env):
+def _run(command, env):
     start = time.time()
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, env=env, start_new_session=True)
-    try:
-        output, _ = job.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        output, _ = job.communicate()
-        raise RuntimeError(f"{command[:6]} did not finish in {timeout} s:\n{output[-3000:]}")
-    if job.returncode:
-        raise RuntimeError(f"{command[:6]} exited {job.returncode}:\n{output[-3000:]}")
+    code, output = launch.run_job(command, FLAGS.timeout, env)
+    if code:
+        raise RuntimeError(f"{command[:6]} exited {code}:\n{output[-3000:]}")
     print(f"{' '.join(command[:6])} ... took {time.time() - start:.0f} s", flush=True)
     return [line for line in output.splitlines() if "steps in" in line]
 
@@ -203,19 +196,13 @@ def _worker_args(out):
 
 
 def run_all(work_dir):
-    venv_bin = os.path.dirname(sys.executable)
-    env = dict(os.environ, PATH=os.pathsep.join([venv_bin, os.environ.get("PATH", "")]),
-               TF_CPP_MIN_LOG_LEVEL="2")
-    for variable in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        env.pop(variable, None)
+    env = launch.job_environment()
     single = os.path.join(work_dir, "single")
     multi = os.path.join(work_dir, "multi")
-    for line in _run([sys.executable] + _worker_args(single), FLAGS.timeout, env):
+    for line in _run([sys.executable] + _worker_args(single), env):
         print("  " + line)
-    horovodrun = shutil.which("horovodrun", path=env["PATH"])
     n = FLAGS.num_ranks
-    for line in _run([horovodrun, "--gloo", "-np", str(n), "-H", f"localhost:{n}",
-                      sys.executable] + _worker_args(multi), FLAGS.timeout, env):
+    for line in _run(launch.horovodrun_command(_worker_args(multi), n, env), env):
         print("  " + line)
     load = lambda path: json.load(open(path))
     return (load(f"{single}.rank0.json"),
@@ -247,6 +234,15 @@ def _timing(timed_ranks):
         "decomposition_seconds_min": min(decomposition) if decomposition else None,
         "decomposition_seconds_each_inverse_step": decomposition,
     }
+
+
+def _megabytes(count):
+    """Byte counts (one or a list) in MB for printing; "n/a" for older results."""
+    if count is None:
+        return "n/a"
+    if isinstance(count, list):
+        return "/".join(f"{c / 1e6:.2f}" for c in count)
+    return f"{count / 1e6:.2f}"
 
 
 def _ratio(a, b):
@@ -283,6 +279,7 @@ def summarize(single, per_rank, load_at_start):
             "parameters": base["parameters"], "factor_dims": base["factor_dims"],
             "lpt_cost_share_per_rank": _lpt_shares(base["factor_dims"], FLAGS.num_ranks),
             "single": dict(_timing([timed]), threads=base["threads"],
+                           kfac_state_bytes=base["kfac_state_bytes"],
                            batch=base["local_batch"], phase_seconds=timed["phase_seconds"]),
             "distributed": []}
         configs = [r for r in per_rank[0] if r["model"] == name]
@@ -290,7 +287,8 @@ def summarize(single, per_rank, load_at_start):
             ranks = [[r for r in results if r["model"] == name][index] for results in per_rank]
             row = {"placement": config["placement"], "factor_wire": config["factor_wire"],
                    "eigen_wire": config["eigen_wire"], "batch_per_rank": config["local_batch"],
-                   "threads_per_rank": config["threads"]}
+                   "threads_per_rank": config["threads"],
+                   "kfac_state_bytes_per_rank": [r["kfac_state_bytes"] for r in ranks]}
             # Warm-up step 0 is a factor + inverse step; step 1 is stale; the first
             # factor-only step is factor_update_freq (if inside the warm-up).
             per_step = [_step_bytes(r["warmup_bytes"], 0) for r in ranks]
@@ -428,12 +426,14 @@ def main(argv):
         print(f"  1 process: {single_row['step_seconds'] * 1e3:.1f} ms/step (median "
               f"{single_row['median_step_seconds'] * 1e3:.1f}), decomposition "
               f"{_fmt(single_row['decomposition_seconds_per_inverse_step'])} s per inverse "
-              f"step (min {_fmt(single_row['decomposition_seconds_min'])})")
+              f"step (min {_fmt(single_row['decomposition_seconds_min'])}), K-FAC state "
+              f"{_megabytes(single_row.get('kfac_state_bytes'))} MB")
         for row in entry["distributed"]:
             label = f"{row['placement']:>10} {row['factor_wire']}/{row['eigen_wire']}"
             text = (f"  {FLAGS.num_ranks} ranks {label}: "
                     f"{row['amortized_bytes_per_step_per_rank']['total'] / 1e3:.1f} kB/step/rank"
-                    f" (factor step {row['factor_bytes_per_factor_step'] / 1e3:.1f} kB)")
+                    f" (factor step {row['factor_bytes_per_factor_step'] / 1e3:.1f} kB), "
+                    f"K-FAC state {_megabytes(row.get('kfac_state_bytes_per_rank'))} MB/rank")
             if "step_seconds" in row:
                 text += (f", {row['step_seconds'] * 1e3:.1f} ms/step "
                          f"(x{_fmt(row['speedup_vs_single'], 2)} vs 1 process; median "

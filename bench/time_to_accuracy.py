@@ -6,10 +6,11 @@ Every trial is one run of the trainer (`trainers.runner.run`, what
 recorded beside them. Protocol, identical for the three optimizers:
 1. Tuning: the same budget of `len(grid)` trials each (the grids are below: learning
    rates for SGD and Adam; damping for K-FAC, whose KL clip sets its step length, so
-   its learning rate barely matters), `--tune_epochs` epochs on train[:54000], scored
-   by accuracy on the held-out train[54000:]. The best setting is kept.
+   its learning rate barely matters), the model's `tune_epochs` (BUDGETS below) on
+   train[:54000], scored by accuracy on the held-out train[54000:]. The best setting
+   is kept.
 2. Measurement: the kept setting with `--seeds` seeds on the full train split, test
-   accuracy every `--eval_every_steps` steps, up to `--max_epochs` epochs, stopping at
+   accuracy every `eval_every_steps` steps, up to `max_epochs` epochs, stopping at
    the highest of `--target_accuracies`. Reported for each target: median training
    wall time (evaluation excluded) and
    steps to the target over the seeds (a seed that never reaches it counts as
@@ -20,6 +21,8 @@ recorded beside them. Protocol, identical for the three optimizers:
 
 Runs live in `--work_dir`; a finished trial is read back instead of rerun and an
 interrupted one resumes from its checkpoint, so the benchmark can be restarted.
+`--tune_only` stops after the tuning trials, which can run on a busy machine; the timed
+runs then need it idle.
 
 Run (hours on 2 cores; in the background):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/time_to_accuracy.py \
@@ -48,11 +51,11 @@ flags.DEFINE_list("optimizers", ["kfac", "sgd", "adam"], "Optimizers to compare.
 flags.DEFINE_list("target_accuracies", ["0.88", "0.89", "0.90"],
                   "Test accuracies to report time to; runs stop at the highest.")
 flags.DEFINE_integer("seeds", 3, "Seeds per optimizer in the measurement.")
-flags.DEFINE_integer("tune_epochs", 2, "Epochs of each tuning trial.")
-flags.DEFINE_integer("max_epochs", 10, "Epoch budget of each measured run.")
-flags.DEFINE_integer("eval_every_steps", 100, "Steps between test evaluations.")
 flags.DEFINE_integer("batch_size", 128, "Examples per step.")
 flags.DEFINE_integer("autoencoder_epochs", 5, "Epochs of each autoencoder run (0 skips it).")
+flags.DEFINE_bool("tune_only", False,
+                  "Run only the tuning trials (scored by accuracy, not time, so a busy "
+                  "machine is fine) and stop; a later run reads them back and measures.")
 flags.DEFINE_string("work_dir", "/tmp/tfkfac_time_to_accuracy",
                     "Where the trials' runs (checkpoints, logs) go.")
 flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -67,6 +70,13 @@ GRIDS = {
     "adam": [dict(learning_rate=lr) for lr in (3e-4, 1e-3, 3e-3, 1e-2)],
     "kfac": [dict(damping=d) for d in (3e-3, 1e-2, 3e-2, 1e-1)],
 }
+# Per-model budget. A ResNet-20 step costs ~8x a CNN step on 2 cores, so its budget is
+# smaller to keep the whole benchmark within a few hours.
+BUDGETS = {
+    "cnn": dict(tune_epochs=2, max_epochs=10, eval_every_steps=100),
+    "resnet20": dict(tune_epochs=1, max_epochs=4, eval_every_steps=200),
+}
+AUTOENCODER_EVAL_EVERY_STEPS = 100
 AUTOENCODER_SETTINGS = {
     "sgd": dict(learning_rate=0.1),
     "adam": dict(learning_rate=1e-3),
@@ -99,12 +109,13 @@ def trial(name, **settings):
 
 
 def tune(model, optimizer):
-    """The grid setting with the best validation accuracy after `tune_epochs` epochs."""
+    """The grid setting with the best validation accuracy after the model's tuning epochs."""
     scores = []
     for setting in GRIDS[optimizer]:
         summary = trial(f"{model}-{optimizer}-tune-{slug(setting)}", model=model,
                         optimizer=optimizer, train_split=TUNE_SPLIT,
-                        eval_split=VALIDATION_SPLIT, epochs=FLAGS.tune_epochs, **setting)
+                        eval_split=VALIDATION_SPLIT, epochs=BUDGETS[model]["tune_epochs"],
+                        **setting)
         scores.append({"setting": setting,
                        "validation_accuracy": summary["final_eval_accuracy"]})
     best = max(scores, key=lambda s: s["validation_accuracy"])
@@ -115,8 +126,8 @@ def measure(model, optimizer, setting):
     runs = []
     for seed in range(FLAGS.seeds):
         summary = trial(f"{model}-{optimizer}-seed{seed}-{slug(setting)}", model=model,
-                        optimizer=optimizer, seed=seed, epochs=FLAGS.max_epochs,
-                        eval_every_steps=FLAGS.eval_every_steps,
+                        optimizer=optimizer, seed=seed, epochs=BUDGETS[model]["max_epochs"],
+                        eval_every_steps=BUDGETS[model]["eval_every_steps"],
                         target_accuracy=max(targets()), stop_at_target=True, **setting)
         runs.append({"seed": seed,
                      "mean_step_time_s": summary["mean_step_time_s"]["all"],
@@ -152,7 +163,7 @@ def autoencoder(optimizer):
     summary = trial(f"autoencoder-{optimizer}-{slug(setting)}", model="autoencoder",
                     optimizer=optimizer,
                     eval_split=AUTOENCODER_EVAL_SPLIT, epochs=FLAGS.autoencoder_epochs,
-                    eval_every_steps=FLAGS.eval_every_steps, **setting)
+                    eval_every_steps=AUTOENCODER_EVAL_EVERY_STEPS, **setting)
     return {"setting": setting,
             "final_train_squared_error": summary["final_metrics"].get("val_squared_error"),
             "curve": [(p["train_time_s"], p["steps"], p["val_squared_error"])
@@ -206,10 +217,13 @@ def plot(report, path):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
+    unknown = sorted(set(FLAGS.models) - set(BUDGETS))
+    if unknown:
+        raise ValueError(f"models must be among {', '.join(BUDGETS)}; got {unknown}")
     report = {
         "target_accuracies": targets(), "seeds": FLAGS.seeds,
-        "batch_size": FLAGS.batch_size, "tune_epochs": FLAGS.tune_epochs,
-        "max_epochs": FLAGS.max_epochs, "eval_every_steps": FLAGS.eval_every_steps,
+        "batch_size": FLAGS.batch_size,
+        "budgets": {model: BUDGETS[model] for model in FLAGS.models},
         "tuning": {"grids": {o: GRIDS[o] for o in FLAGS.optimizers},
                    "train_split": TUNE_SPLIT, "validation_split": VALIDATION_SPLIT},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
@@ -217,9 +231,15 @@ def main(argv):
         "models": {}, "autoencoder": {},
     }
     for model in FLAGS.models:
+        # All tuning first, then all measured runs back to back, so the timed runs of
+        # the three optimizers share the same stretch of machine conditions.
+        tunings = {optimizer: tune(model, optimizer) for optimizer in FLAGS.optimizers}
+        if FLAGS.tune_only:
+            print(f"{model} tuned: " + json.dumps({o: t["best"] for o, t in tunings.items()}),
+                  flush=True)
+            continue
         results = {}
-        for optimizer in FLAGS.optimizers:
-            tuning = tune(model, optimizer)
+        for optimizer, tuning in tunings.items():
             results[optimizer] = dict(measure(model, optimizer, tuning["best"]),
                                       tuning=tuning["trials"])
             for target, reached in results[optimizer]["to_target"].items():
@@ -227,9 +247,12 @@ def main(argv):
                       f"{reached['reached']}/{FLAGS.seeds} seeds, median "
                       f"{reached['median_time_s']} s, {reached['median_steps']} steps",
                       flush=True)
-        report["models"][model] = {"optimizers": results, "kfac_over_sgd": ratios(results)}
+        report["models"][model] = {"optimizers": results, "kfac_over_sgd": ratios(results),
+                                   "load_average_after": os.getloadavg()}
         print(f"{model} K-FAC/SGD by target: {report['models'][model]['kfac_over_sgd']}",
               flush=True)
+    if FLAGS.tune_only:
+        return
     if FLAGS.autoencoder_epochs:
         for optimizer in FLAGS.optimizers:
             report["autoencoder"][optimizer] = autoencoder(optimizer)

@@ -10,6 +10,9 @@ saves what this rank holds to `$DISTRIBUTED_KFAC_OUT_DIR/<scenario>.rank<r>.npz`
   factor_update_freq = inv_update_freq = 5 over 6 steps, some with
   `steps_per_execution` > 1 (Keras then runs the steps in a tf.while_loop); the test
   runs the same function in one process with batch 2B (`run_equivalence`).
+- `owner_restore`: "owner" placement across a checkpoint: rank 0 saves after
+  RESTORE_STEPS steps, every rank restores that file into a fresh model and optimizer
+  and trains RESTORE_STEPS more (`run_owner_restore`; also the 1-process reference).
 Last, rank 1 raises inside `model.fit` while rank 0 trains on: the job must end.
 Everything the test needs to rebuild (models, data, settings) lives here.
 """
@@ -41,6 +44,8 @@ SYNC_FREQ = dict(factor_update_freq=1, inv_update_freq=2)  # Every step a factor
 EQUIVALENCE_CASES = [("replicated", "eigen", 1), ("owner", "eigen", 1),
                      ("replicated", "inverse", 4), ("owner", "inverse", 3)]
 EQUIVALENCE_STEPS, EQUIVALENCE_BATCH, EQUIVALENCE_FREQ = 6, 16, 5
+# Steps before and after the restore; decompositions every RESTORE_INV_FREQ steps.
+RESTORE_STEPS, RESTORE_INV_FREQ = 6, 4
 
 
 def small_cnn(seed, batch_norm):
@@ -132,13 +137,51 @@ def run_equivalence(comm, placement, method, steps_per_execution=1):
               rank_part(y, global_batch, comm.rank, comm.size),
               batch_size=global_batch // comm.size, epochs=1, shuffle=False, verbose=0,
               callbacks=[log])
-    saved = log.results()
-    saved.update({f"weight{i:03d}": np.asarray(v.numpy())
-                  for i, v in enumerate(model.variables)})
-    counters = optimizer.summary()["counters"]
-    saved["kfac_counters"] = np.asarray([counters[k] for k in
+    return dict(log.results(), **final_state(model, optimizer))
+
+
+def final_state(model, optimizer):
+    """Model variables, K-FAC counters and the bytes of K-FAC state this rank holds."""
+    saved = {f"weight{i:03d}": np.asarray(v.numpy()) for i, v in enumerate(model.variables)}
+    summary = optimizer.summary()
+    saved["kfac_counters"] = np.asarray([summary["counters"][k] for k in
                                          ("steps", "factor_updates", "decomposition_updates")])
+    saved["state_bytes"] = np.asarray(summary["state_bytes"])
     return saved
+
+
+def run_owner_restore(comm, directory):
+    """Owner placement: RESTORE_STEPS steps, rank 0 saves, all ranks restore, RESTORE_STEPS more.
+
+    The checkpoint holds factors but no decompositions (each rank holds only its own),
+    so every rank can restore rank 0's file. With `comm.size == 1` this is the
+    single-process reference with batch 2B.
+    """
+    global_batch = 2 * EQUIVALENCE_BATCH
+    x, y = (rank_part(a, global_batch, comm.rank, comm.size)
+            for a in fixed_examples(2 * RESTORE_STEPS * global_batch))
+    half = len(x) // 2
+    path = os.path.join(directory, "owner_restore_checkpoint")
+
+    def fresh():
+        model = small_cnn(seed=7, batch_norm=False)
+        optimizer = compiled(model, comm, placement="owner", inv_update_freq=RESTORE_INV_FREQ)
+        optimizer.build(model.trainable_variables)
+        return model, optimizer, tf.train.Checkpoint(model=model, optimizer=optimizer)
+
+    def fit(model, part):
+        model.fit(x[part], y[part], batch_size=global_batch // comm.size, epochs=1,
+                  shuffle=False, verbose=0)
+
+    model, optimizer, checkpoint = fresh()
+    fit(model, slice(0, half))
+    if comm.rank == 0:
+        checkpoint.write(path)
+    comm.grouped_allreduce_mean([tf.ones([1])], category="metrics")  # rank 0 has written
+    model, optimizer, checkpoint = fresh()
+    checkpoint.read(path).assert_existing_objects_matched()
+    fit(model, slice(half, None))
+    return final_state(model, optimizer)
 
 
 def run_sync(comm, steps, factor_wire_dtype="float32"):
@@ -188,6 +231,7 @@ def main(out_dir):
     for placement, method, steps_per_execution in EQUIVALENCE_CASES:
         run(f"equivalence_{placement}_{method}", run_equivalence, comm, placement, method,
             steps_per_execution)
+    run("owner_restore", run_owner_restore, comm, out_dir)
     np.savez(os.path.join(out_dir, f"timings.rank{comm.rank}.npz"), **timings)
     # Both ranks have saved everything before one of them fails.
     comm.grouped_allreduce_mean([tf.ones([1])], category="metrics")

@@ -20,7 +20,7 @@ sys.path.insert(0, TESTS_DIR)
 sys.path.insert(0, os.path.join(TESTS_DIR, "testdata"))
 
 import communicator_worker as worker  # noqa: E402
-from horovod_launcher import run_under_horovodrun  # noqa: E402
+from tfkfac.distributed.launch import run_horovod_job  # noqa: E402
 from resnet_factors import resnet50_factor_dims  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 
@@ -116,7 +116,7 @@ class TwoRankJobTest(absltest.TestCase):
         cls.out_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
         start = time.time()
         with mock.patch.dict(os.environ, {worker.OUT_DIR_VARIABLE: cls.out_dir}):
-            cls.returncode, cls.output = run_under_horovodrun(
+            cls.returncode, cls.output = run_horovod_job(
                 os.path.join(TESTS_DIR, "communicator_worker.py"), num_ranks=2,
                 timeout=JOB_TIMEOUT_SECONDS)
         cls.exit_time = time.time()

@@ -5,7 +5,7 @@ import os
 
 from absl.testing import absltest
 
-from horovod_launcher import run_under_horovodrun
+from tfkfac.distributed.launch import run_horovod_job
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "horovod_collectives_worker.py")
@@ -15,7 +15,7 @@ TIMEOUT_SECONDS = 120
 class HorovodCollectivesTest(absltest.TestCase):
 
     def test_two_ranks_agree_on_collectives(self):
-        code, output = run_under_horovodrun(WORKER, num_ranks=2, timeout=TIMEOUT_SECONDS)
+        code, output = run_horovod_job(WORKER, num_ranks=2, timeout=TIMEOUT_SECONDS)
         self.assertEqual(code, 0, msg=output[-4000:])
         for rank in (0, 1):
             for mode in ("eager", "tf.function"):

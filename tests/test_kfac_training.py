@@ -123,6 +123,33 @@ class StateTest(absltest.TestCase):
         fit(restored, steps=1)
         self.assertLess(max_difference(model.get_weights(), restored.get_weights()), 1e-6)
 
+    def test_owner_placement_saves_no_decompositions_and_recomputes_them(self):
+        replicated_model, replicated = compiled(small_cnn(), inv_update_freq=4)
+        replicated.build(replicated_model.trainable_variables)
+        model, optimizer = compiled(small_cnn(), placement="owner", inv_update_freq=4)
+        fit(model, steps=3)  # decomposed at step 0; the next at step 4
+        held = [v for s in optimizer._block_state for d in s["decompositions"] for v in d]
+        # One process owns every layer: it holds all decompositions, but saves none.
+        self.assertEqual(optimizer.summary()["state_bytes"],
+                         replicated.summary()["state_bytes"])
+        self.assertLen(replicated.variables, len(optimizer.variables) + len(held))
+        path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        loaded.optimizer.attach(loaded)
+        counters = lambda opt: (opt.summary()["counters"]["decomposition_updates"],
+                                int(opt._next_decomposition_step.numpy()))
+        self.assertEqual(counters(loaded.optimizer), (1, 4))
+        fit(loaded, steps=1)  # step 3: recomputed from the restored factors...
+        self.assertEqual(counters(loaded.optimizer), (2, 4))  # ...keeping the schedule
+        for state in loaded.optimizer._block_state:  # (BatchNorm has no decomposition)
+            for factor, decomposition in zip(state["factors"], state["decompositions"]):
+                vectors, values = (v.numpy() for v in decomposition)
+                np.testing.assert_allclose(vectors @ np.diag(values) @ vectors.T,
+                                           factor.numpy(), rtol=1e-5, atol=1e-5)
+        fit(loaded, steps=1)  # step 4: the scheduled decomposition
+        self.assertEqual(counters(loaded.optimizer), (3, 8))
+
     def test_get_config_round_trip_with_schedules_and_inner_optimizer(self):
         optimizer = tfkfac.KFAC(
             learning_rate=keras.optimizers.schedules.ExponentialDecay(0.1, 100, 0.5),

@@ -16,7 +16,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)
 
 import trainer_worker as worker  # noqa: E402
-from horovod_launcher import run_under_horovodrun  # noqa: E402
+from tfkfac.distributed.launch import run_horovod_job  # noqa: E402
 
 NUM_RANKS = 2
 JOB_TIMEOUT_SECONDS = 280
@@ -30,7 +30,7 @@ class TrainerHorovodTest(absltest.TestCase):
         os.makedirs(absltest.get_default_test_tmpdir(), exist_ok=True)
         cls.out_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
         os.environ[worker.OUT_VARIABLE] = cls.out_dir  # read by every rank
-        cls.returncode, cls.output = run_under_horovodrun(
+        cls.returncode, cls.output = run_horovod_job(
             os.path.join(TESTS_DIR, "trainer_worker.py"), num_ranks=NUM_RANKS,
             timeout=JOB_TIMEOUT_SECONDS)
 

@@ -146,7 +146,10 @@ class KFAC(keras.optimizers.Optimizer):
         (Pauloski et al.): every rank receives every decomposition and preconditions
         all layers; stale steps send nothing but gradients. "owner" (Osawa et al.):
         each layer's owner decomposes and preconditions it, and the preconditioned
-        gradients are gathered every step.
+        gradients are gathered every step. A rank then holds only its own layers'
+        decompositions, and they are not saved: after a restore they are recomputed
+        from the saved factors at the first step, so every rank can load rank 0's
+        checkpoint.
       factor_wire_dtype: dtype of the packed factors on the wire ("float32",
         "float16", "bfloat16"); accumulation and storage stay float32.
       eigen_wire_dtype: dtype of decompositions / preconditioned gradients on the wire.
@@ -383,17 +386,24 @@ class KFAC(keras.optimizers.Optimizer):
         self._next_factor_step = counter("next_factor_step")
         self._next_decomposition_step = counter("next_decomposition_step")
         state = []
-        for block in self._blocks:
+        for b, block in enumerate(self._blocks):
             factors = [self.add_variable(shape, initializer="zeros",
                                          name=f"{block.name}_factor{i}")
                        for i, shape in enumerate(block.factor_shapes())]
-            decompositions = [
-                [self.add_variable(shape, name=f"{block.name}_decomp{j}_{k}",
-                                   initializer="identity" if len(shape) == 2 else "zeros")
-                 for k, shape in enumerate(shapes)]
-                for j, shapes in enumerate(block.decomposition_shapes(self.method))]
+            decompositions = None
+            if self._holds_decompositions(b):
+                decompositions = [
+                    [self._decomposition_variable(shape, f"{block.name}_decomp{j}_{k}")
+                     for k, shape in enumerate(shapes)]
+                    for j, shapes in enumerate(block.decomposition_shapes(self.method))]
             state.append({"factors": factors, "decompositions": decompositions})
-        self._block_state = state
+        # Set without tracking: checkpoints save state through `variables` only, so
+        # an owner's unsaved decompositions stay out of them.
+        object.__setattr__(self, "_block_state", state)
+        # Unsaved decompositions ("owner") are missing after a restore: the first step
+        # then recomputes them from the restored factors.
+        object.__setattr__(self, "_decompositions_current", tf.Variable(
+            self._saves_decompositions, trainable=False, name="decompositions_current"))
         if self._stashed_state is not None:
             stashed, self._stashed_state = self._stashed_state, None
             kfac_variables = self._kfac_variables()
@@ -405,13 +415,38 @@ class KFAC(keras.optimizers.Optimizer):
             for variable, value in zip(kfac_variables, stashed):
                 variable.assign(value)
 
+    @property
+    def _saves_decompositions(self):
+        """Replicated decompositions are saved; an owner's own ones are rank-specific."""
+        return self.placement == "replicated"
+
+    def _holds_decompositions(self, b):
+        return self.placement == "replicated" or self._owners[b] == self._comm.rank
+
+    def _decomposition_variable(self, shape, name):
+        initializer = "identity" if len(shape) == 2 else "zeros"
+        if self._saves_decompositions:
+            return self.add_variable(shape, initializer=initializer, name=name)
+        # Not an optimizer variable: outside `variables`, so checkpoints skip it.
+        with tf.init_scope():
+            return keras.Variable(keras.initializers.get(initializer)(shape),
+                                  trainable=False, name=name)
+
+    def _state_variables(self, saved_only):
+        """Per-block factors and held decompositions (only saved ones if `saved_only`)."""
+        with_decompositions = self._saves_decompositions or not saved_only
+        variables = []
+        for s in self._block_state:
+            variables += s["factors"]
+            if with_decompositions and s["decompositions"]:
+                variables += [v for d in s["decompositions"] for v in d]
+        return variables
+
     def _kfac_variables(self):
         counters = [self._skipped_steps, self._factor_updates, self._skipped_factor_updates,
                     self._decomposition_updates, self._failed_decompositions,
                     self._next_factor_step, self._next_decomposition_step]
-        per_block = [v for s in self._block_state
-                     for v in s["factors"] + [v for d in s["decompositions"] for v in d]]
-        return counters + per_block
+        return counters + self._state_variables(saved_only=True)
 
     def load_own_variables(self, store):
         """Load saved state; K-FAC state waits for `attach` if the model is not known."""
@@ -595,12 +630,17 @@ class KFAC(keras.optimizers.Optimizer):
             self._decomposition_updates.assign_add(1)
             _warn_if(failed > 0, "KFAC warning:", failed,
                      "decomposition(s) not finite; keeping the previous ones")
-            self._next_decomposition_step.assign(
-                step + self._frequency(self.inv_update_freq, step))
+            # A recomputation after a restore keeps the saved schedule.
+            due = step >= self._next_decomposition_step
+            self._next_decomposition_step.assign(tf.where(
+                due, step + self._frequency(self.inv_update_freq, step),
+                self._next_decomposition_step))
+            self._decompositions_current.assign(True)
             return failed
 
-        return tf.cond(step >= self._next_decomposition_step, update,
-                       lambda: tf.constant(0, tf.int64))
+        needed = tf.logical_or(step >= self._next_decomposition_step,
+                               tf.logical_not(self._decompositions_current))
+        return tf.cond(needed, update, lambda: tf.constant(0, tf.int64))
 
     # preconditioning -----------------------------------------------------
     def _precondition(self, block_indices, block_grads, factors, decompositions, damping):
@@ -668,8 +708,7 @@ class KFAC(keras.optimizers.Optimizer):
         if self._block_state is not None:
             info["state_bytes"] = int(sum(
                 np.prod(v.shape) * np.dtype(v.dtype).itemsize
-                for s in self._block_state
-                for v in s["factors"] + [v for d in s["decompositions"] for v in d]))
+                for v in self._state_variables(saved_only=False)))
             info["counters"] = {
                 "steps": int(self._iterations.numpy()),
                 "skipped_steps": int(self._skipped_steps.numpy()),

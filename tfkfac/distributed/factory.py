@@ -7,12 +7,12 @@ from tfkfac.distributed.base import SingleProcess
 KINDS = ("auto", "single", "horovod")
 
 # World-size variables set by the launchers: horovodrun (Gloo), Open MPI, MPICH/Intel MPI.
-_WORLD_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+WORLD_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 def launched_world_size():
     """Number of ranks the launcher started, from its environment (1 when not launched)."""
-    for variable in _WORLD_SIZE_VARIABLES:
+    for variable in WORLD_SIZE_VARIABLES:
         if os.environ.get(variable, "").isdigit():
             return int(os.environ[variable])
     return 1
