@@ -1,11 +1,11 @@
 """Per-step wall time of K-FAC versus SGD with momentum, same model and batch.
 
-For each model, three trainers are built exactly as `python -m trainers.train` builds
+For each model, four trainers are built exactly as `python -m trainers.train` builds
 them (`trainers.runner.Trainer`): SGD, K-FAC doing factors and eigendecompositions every
 step (`--factor_update_freq=1 --inv_update_freq=1`), and amortized K-FAC
-(`--factor_update_freq=10 --inv_update_freq=100`). Their training steps then run in
-interleaved blocks (SGD, K-FAC amortized, K-FAC every step, SGD, ...) so drift of the
-shared machine hits all three alike. Batches come from the trainer's own pipeline, cached
+(`--factor_update_freq=10 --inv_update_freq=100`) with the eigen and the inverse
+method. Their training steps then run in interleaved blocks (SGD, K-FAC amortized, ...,
+SGD, ...) so drift of the shared machine hits all of them alike. Batches come from the trainer's own pipeline, cached
 in memory first, so the input pipeline (identical for all three) is not timed.
 
 Each step is timed from asking for its batch to its finished update
@@ -53,6 +53,10 @@ flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(_
 CONFIGURATIONS = {
     "sgd": dict(optimizer="sgd"),
     "kfac_amortized": dict(optimizer="kfac", factor_update_freq=10, inv_update_freq=100),
+    # The same schedule with the inverse method: A⁻¹ ∇ G⁻¹ is half the eigen method's
+    # per-step matmul work, and an inverse is cheaper than an eigendecomposition.
+    "kfac_amortized_inverse": dict(optimizer="kfac", factor_update_freq=10,
+                                   inv_update_freq=100, kfac_method="inverse"),
     "kfac_every_step": dict(optimizer="kfac", factor_update_freq=1, inv_update_freq=1),
 }
 
@@ -145,23 +149,31 @@ def plot(report, path):
                                              bar.get_height()), ha="center", va="bottom",
                            fontsize=8)
     times.set_yscale("log")
-    times.set_xticks([x + width for x in range(len(model_names))], model_names)
+    times.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(model_names))],
+                     model_names)
     times.set_ylabel("ms per step (log)")
     times.set_title(f"Step time, batch {report['batch_size']} (ratio to SGD on bars)")
     times.legend()
     phases = ("factors", "decomposition", "precondition", "update")
-    bottoms = [0.0] * len(model_names)
-    for phase in phases:
-        values = [report["models"][m]["configurations"]["kfac_amortized"]
-                  ["kfac_phase_s_per_step"][phase] * 1e3 for m in model_names]
-        breakdown.bar(model_names, values, bottom=bottoms, label=phase)
-        bottoms = [b + v for b, v in zip(bottoms, values)]
+    amortized = [name for name in names if name.startswith("kfac_amortized")]
+    width = 0.8 / len(amortized)
+    for i, name in enumerate(amortized):
+        positions = [x + (i - (len(amortized) - 1) / 2) * width
+                     for x in range(len(model_names))]
+        bottoms = [0.0] * len(model_names)
+        for j, phase in enumerate(phases):
+            values = [report["models"][m]["configurations"][name]
+                      ["kfac_phase_s_per_step"][phase] * 1e3 for m in model_names]
+            breakdown.bar(positions, values, width * 0.9, bottom=bottoms, color=f"C{j}",
+                          hatch="//" if i else None, label=phase if i == 0 else None)
+            bottoms = [b + v for b, v in zip(bottoms, values)]
     sgd = [report["models"][m]["configurations"]["sgd"]["mean_step_s"] * 1e3
            for m in model_names]
-    breakdown.scatter(model_names, sgd, color="black", marker="_", s=400, label="SGD step",
-                      zorder=3)
+    breakdown.scatter(range(len(model_names)), sgd, color="black", marker="_", s=600,
+                      label="SGD step", zorder=3)
+    breakdown.set_xticks(range(len(model_names)), model_names)
     breakdown.set_ylabel("ms per step")
-    breakdown.set_title("Amortized K-FAC (10/100): time inside K-FAC's phases")
+    breakdown.set_title("Amortized K-FAC (10/100) phases: eigen | inverse (hatched)")
     breakdown.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -178,9 +190,12 @@ def main(argv):
                              f"got {model!r}")
         report["models"][model] = time_model(model)
         for name, result in report["models"][model]["configurations"].items():
-            print(f"{model:9s} {name:16s} {result['mean_step_s'] * 1e3:9.1f} ms/step  "
+            print(f"{model:9s} {name:22s} {result['mean_step_s'] * 1e3:9.1f} ms/step  "
                   f"K-FAC/SGD = {result['ratio_to_sgd']:.2f}", flush=True)
     report["machine"]["load_average_at_end"] = os.getloadavg()
+    report["median_amortized_inverse_ratio"] = statistics.median(
+        r["configurations"]["kfac_amortized_inverse"]["ratio_to_sgd"]
+        for r in report["models"].values())
     report["median_amortized_ratio"] = statistics.median(
         r["configurations"]["kfac_amortized"]["ratio_to_sgd"] for r in report["models"].values())
     os.makedirs(FLAGS.output_dir, exist_ok=True)
