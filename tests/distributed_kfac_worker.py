@@ -40,9 +40,11 @@ KFAC_ARGS = dict(learning_rate=0.05, damping=1e-2)
 
 SYNC_STEPS, SYNC_BATCH = 20, 32
 SYNC_FREQ = dict(factor_update_freq=1, inv_update_freq=2)  # Every step a factor step.
-# (placement, method, steps_per_execution); per-rank batch B, the reference uses 2B.
-EQUIVALENCE_CASES = [("replicated", "eigen", 1), ("owner", "eigen", 1),
-                     ("replicated", "inverse", 4), ("owner", "inverse", 3)]
+# (placement, method, steps_per_execution, xla); per-rank batch B, the reference uses 2B
+# without XLA. With xla=True the local stages are XLA-compiled and the Horovod calls run
+# between them.
+EQUIVALENCE_CASES = [("replicated", "eigen", 1, False), ("owner", "eigen", 1, False),
+                     ("replicated", "inverse", 4, False), ("owner", "inverse", 3, True)]
 EQUIVALENCE_STEPS, EQUIVALENCE_BATCH, EQUIVALENCE_FREQ = 6, 16, 5
 # Steps before and after the restore; decompositions every RESTORE_INV_FREQ steps.
 RESTORE_STEPS, RESTORE_INV_FREQ = 6, 4
@@ -122,7 +124,7 @@ class CounterLog(keras.callbacks.Callback):
         return saved
 
 
-def run_equivalence(comm, placement, method, steps_per_execution=1):
+def run_equivalence(comm, placement, method, steps_per_execution=1, xla=False):
     """Model variables after EQUIVALENCE_STEPS steps on this rank's part of each batch.
 
     With `comm.size == 1` this is the single-process reference with batch 2B.
@@ -131,7 +133,8 @@ def run_equivalence(comm, placement, method, steps_per_execution=1):
     x, y = fixed_examples(EQUIVALENCE_STEPS * global_batch)
     model = small_cnn(seed=7, batch_norm=False)
     optimizer = compiled(model, comm, steps_per_execution, placement=placement, method=method,
-                         factor_update_freq=EQUIVALENCE_FREQ, inv_update_freq=EQUIVALENCE_FREQ)
+                         xla=xla, factor_update_freq=EQUIVALENCE_FREQ,
+                         inv_update_freq=EQUIVALENCE_FREQ)
     log = CounterLog(comm, optimizer)
     model.fit(rank_part(x, global_batch, comm.rank, comm.size),
               rank_part(y, global_batch, comm.rank, comm.size),
@@ -228,9 +231,9 @@ def main(out_dir):
 
     model, ds, _ = run("sync", run_sync, comm, SYNC_STEPS)
     run("sync_float16", run_sync, comm, 1, "float16")
-    for placement, method, steps_per_execution in EQUIVALENCE_CASES:
+    for placement, method, steps_per_execution, xla in EQUIVALENCE_CASES:
         run(f"equivalence_{placement}_{method}", run_equivalence, comm, placement, method,
-            steps_per_execution)
+            steps_per_execution, xla)
     run("owner_restore", run_owner_restore, comm, out_dir)
     np.savez(os.path.join(out_dir, f"timings.rank{comm.rank}.npz"), **timings)
     # Both ranks have saved everything before one of them fails.

@@ -5,8 +5,8 @@ with `model.fit`; each rank saves what it holds. The checks:
 - after 20 steps on sharded real Fashion-MNIST every model and optimizer variable
   (BatchNorm moving statistics included) is bit-identical on both ranks;
 - 2 ranks with per-rank batch B end with the same weights as 1 process with batch 2B on
-  the same examples, for both placements and both methods, and with
-  `steps_per_execution` > 1 (steps inside a tf.while_loop);
+  the same examples, for both placements and both methods, with `steps_per_execution`
+  > 1 (steps inside a tf.while_loop), and with XLA-compiled local stages;
 - factor bytes per factor step = (Σ n(n+1)/2 + BatchNorm diagonals) x wire dtype size, in
   one grouped call, and float16-wire factors are within 2^-10 relative error of float32
   ones;
@@ -93,7 +93,7 @@ class DistributedKfacTest(absltest.TestCase):
         logging.info("2-rank job exited %d after %.1f s", cls.returncode,
                      cls.exit_time - start)
         names = ["sync", "sync_float16", "owner_restore", "timings"] + [
-            f"equivalence_{p}_{m}" for p, m, _ in worker.EQUIVALENCE_CASES]
+            f"equivalence_{p}_{m}" for p, m, *_ in worker.EQUIVALENCE_CASES]
         cls.saved = {}
         for name in names:
             cls.saved[name] = []
@@ -110,7 +110,7 @@ class DistributedKfacTest(absltest.TestCase):
         # With one process both placements run the same code: one reference per method.
         comm = distributed.SingleProcess()
         cls.references = {m: worker.run_equivalence(comm, "replicated", m)
-                          for m in sorted({m for _, m, _ in worker.EQUIVALENCE_CASES})}
+                          for m in sorted({m for _, m, *_ in worker.EQUIVALENCE_CASES})}
         with tempfile.TemporaryDirectory() as directory:
             cls.restore_reference = worker.run_owner_restore(comm, directory)
 
@@ -165,7 +165,7 @@ class DistributedKfacTest(absltest.TestCase):
     def test_two_ranks_match_one_process_with_double_batch(self):
         # Both placements x both methods; the inverse cases run several steps per
         # execution (see the next test), the reference always one.
-        for placement, method, _ in worker.EQUIVALENCE_CASES:
+        for placement, method, *_ in worker.EQUIVALENCE_CASES:
             with self.subTest(placement=placement, method=method):
                 self.assert_matches_one_process(placement, method)
 
@@ -200,7 +200,7 @@ class DistributedKfacTest(absltest.TestCase):
     def test_steps_per_execution_runs_collectives_inside_while_loop(self):
         cases = [c for c in worker.EQUIVALENCE_CASES if c[2] > 1]
         self.assertNotEmpty(cases)
-        for placement, method, steps_per_execution in cases:
+        for placement, method, steps_per_execution, _ in cases:
             with self.subTest(placement=placement, method=method):
                 name = f"equivalence_{placement}_{method}"
                 # Each step issued its collectives exactly once: a gradient allreduce per
@@ -239,7 +239,7 @@ class DistributedKfacTest(absltest.TestCase):
             np.testing.assert_array_equal(
                 per_step(self.shared_counts(name, "calls", "gradients")), 1, name)
         # Without BatchNorm: one call per factor step.
-        for placement, method, _ in worker.EQUIVALENCE_CASES:
+        for placement, method, *_ in worker.EQUIVALENCE_CASES:
             name = f"equivalence_{placement}_{method}"
             self.assertEqual(self.shared_counts(name, "bytes", "factors")[-1],
                              UPDATES * triangles(SYMMETRIC_DIMS) * FLOAT32, name)
@@ -278,7 +278,7 @@ class DistributedKfacTest(absltest.TestCase):
     def test_stale_steps_issue_no_kfac_collectives(self):
         factor_steps = set(range(0, STEPS, worker.EQUIVALENCE_FREQ))
         self.assertEqual(factor_steps, {0, 5})
-        for placement, method, steps_per_execution in worker.EQUIVALENCE_CASES:
+        for placement, method, steps_per_execution, _ in worker.EQUIVALENCE_CASES:
             if steps_per_execution != 1:
                 continue
             name = f"equivalence_{placement}_{method}"
