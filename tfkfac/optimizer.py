@@ -402,8 +402,10 @@ class KFAC(keras.optimizers.Optimizer):
         object.__setattr__(self, "_block_state", state)
         # Unsaved decompositions ("owner") are missing after a restore: the first step
         # then recomputes them from the restored factors.
-        object.__setattr__(self, "_decompositions_current", tf.Variable(
-            self._saves_decompositions, trainable=False, name="decompositions_current"))
+        with tf.init_scope():
+            current = tf.Variable(self._saves_decompositions, trainable=False,
+                                  name="decompositions_current")
+        object.__setattr__(self, "_decompositions_current", current)
         if self._stashed_state is not None:
             stashed, self._stashed_state = self._stashed_state, None
             kfac_variables = self._kfac_variables()
