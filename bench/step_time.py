@@ -5,8 +5,9 @@ them (`trainers.runner.Trainer`): SGD, K-FAC doing factors and eigendecompositio
 step (`--factor_update_freq=1 --inv_update_freq=1`), and amortized K-FAC
 (`--factor_update_freq=10 --inv_update_freq=100`) with the eigen and the inverse
 method. Their training steps then run in interleaved blocks (SGD, K-FAC amortized, ...,
-SGD, ...) so drift of the shared machine hits all of them alike. Batches come from the trainer's own pipeline, cached
-in memory first, so the input pipeline (identical for all three) is not timed.
+SGD, ...) so drift of the shared machine hits all of them alike. Batches come from the
+trainer's own pipeline, cached in memory first, so the input pipeline (identical for
+all four) is not timed.
 
 Each step is timed from asking for its batch to its finished update
 (`trainers.reporting.StepTimer`); a warm-up block first runs every kind of step once

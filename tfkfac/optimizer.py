@@ -423,7 +423,7 @@ class KFAC(keras.optimizers.Optimizer):
         return self.placement == "replicated"
 
     def _holds_decompositions(self, b):
-        return self.placement == "replicated" or self._owners[b] == self._comm.rank
+        return self._saves_decompositions or self._owners[b] == self._comm.rank
 
     def _decomposition_variable(self, shape, name):
         initializer = "identity" if len(shape) == 2 else "zeros"
