@@ -35,6 +35,7 @@ setup(
         "tensorflow-datasets",
         "absl-py",
         "numpy",
+        "scipy",
     ],
     extras_require={"horovod": ["horovod==0.28.1"]},
     license="Apache-2.0",

@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 
 from absl import app, flags, logging
 import matplotlib
@@ -56,19 +57,27 @@ flags.DEFINE_integer("autoencoder_epochs", 5, "Epochs of each autoencoder run (0
 flags.DEFINE_bool("tune_only", False,
                   "Run only the tuning trials (scored by accuracy, not time, so a busy "
                   "machine is fine) and stop; a later run reads them back and measures.")
+flags.DEFINE_bool("keep_other_results", True,
+                  "Carry over from the existing JSON the models (and the autoencoder) this "
+                  "run does not measure; each result keeps the commit it was measured at.")
 flags.DEFINE_string("work_dir", "/tmp/tfkfac_time_to_accuracy",
                     "Where the trials' runs (checkpoints, logs) go.")
 flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                "results"), "Where the JSON and PNG go.")
 
 TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
-# Tuning grids: the same number of trials for every optimizer. K-FAC's grid started at
-# 1e-3..3e-2; its best was the edge (3e-2), so it moved up one step (SGD's and Adam's
-# bests were inside their grids).
-GRIDS = {
+# Tuning grids: the same number of trials for every optimizer. Where the best setting
+# sat at a grid's edge, the grid moved one step past it: the CNN's K-FAC grid started
+# at 1e-3..3e-2, then 3e-3..0.1 (best 0.1, the edge again), now 1e-2..0.3.
+LEARNING_RATE_GRIDS = {
     "sgd": [dict(learning_rate=lr) for lr in (0.01, 0.03, 0.1, 0.3)],
     "adam": [dict(learning_rate=lr) for lr in (3e-4, 1e-3, 3e-3, 1e-2)],
-    "kfac": [dict(damping=d) for d in (3e-3, 1e-2, 3e-2, 1e-1)],
+}
+GRIDS = {
+    "cnn": dict(LEARNING_RATE_GRIDS,
+                kfac=[dict(damping=d) for d in (1e-2, 3e-2, 1e-1, 3e-1)]),
+    "resnet20": dict(LEARNING_RATE_GRIDS,
+                     kfac=[dict(damping=d) for d in (3e-3, 1e-2, 3e-2, 1e-1)]),
 }
 # Per-model budget. A ResNet-20 step costs ~8x a CNN step on 2 cores, so its budget is
 # smaller to keep the whole benchmark within a few hours.
@@ -111,7 +120,7 @@ def trial(name, **settings):
 def tune(model, optimizer):
     """The grid setting with the best validation accuracy after the model's tuning epochs."""
     scores = []
-    for setting in GRIDS[optimizer]:
+    for setting in GRIDS[model][optimizer]:
         summary = trial(f"{model}-{optimizer}-tune-{slug(setting)}", model=model,
                         optimizer=optimizer, train_split=TUNE_SPLIT,
                         eval_split=VALIDATION_SPLIT, epochs=BUDGETS[model]["tune_epochs"],
@@ -214,6 +223,39 @@ def plot(report, path):
     figure.savefig(path, dpi=120)
 
 
+def git_commit():
+    """The commit the measured code is at ("+dirty" with uncommitted library changes)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args):
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                              check=False).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "tfkfac", "trainers", "pipelines")
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+
+
+def carry_over(report, path):
+    """Results of models this run did not measure, from the JSON at `path`."""
+    if not (FLAGS.keep_other_results and os.path.exists(path)):
+        return
+    with open(path, encoding="utf-8") as f:
+        previous = json.load(f)
+    measured_at = previous.get("commit", "unrecorded")
+    grids = previous["tuning"]["grids"]  # older files: one grid per optimizer for all
+    for model, result in previous.get("models", {}).items():
+        if model not in report["models"]:
+            report["models"][model] = dict(result, measured_at_commit=result.get(
+                "measured_at_commit", measured_at))
+            report["budgets"][model] = previous["budgets"][model]
+            report["tuning"]["grids"][model] = grids.get(model, grids)
+    if not report["autoencoder"]:
+        report["autoencoder"] = {
+            optimizer: dict(result, measured_at_commit=result.get(
+                "measured_at_commit", measured_at))
+            for optimizer, result in previous.get("autoencoder", {}).items()}
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
@@ -224,11 +266,12 @@ def main(argv):
         "target_accuracies": targets(), "seeds": FLAGS.seeds,
         "batch_size": FLAGS.batch_size,
         "budgets": {model: BUDGETS[model] for model in FLAGS.models},
-        "tuning": {"grids": {o: GRIDS[o] for o in FLAGS.optimizers},
+        "tuning": {"grids": {m: {o: GRIDS[m][o] for o in FLAGS.optimizers}
+                             for m in FLAGS.models},
                    "train_split": TUNE_SPLIT, "validation_split": VALIDATION_SPLIT},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "tensorflow": tf.__version__, "load_average_at_start": os.getloadavg()},
-        "models": {}, "autoencoder": {},
+        "models": {}, "autoencoder": {}, "commit": git_commit(),
     }
     for model in FLAGS.models:
         # All tuning first, then all measured runs back to back, so the timed runs of
@@ -248,21 +291,24 @@ def main(argv):
                       f"{reached['median_time_s']} s, {reached['median_steps']} steps",
                       flush=True)
         report["models"][model] = {"optimizers": results, "kfac_over_sgd": ratios(results),
-                                   "load_average_after": os.getloadavg()}
+                                   "load_average_after": os.getloadavg(),
+                                   "measured_at_commit": report["commit"]}
         print(f"{model} K-FAC/SGD by target: {report['models'][model]['kfac_over_sgd']}",
               flush=True)
     if FLAGS.tune_only:
         return
     if FLAGS.autoencoder_epochs:
         for optimizer in FLAGS.optimizers:
-            report["autoencoder"][optimizer] = autoencoder(optimizer)
+            report["autoencoder"][optimizer] = dict(autoencoder(optimizer),
+                                                    measured_at_commit=report["commit"])
             print(f"autoencoder {optimizer}: final squared error "
                   f"{report['autoencoder'][optimizer]['final_train_squared_error']:.3f}",
                   flush=True)
     report["machine"]["load_average_at_end"] = os.getloadavg()
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    with open(os.path.join(FLAGS.output_dir, "time_to_accuracy.json"), "w",
-              encoding="utf-8") as f:
+    path = os.path.join(FLAGS.output_dir, "time_to_accuracy.json")
+    carry_over(report, path)
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     plot(report, os.path.join(FLAGS.output_dir, "time_to_accuracy.png"))
     print(f"wrote {FLAGS.output_dir}/time_to_accuracy.json and time_to_accuracy.png")

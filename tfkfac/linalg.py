@@ -1,20 +1,95 @@
-"""Damped Kronecker preconditioning: pure functions of tensors, XLA-compilable.
+"""Damped Kronecker preconditioning: pure functions of tensors.
 
 For a block with gradient matrix `grad` (d_a, d_g) and Kronecker factors A (d_a, d_a),
-G (d_g, d_g), these compute the preconditioned gradient of DESIGN.md §2.
+G (d_g, d_g), these compute the preconditioned gradient of DESIGN.md §2. The
+preconditioning functions are XLA-compilable. The decompositions are not: on CPU they
+call LAPACK through scipy, because TensorFlow's CPU kernels (Eigen, one thread) measured
+5.6x slower for eigh (n=1601: 1.11 s vs 0.20 s with LAPACK's divide and conquer) and 6x
+slower for the damped inverse (LU 213 ms vs Cholesky 35 ms) on this project's machine.
+With a GPU visible they stay in TensorFlow (cuSOLVER).
 """
 
+import numpy as np
+import scipy.linalg
 import tensorflow as tf
 
+BACKENDS = ("auto", "lapack", "tensorflow")
 
-def symmetric_eigh(matrix):
+
+def _uses_lapack(backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {BACKENDS}; received {backend!r}")
+    if backend == "auto":
+        return not tf.config.list_physical_devices("GPU")
+    return backend == "lapack"
+
+
+def _lapack(function, inputs, out_shapes, dtype):
+    """Runs the numpy `function` in the graph; its outputs keep static shapes."""
+    outputs = tf.nest.flatten(
+        tf.numpy_function(function, inputs, [dtype] * len(out_shapes), stateful=False))
+    for output, shape in zip(outputs, out_shapes):
+        output.set_shape(shape)
+    return outputs
+
+
+def _finite_or_nan(decompose, matrix):
+    """`decompose(matrix)`, all NaN if `matrix` is not finite.
+
+    TensorFlow's kernels raise on such input (eigh) or return finite garbage (inv);
+    they get the identity instead and their outputs are marked.
+    """
+    finite = tf.reduce_all(tf.math.is_finite(matrix))
+    eye = tf.eye(tf.shape(matrix)[0], dtype=matrix.dtype)
+    nan = tf.constant(np.nan, matrix.dtype)
+    return [tf.where(finite, t, nan) for t in decompose(tf.where(finite, matrix, eye))]
+
+
+def _nan_like(*arrays):
+    return tuple(np.full_like(a, np.nan) for a in arrays)
+
+
+def _lapack_eigh(matrix):
+    """(values, vectors) by LAPACK's divide and conquer; NaN if it cannot finish."""
+    values = np.zeros(matrix.shape[:1], matrix.dtype)
+    if not np.all(np.isfinite(matrix)):
+        return _nan_like(values, matrix)
+    try:
+        values, vectors = scipy.linalg.eigh(matrix, driver="evd", check_finite=False)
+    except np.linalg.LinAlgError:
+        return _nan_like(values, matrix)
+    return values.astype(matrix.dtype), vectors.astype(matrix.dtype)
+
+
+def _lapack_spd_inverse(matrix):
+    """Inverse of a symmetric positive definite matrix by Cholesky (potrf, potri)."""
+    if not np.all(np.isfinite(matrix)):
+        return _nan_like(matrix)
+    potrf, potri = scipy.linalg.get_lapack_funcs(("potrf", "potri"), (matrix,))
+    factor, info = potrf(matrix, lower=False, overwrite_a=False, clean=True)
+    if info != 0:
+        return _nan_like(matrix)
+    upper, info = potri(factor, lower=False, overwrite_c=True)
+    if info != 0:
+        return _nan_like(matrix)
+    inverse = np.triu(upper) + np.triu(upper, 1).T
+    return (inverse.astype(matrix.dtype),)
+
+
+def symmetric_eigh(matrix, backend="auto"):
     """Eigen-decomposition of a symmetric PSD matrix; eigenvalues clipped at 0.
 
     Factors are PSD by construction; float32 round-off can give tiny negative
-    eigenvalues, which would otherwise shrink the damped denominator.
+    eigenvalues, which would otherwise shrink the damped denominator. Non-finite
+    input gives non-finite output (never an exception), so callers can keep an
+    earlier decomposition.
     """
     symmetric = 0.5 * (matrix + tf.linalg.matrix_transpose(matrix))
-    values, vectors = tf.linalg.eigh(symmetric)
+    if _uses_lapack(backend):
+        values, vectors = _lapack(_lapack_eigh, [symmetric],
+                                  [symmetric.shape[:1], symmetric.shape], symmetric.dtype)
+    else:
+        values, vectors = _finite_or_nan(tf.linalg.eigh, symmetric)
     return tf.maximum(values, 0.0), vectors
 
 
@@ -33,10 +108,17 @@ def pi_correction(a, g):
     return tf.sqrt(tf.maximum(mean_trace_a, tiny) / tf.maximum(mean_trace_g, tiny))
 
 
-def damped_inverse(matrix, shift):
-    """`(M + shift I)⁻¹`; with π-corrected shifts this is factored Tikhonov damping."""
+def damped_inverse(matrix, shift, backend="auto"):
+    """`(M + shift I)⁻¹` of a PSD `M`, shift > 0; with π-corrected shifts this is
+    factored Tikhonov damping. A matrix that is not numerically positive definite
+    gives non-finite output."""
     eye = tf.eye(tf.shape(matrix)[0], dtype=matrix.dtype)
-    return tf.linalg.inv(matrix + shift * eye)
+    damped = matrix + shift * eye
+    if _uses_lapack(backend):
+        (inverse,) = _lapack(_lapack_spd_inverse, [damped], [damped.shape], damped.dtype)
+        return inverse
+    (inverse,) = _finite_or_nan(lambda m: [tf.linalg.inv(m)], damped)
+    return inverse
 
 
 def inverse_precondition(grad, a_inv, g_inv):

@@ -18,6 +18,7 @@ PIP_PACKAGES=(
   "importlib_resources"
   "absl-py"
   "numpy"
+  "scipy"
   "matplotlib"
   "setuptools"
   "wheel"
