@@ -109,9 +109,11 @@ def pi_correction(a, g):
 
 
 def damped_inverse(matrix, shift, backend="auto"):
-    """`(M + shift I)⁻¹` of a PSD `M`, shift > 0; with π-corrected shifts this is
-    factored Tikhonov damping. A matrix that is not numerically positive definite
-    gives non-finite output."""
+    """`(M + shift I)⁻¹` of a PSD `M`, shift > 0.
+
+    With π-corrected shifts this is factored Tikhonov damping. A damped matrix that is
+    not numerically positive definite, or not finite, gives non-finite output.
+    """
     eye = tf.eye(tf.shape(matrix)[0], dtype=matrix.dtype)
     damped = matrix + shift * eye
     if _uses_lapack(backend):
