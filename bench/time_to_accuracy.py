@@ -3,7 +3,9 @@ real Fashion-MNIST, plus the deep autoencoder's training error against time.
 
 Every trial is one run of the trainer (`trainers.runner.run`, what
 `python -m trainers.train` runs), so the numbers are what a user gets from the flags
-recorded beside them. Protocol, identical for the three optimizers:
+recorded beside them. The entries compared are SGD with momentum, Adam, and K-FAC with
+each of its two methods ("kfac" = eigen, the trainer's default; "kfac_inverse").
+Protocol, identical for every entry:
 1. Tuning: the same budget of `len(grid)` trials each (the grids are below: learning
    rates for SGD and Adam; damping for K-FAC, whose KL clip sets its step length, so
    its learning rate barely matters), the model's `tune_epochs` (BUDGETS below) on
@@ -48,7 +50,8 @@ from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["cnn", "resnet20"], "Classifiers to measure.")
-flags.DEFINE_list("optimizers", ["kfac", "sgd", "adam"], "Optimizers to compare.")
+flags.DEFINE_list("optimizers", ["kfac", "kfac_inverse", "sgd", "adam"],
+                  "Entries to compare (keys of OPTIMIZERS).")
 flags.DEFINE_list("target_accuracies", ["0.88", "0.89", "0.90"],
                   "Test accuracies to report time to; runs stop at the highest.")
 flags.DEFINE_integer("seeds", 3, "Seeds per optimizer in the measurement.")
@@ -66,6 +69,13 @@ flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(_
                                                "results"), "Where the JSON and PNG go.")
 
 TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
+# Benchmark entry -> the trainer settings that make it.
+OPTIMIZERS = {
+    "kfac": dict(optimizer="kfac"),
+    "kfac_inverse": dict(optimizer="kfac", kfac_method="inverse"),
+    "sgd": dict(optimizer="sgd"),
+    "adam": dict(optimizer="adam"),
+}
 # Tuning grids: the same number of trials for every optimizer. Where the best setting
 # sat at a grid's edge, the grid moved one step past it: the CNN's K-FAC grid started
 # at 1e-3..3e-2, then 3e-3..0.1 (best 0.1, the edge again), now 1e-2..0.3 (best 0.1);
@@ -74,11 +84,17 @@ LEARNING_RATE_GRIDS = {
     "sgd": [dict(learning_rate=lr) for lr in (0.01, 0.03, 0.1, 0.3)],
     "adam": [dict(learning_rate=lr) for lr in (3e-4, 1e-3, 3e-3, 1e-2)],
 }
+
+
+def kfac_grids(*dampings):
+    """Both K-FAC entries tune damping over the same values."""
+    grid = [dict(damping=d) for d in dampings]
+    return {"kfac": grid, "kfac_inverse": grid}
+
+
 GRIDS = {
-    "cnn": dict(LEARNING_RATE_GRIDS,
-                kfac=[dict(damping=d) for d in (1e-2, 3e-2, 1e-1, 3e-1)]),
-    "resnet20": dict(LEARNING_RATE_GRIDS,
-                     kfac=[dict(damping=d) for d in (1e-3, 3e-3, 1e-2, 3e-2)]),
+    "cnn": dict(LEARNING_RATE_GRIDS, **kfac_grids(1e-2, 3e-2, 1e-1, 3e-1)),
+    "resnet20": dict(LEARNING_RATE_GRIDS, **kfac_grids(1e-3, 3e-3, 1e-2, 3e-2)),
 }
 # Per-model budget. A ResNet-20 step costs ~8x a CNN step on 2 cores, so its budget is
 # smaller to keep the whole benchmark within a few hours.
@@ -91,6 +107,7 @@ AUTOENCODER_SETTINGS = {
     "sgd": dict(learning_rate=0.1),
     "adam": dict(learning_rate=1e-3),
     "kfac": dict(damping=1e-2),
+    "kfac_inverse": dict(damping=1e-2),
 }
 AUTOENCODER_EVAL_SPLIT = "train[:10000]"
 
@@ -123,7 +140,7 @@ def tune(model, optimizer):
     scores = []
     for setting in GRIDS[model][optimizer]:
         summary = trial(f"{model}-{optimizer}-tune-{slug(setting)}", model=model,
-                        optimizer=optimizer, train_split=TUNE_SPLIT,
+                        **OPTIMIZERS[optimizer], train_split=TUNE_SPLIT,
                         eval_split=VALIDATION_SPLIT, epochs=BUDGETS[model]["tune_epochs"],
                         **setting)
         scores.append({"setting": setting,
@@ -136,7 +153,7 @@ def measure(model, optimizer, setting):
     runs = []
     for seed in range(FLAGS.seeds):
         summary = trial(f"{model}-{optimizer}-seed{seed}-{slug(setting)}", model=model,
-                        optimizer=optimizer, seed=seed, epochs=BUDGETS[model]["max_epochs"],
+                        **OPTIMIZERS[optimizer], seed=seed, epochs=BUDGETS[model]["max_epochs"],
                         eval_every_steps=BUDGETS[model]["eval_every_steps"],
                         target_accuracy=max(targets()), stop_at_target=True, **setting)
         runs.append({"seed": seed,
@@ -171,7 +188,7 @@ def to_target(runs, target):
 def autoencoder(optimizer):
     setting = AUTOENCODER_SETTINGS[optimizer]
     summary = trial(f"autoencoder-{optimizer}-{slug(setting)}", model="autoencoder",
-                    optimizer=optimizer,
+                    **OPTIMIZERS[optimizer],
                     eval_split=AUTOENCODER_EVAL_SPLIT, epochs=FLAGS.autoencoder_epochs,
                     eval_every_steps=AUTOENCODER_EVAL_EVERY_STEPS, **setting)
     return {"setting": setting,
@@ -180,9 +197,9 @@ def autoencoder(optimizer):
                       for p in summary["evaluations"]]}
 
 
-def ratios(results):
-    """K-FAC / SGD of the median time and steps to each target both reached."""
-    kfac, sgd = results.get("kfac"), results.get("sgd")
+def ratios(results, entry="kfac"):
+    """`entry` / SGD of the median time and steps to each target both reached."""
+    kfac, sgd = results.get(entry), results.get("sgd")
     if not kfac or not sgd:
         return {}
     out = {}
@@ -210,7 +227,7 @@ def plot(report, path):
             for optimizer, result in report["models"][panel]["optimizers"].items():
                 for run in result["runs"]:
                     times, _, accuracies = zip(*run["curve"])
-                    axis.plot(times, accuracies, color=f"C{FLAGS.optimizers.index(optimizer)}",
+                    axis.plot(times, accuracies, color=f"C{list(OPTIMIZERS).index(optimizer)}",
                               alpha=0.8, label=optimizer if run["seed"] == 0 else None)
             for target in report["target_accuracies"]:
                 axis.axhline(target, color="gray", linestyle="--", linewidth=0.8)
@@ -263,6 +280,9 @@ def main(argv):
     unknown = sorted(set(FLAGS.models) - set(BUDGETS))
     if unknown:
         raise ValueError(f"models must be among {', '.join(BUDGETS)}; got {unknown}")
+    unknown = sorted(set(FLAGS.optimizers) - set(OPTIMIZERS))
+    if unknown:
+        raise ValueError(f"optimizers must be among {', '.join(OPTIMIZERS)}; got {unknown}")
     report = {
         "target_accuracies": targets(), "seeds": FLAGS.seeds,
         "batch_size": FLAGS.batch_size,
@@ -276,7 +296,7 @@ def main(argv):
     }
     for model in FLAGS.models:
         # All tuning first, then all measured runs back to back, so the timed runs of
-        # the three optimizers share the same stretch of machine conditions.
+        # every entry share the same stretch of machine conditions.
         tunings = {optimizer: tune(model, optimizer) for optimizer in FLAGS.optimizers}
         if FLAGS.tune_only:
             print(f"{model} tuned: " + json.dumps({o: t["best"] for o, t in tunings.items()}),
@@ -292,10 +312,12 @@ def main(argv):
                       f"{reached['median_time_s']} s, {reached['median_steps']} steps",
                       flush=True)
         report["models"][model] = {"optimizers": results, "kfac_over_sgd": ratios(results),
+                                   "kfac_inverse_over_sgd": ratios(results, "kfac_inverse"),
                                    "load_average_after": os.getloadavg(),
                                    "measured_at_commit": report["commit"]}
-        print(f"{model} K-FAC/SGD by target: {report['models'][model]['kfac_over_sgd']}",
-              flush=True)
+        for entry in ("kfac", "kfac_inverse"):
+            print(f"{model} {entry}/SGD by target: "
+                  f"{report['models'][model][f'{entry}_over_sgd']}", flush=True)
     if FLAGS.tune_only:
         return
     if FLAGS.autoencoder_epochs:
