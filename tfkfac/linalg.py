@@ -4,8 +4,9 @@ For a block with gradient matrix `grad` (d_a, d_g) and Kronecker factors A (d_a,
 G (d_g, d_g), these compute the preconditioned gradient of DESIGN.md §2. The
 preconditioning functions are XLA-compilable. The decompositions are not: on CPU they
 call LAPACK through scipy, because TensorFlow's CPU kernels (Eigen, one thread) measured
-5.6x slower for eigh (n=1601: 1.11 s vs 0.20 s with LAPACK's divide and conquer) and 6x
-slower for the damped inverse (LU 213 ms vs Cholesky 35 ms) on this project's machine.
+5.5x slower for eigh (n=1601: 1.15 s vs 0.21 s with LAPACK's divide and conquer) and 3.9x
+slower for the damped inverse (LU 220 ms vs Cholesky 57 ms) on this project's machine
+(`bench/linalg_benchmark.py`).
 With a GPU visible they stay in TensorFlow (cuSOLVER).
 """
 

@@ -114,8 +114,9 @@ class Conv2DBlock(KroneckerBlock):
     """im2col rows with the layer's own strides, padding and dilation.
 
     The patches are the kh*kw strided slices of the (padded) input, concatenated in the
-    kernel's (kh, kw, c_in) order: measured 35% faster than `tf.image.extract_patches`
-    on this project's CPU (4.4 vs 6.8 ms for a 128x13x13x32 input, 3x3 kernel).
+    kernel's (kh, kw, c_in) order: measured 1.1-1.2x faster than
+    `tf.image.extract_patches` on this project's CPU (5.3 vs 6.4 ms for a 128x13x13x32
+    input, 3x3 kernel; `bench/linalg_benchmark.py`).
     """
 
     kind = "conv2d"

@@ -1,0 +1,153 @@
+"""The kernels behind K-FAC's cost on CPU, each timed against its alternative.
+
+Side by side in one run, alternating A and B repetitions so machine drift hits both:
+- decompositions (`tfkfac.linalg`): TensorFlow's CPU kernels vs LAPACK through scipy,
+  for eigh and for the damped inverse, at the factor sizes of the benchmark models
+  (ResNet-20 577, autoencoder 1001, CNN Dense 1601);
+- im2col (`Conv2DBlock.input_rows`, strided slices) vs `tf.image.extract_patches`, on
+  the CNN's second convolution and a ResNet-20 stage-1 convolution, batch 128;
+- the per-step preconditioning product of the CNN's Dense layer (1601² x 1601x128) and
+  the CNN's largest factor Gram in float32 vs bfloat16, the reduced precision K-FAC
+  does not use (see docs/benchmarks.md).
+Every kernel runs inside a `tf.function`, as in training; reported: median ms.
+
+Run (~2 min on 2 idle cores):
+  cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/linalg_benchmark.py
+Writes bench/results/linalg.json and linalg.png and prints the ratios.
+"""
+
+import json
+import os
+import platform
+import statistics
+import time
+
+from absl import app, flags
+import keras
+import matplotlib
+import numpy as np
+import tensorflow as tf
+
+from tfkfac import linalg
+from tfkfac.blocks import Conv2DBlock
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("repeats", 7, "Timed repetitions of each kernel (alternating A/B).")
+flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                               "results"), "Where linalg.json/.png go.")
+
+FACTOR_SIZES = (577, 1001, 1601)
+# (name, conv input (N, H, W, C), kernel, padding) of the models' convolutions.
+CONVOLUTIONS = (("cnn conv2", (128, 13, 13, 32), 3, "valid"),
+                ("resnet20 stage 1", (128, 28, 28, 16), 3, "same"))
+
+
+def factor(dim):
+    rows = np.random.default_rng(dim).standard_normal((4 * dim, dim)).astype(np.float32)
+    return tf.constant(rows.T @ rows / (4 * dim))
+
+
+def compare(name, baseline, candidate, *args):
+    """Median ms of two traced kernels, timed in alternation; candidate/baseline ratio."""
+    functions = [tf.function(baseline), tf.function(candidate)]
+    times = [[], []]
+    for function in functions:  # trace and warm up
+        tf.nest.map_structure(lambda t: t.numpy(), function(*args))
+    for _ in range(FLAGS.repeats):
+        for function, samples in zip(functions, times):
+            start = time.perf_counter()
+            tf.nest.map_structure(lambda t: t.numpy(), function(*args))
+            samples.append((time.perf_counter() - start) * 1e3)
+    base, cand = (statistics.median(t) for t in times)
+    print(f"{name:45s} {base:9.2f} ms -> {cand:9.2f} ms  (x{base / cand:.2f} faster)",
+          flush=True)
+    return {"name": name, "baseline_ms": base, "candidate_ms": cand, "speedup": base / cand}
+
+
+def decompositions():
+    results = []
+    for dim in FACTOR_SIZES:
+        a = factor(dim)
+        results.append(compare(f"eigh n={dim}: TensorFlow -> LAPACK",
+                               lambda m: linalg.symmetric_eigh(m, "tensorflow"),
+                               lambda m: linalg.symmetric_eigh(m, "lapack"), a))
+        results.append(compare(f"damped inverse n={dim}: TF LU -> LAPACK Cholesky",
+                               lambda m: linalg.damped_inverse(m, 0.01, "tensorflow"),
+                               lambda m: linalg.damped_inverse(m, 0.01, "lapack"), a))
+    return results
+
+
+def im2col():
+    results = []
+    for name, shape, kernel, padding in CONVOLUTIONS:
+        layer = keras.layers.Conv2D(shape[-1], kernel, padding=padding)
+        layer.build((None,) + shape[1:])
+        block = Conv2DBlock(layer)
+        inputs = tf.random.normal(shape)
+
+        def extract_patches(x):
+            patches = tf.image.extract_patches(x, [1, kernel, kernel, 1], [1, 1, 1, 1],
+                                               [1, 1, 1, 1], padding.upper())
+            return tf.reshape(patches, (-1, block.in_dim))
+
+        results.append(compare(f"im2col {name}: extract_patches -> slices",
+                               extract_patches, block.input_rows, inputs))
+    return results
+
+
+def reduced_precision():
+    """float32 vs bfloat16 products, each paying the casts it would pay in training.
+
+    Decompositions would be stored in bfloat16, so only the gradient is cast per step;
+    factor statistics would cast their patch rows each time.
+    """
+    q = tf.random.normal((1601, 1601))
+    q_bf16 = tf.cast(q, tf.bfloat16)
+    grad = tf.random.normal((1601, 128))
+    rows = tf.random.normal((128 * 11 * 11, 3 * 3 * 32 + 1))
+    return [
+        compare("Dense 1601 precondition product: f32 -> bf16", tf.linalg.matmul,
+                lambda unused_q, g: tf.cast(tf.linalg.matmul(q_bf16, tf.cast(g, tf.bfloat16)),
+                                     tf.float32), q, grad),
+        compare("cnn conv2 factor Gram (15488x289): f32 -> bf16",
+                lambda r: tf.linalg.matmul(r, r, transpose_a=True),
+                lambda r: tf.linalg.matmul(*[tf.cast(r, tf.bfloat16)] * 2, transpose_a=True),
+                rows),
+    ]
+
+
+def plot(results, path):
+    figure, axis = plt.subplots(figsize=(11, 4.5))
+    positions = np.arange(len(results))
+    axis.barh(positions - 0.2, [r["baseline_ms"] for r in results], 0.4, label="baseline")
+    axis.barh(positions + 0.2, [r["candidate_ms"] for r in results], 0.4, label="candidate")
+    axis.set_yticks(positions, [r["name"] for r in results], fontsize=8)
+    axis.invert_yaxis()
+    axis.set_xscale("log")
+    axis.set_xlabel("median ms (log)")
+    axis.set_title("K-FAC kernels on this CPU: baseline -> candidate")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv):
+    del argv
+    load_at_start = os.getloadavg()
+    results = decompositions() + im2col() + reduced_precision()
+    report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                          "tensorflow": tf.__version__, "load_average_at_start": load_at_start,
+                          "load_average_at_end": os.getloadavg()},
+              "repeats": FLAGS.repeats, "results": results}
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    with open(os.path.join(FLAGS.output_dir, "linalg.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    plot(results, os.path.join(FLAGS.output_dir, "linalg.png"))
+    print(f"wrote {FLAGS.output_dir}/linalg.json and linalg.png")
+
+
+if __name__ == "__main__":
+    app.run(main)
