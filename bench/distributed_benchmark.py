@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+import outputs  # noqa: E402
 from tfkfac.distributed import launch  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -46,8 +47,7 @@ flags.DEFINE_list("bytes_configs", ["replicated:float16:float16", "owner:float16
                   "2-rank configurations run for the warm-up steps only (bytes).")
 flags.DEFINE_integer("num_ranks", 2, "Ranks of the distributed run.")
 flags.DEFINE_integer("timeout", 900, "Seconds before a run is killed.")
-flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                               "results"),
+flags.DEFINE_string("output_dir", outputs.RESULTS_DIR,
                     "Where distributed.json and distributed.png go.")
 flags.DEFINE_string("replot", None, "Only redraw the PNG and reprint the figures from "
                     "this distributed.json (no runs).")
@@ -269,8 +269,7 @@ def summarize(single, per_rank, load_at_start):
         "global_batch": FLAGS.global_batch, "warmup_steps": FLAGS.warmup_steps,
         "timed_steps": FLAGS.timed_steps, "factor_update_freq": FLAGS.factor_update_freq,
         "inv_update_freq": FLAGS.inv_update_freq, "num_ranks": FLAGS.num_ranks,
-        "cpu_count": os.cpu_count(), "load_average_1min_at_start": load_at_start,
-        "load_average_1min_at_end": os.getloadavg()[0]},
+        "cpu_count": os.cpu_count(), "load_average_1min_at_start": load_at_start},
         "models": {}}
     for base in single:
         name = base["model"]
@@ -401,13 +400,13 @@ def main(argv):
         worker_main(FLAGS.worker_out)
         return
     start = time.time()
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    json_path = os.path.join(FLAGS.output_dir, "distributed.json")
     if FLAGS.replot:
         with open(FLAGS.replot) as f:
             report = json.load(f)
         for name in ("factor_update_freq", "inv_update_freq", "num_ranks", "global_batch"):
             setattr(FLAGS, name, report["settings"][name])
+        os.makedirs(FLAGS.output_dir, exist_ok=True)
+        plot(report, os.path.join(FLAGS.output_dir, "distributed.png"))
     else:
         load_at_start = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as work_dir:
@@ -415,9 +414,7 @@ def main(argv):
         report = summarize(single, per_rank, load_at_start)
         add_amortized_bytes(report)
         report["settings"]["benchmark_seconds"] = time.time() - start
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=1)
-    plot(report, os.path.join(FLAGS.output_dir, "distributed.png"))
+        outputs.write(report, FLAGS.output_dir, "distributed", plot)
     for name, entry in report["models"].items():
         single_row = entry["single"]
         print(f"{name}: {entry['parameters']} parameters, factor dims {entry['factor_dims']}")
@@ -443,8 +440,7 @@ def main(argv):
                          f"slowest rank (x{_fmt(row['decomposition_speedup_vs_single'], 2)}"
                          f"; min {_fmt(row['decomposition_seconds_min'])} s)")
             print(text)
-    written = "distributed.png" if FLAGS.replot else f"{json_path} and distributed.png"
-    print(f"wrote {written} in {time.time() - start:.0f} s")
+    print(f"done in {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

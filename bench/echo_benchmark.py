@@ -20,7 +20,6 @@ Writes bench/results/echo_benchmark.json and .png.
 
 import gc
 import json
-import os
 import statistics
 import time
 
@@ -30,6 +29,7 @@ import matplotlib
 import numpy as np
 import tensorflow as tf
 
+import outputs
 import pipelines
 from pipelines import counters, idx_dataset
 from trainers import models
@@ -47,7 +47,7 @@ flags.DEFINE_integer("warmup_steps", 8, "Untimed steps before each measurement."
 flags.DEFINE_integer("repeats", 3, "Interleaved repeats of every configuration (median kept).")
 flags.DEFINE_integer("shuffle_buffer", 1024, "The pipeline's one shuffle buffer.")
 flags.DEFINE_integer("seed", 0, "Data and model seed.")
-flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+flags.DEFINE_string("output_dir", outputs.RESULTS_DIR,
                     "Where echo_benchmark.json and .png go.")
 
 AUGMENTATION = pipelines.Augmentation(crop_padding=2, flip=True)
@@ -228,7 +228,7 @@ def plot(report, path):
     fresh_axis.set_title("Fresh (upstream) examples/s")
     steps_axis.legend(fontsize=8)
     figure.suptitle(f"Data echoing, Fashion-MNIST CNN, batch {FLAGS.batch_size}, "
-                    f"{report['cpu_count']} CPU cores")
+                    f"{report['machine']['cpus']} CPU cores")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -236,7 +236,7 @@ def plot(report, path):
 def main(argv):
     del argv
     started = time.time()
-    load_before = os.getloadavg()
+    machine = outputs.machine()
     model = make_model()
     latency, t_down, t_up = calibrate(model)
     print(f"t_down {1e3 * t_down:.1f} ms/step, read latency {1e6 * latency:.0f} us/example, "
@@ -260,17 +260,10 @@ def main(argv):
         "augmentation": "random crop (padding 2) + horizontal flip",
         "echo_stage_overhead": overhead,
         "results": summary,
-        "cpu_count": os.cpu_count(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "tensorflow": tf.__version__,
+        "machine": machine,
         "wall_seconds": time.time() - started,
     }
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    json_path = os.path.join(FLAGS.output_dir, "echo_benchmark.json")
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=2)
-    plot(report, os.path.join(FLAGS.output_dir, "echo_benchmark.png"))
+    outputs.write(report, FLAGS.output_dir, "echo_benchmark", plot)
     print(f"\n{'echo mode':24s} {'e':>3s} {'steps/s':>8s} {'vs e=1':>7s} {'vs plain':>8s} "
           f"{'fresh ex/s':>11s}")
     for s in summary:
@@ -283,7 +276,7 @@ def main(argv):
               "(at calibration)")
     per_repeat = ", ".join(f"{r['ratio']:.2f}" for r in ratios)
     print(f"R = {report['ratio_measured']:.2f} (per repeat: {per_repeat}); "
-          f"wrote {json_path} in {report['wall_seconds']:.0f} s")
+          f"measured in {report['wall_seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,6 @@ Run (~2 min on 2 idle cores):
 Writes bench/results/linalg.json and linalg.png and prints the ratios.
 """
 
-import json
-import os
-import platform
 import statistics
 import time
 
@@ -28,6 +25,7 @@ import matplotlib
 import numpy as np
 import tensorflow as tf
 
+import outputs
 from tfkfac import linalg
 from tfkfac.blocks import Conv2DBlock
 
@@ -36,8 +34,7 @@ from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("repeats", 7, "Timed repetitions of each kernel (alternating A/B).")
-flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                               "results"), "Where linalg.json/.png go.")
+flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where linalg.json/.png go.")
 
 FACTOR_SIZES = (577, 1001, 1601)
 # (name, conv input (N, H, W, C), kernel, padding) of the models' convolutions.
@@ -119,7 +116,8 @@ def reduced_precision():
     ]
 
 
-def plot(results, path):
+def plot(report, path):
+    results = report["results"]
     figure, axis = plt.subplots(figsize=(11, 4.5))
     positions = np.arange(len(results))
     axis.barh(positions - 0.2, [r["baseline_ms"] for r in results], 0.4, label="baseline")
@@ -136,17 +134,9 @@ def plot(results, path):
 
 def main(argv):
     del argv
-    load_at_start = os.getloadavg()
-    results = decompositions() + im2col() + reduced_precision()
-    report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "tensorflow": tf.__version__, "load_average_at_start": load_at_start,
-                          "load_average_at_end": os.getloadavg()},
-              "repeats": FLAGS.repeats, "results": results}
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    with open(os.path.join(FLAGS.output_dir, "linalg.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    plot(results, os.path.join(FLAGS.output_dir, "linalg.png"))
-    print(f"wrote {FLAGS.output_dir}/linalg.json and linalg.png")
+    report = {"machine": outputs.machine(), "repeats": FLAGS.repeats}
+    report["results"] = decompositions() + im2col() + reduced_precision()
+    outputs.write(report, FLAGS.output_dir, "linalg", plot)
 
 
 if __name__ == "__main__":

@@ -21,17 +21,15 @@ Run (in the background; ~15 min on 2 idle cores):
 Writes bench/results/step_time.json and step_time.png and prints the ratios.
 """
 
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 
 from absl import app, flags, logging
 import matplotlib
-import tensorflow as tf
 
+import outputs
 from trainers import config as config_lib, models, reporting, runner
 
 matplotlib.use("Agg")
@@ -47,8 +45,7 @@ flags.DEFINE_integer("amortized_block_steps", 50,
 flags.DEFINE_integer("every_step_block_steps", 5,
                      "Steps per block for K-FAC with factors and eigendecompositions every step.")
 flags.DEFINE_integer("cached_batches", 16, "Distinct batches held in memory and cycled.")
-flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                               "results"), "Where step_time.json/.png go.")
+flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where step_time.json/.png go.")
 
 # name -> (TrainConfig overrides, timed steps per block flag)
 CONFIGURATIONS = {
@@ -128,12 +125,6 @@ def time_model(model):
     return {"configurations": results, "wall_s": time.time() - started}
 
 
-def machine():
-    return {"platform": platform.platform(), "processor": platform.processor(),
-            "cpus": os.cpu_count(), "tensorflow": tf.__version__,
-            "load_average_at_start": os.getloadavg()}
-
-
 def plot(report, path):
     names = list(CONFIGURATIONS)
     model_names = list(report["models"])
@@ -184,7 +175,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
     report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.blocks,
-              "machine": machine(), "configurations": CONFIGURATIONS, "models": {}}
+              "machine": outputs.machine(), "configurations": CONFIGURATIONS, "models": {}}
     for model in FLAGS.models:
         if model not in models.CLASSIFIERS:
             raise ValueError(f"models must be among {', '.join(models.CLASSIFIERS)}; "
@@ -193,17 +184,12 @@ def main(argv):
         for name, result in report["models"][model]["configurations"].items():
             print(f"{model:9s} {name:22s} {result['mean_step_s'] * 1e3:9.1f} ms/step  "
                   f"K-FAC/SGD = {result['ratio_to_sgd']:.2f}", flush=True)
-    report["machine"]["load_average_at_end"] = os.getloadavg()
     report["median_amortized_inverse_ratio"] = statistics.median(
         r["configurations"]["kfac_amortized_inverse"]["ratio_to_sgd"]
         for r in report["models"].values())
     report["median_amortized_ratio"] = statistics.median(
         r["configurations"]["kfac_amortized"]["ratio_to_sgd"] for r in report["models"].values())
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    with open(os.path.join(FLAGS.output_dir, "step_time.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    plot(report, os.path.join(FLAGS.output_dir, "step_time.png"))
-    print(f"wrote {FLAGS.output_dir}/step_time.json and step_time.png")
+    outputs.write(report, FLAGS.output_dir, "step_time", plot)
 
 
 if __name__ == "__main__":

@@ -35,14 +35,12 @@ Writes bench/results/time_to_accuracy.json and .png and prints the ratios.
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 
 from absl import app, flags, logging
 import matplotlib
-import tensorflow as tf
 
+import outputs
 from trainers import checkpoints, config as config_lib, runner
 
 matplotlib.use("Agg")
@@ -65,8 +63,7 @@ flags.DEFINE_bool("keep_other_results", True,
                   "run does not measure; each result keeps the commit it was measured at.")
 flags.DEFINE_string("work_dir", "/tmp/tfkfac_time_to_accuracy",
                     "Where the trials' runs (checkpoints, logs) go.")
-flags.DEFINE_string("output_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                               "results"), "Where the JSON and PNG go.")
+flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where the JSON and PNG go.")
 
 TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
 # Benchmark entry -> the trainer settings that make it.
@@ -241,25 +238,13 @@ def plot(report, path):
     figure.savefig(path, dpi=120)
 
 
-def git_commit():
-    """The commit the measured code is at ("+dirty" with uncommitted library changes)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def git(*args):
-        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
-                              check=False).stdout.strip()
-
-    dirty = git("status", "--porcelain", "--", "tfkfac", "trainers", "pipelines")
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
-
-
 def carry_over(report, path):
     """Results of models this run did not measure, from the JSON at `path`."""
     if not (FLAGS.keep_other_results and os.path.exists(path)):
         return
     with open(path, encoding="utf-8") as f:
         previous = json.load(f)
-    measured_at = previous.get("commit", "unrecorded")
+    measured_at = previous.get("library_commit", previous.get("commit", "unrecorded"))
     grids = previous["tuning"]["grids"]  # older files: one grid per optimizer for all
     for model, result in previous.get("models", {}).items():
         if model not in report["models"]:
@@ -290,9 +275,8 @@ def main(argv):
         "tuning": {"grids": {m: {o: GRIDS[m][o] for o in FLAGS.optimizers}
                              for m in FLAGS.models},
                    "train_split": TUNE_SPLIT, "validation_split": VALIDATION_SPLIT},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "tensorflow": tf.__version__, "load_average_at_start": os.getloadavg()},
-        "models": {}, "autoencoder": {}, "commit": git_commit(),
+        "machine": outputs.machine(), "models": {}, "autoencoder": {},
+        "library_commit": outputs.library_commit(),
     }
     for model in FLAGS.models:
         # All tuning first, then all measured runs back to back, so the timed runs of
@@ -314,7 +298,7 @@ def main(argv):
         report["models"][model] = {"optimizers": results, "kfac_over_sgd": ratios(results),
                                    "kfac_inverse_over_sgd": ratios(results, "kfac_inverse"),
                                    "load_average_after": os.getloadavg(),
-                                   "measured_at_commit": report["commit"]}
+                                   "measured_at_commit": report["library_commit"]}
         for entry in ("kfac", "kfac_inverse"):
             print(f"{model} {entry}/SGD by target: "
                   f"{report['models'][model][f'{entry}_over_sgd']}", flush=True)
@@ -323,18 +307,12 @@ def main(argv):
     if FLAGS.autoencoder_epochs:
         for optimizer in FLAGS.optimizers:
             report["autoencoder"][optimizer] = dict(autoencoder(optimizer),
-                                                    measured_at_commit=report["commit"])
+                                                    measured_at_commit=report["library_commit"])
             print(f"autoencoder {optimizer}: final squared error "
                   f"{report['autoencoder'][optimizer]['final_train_squared_error']:.3f}",
                   flush=True)
-    report["machine"]["load_average_at_end"] = os.getloadavg()
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    path = os.path.join(FLAGS.output_dir, "time_to_accuracy.json")
-    carry_over(report, path)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    plot(report, os.path.join(FLAGS.output_dir, "time_to_accuracy.png"))
-    print(f"wrote {FLAGS.output_dir}/time_to_accuracy.json and time_to_accuracy.png")
+    carry_over(report, os.path.join(FLAGS.output_dir, "time_to_accuracy.json"))
+    outputs.write(report, FLAGS.output_dir, "time_to_accuracy", plot)
 
 
 if __name__ == "__main__":
