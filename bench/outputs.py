@@ -36,7 +36,7 @@ def library_commit():
 
 def write(report, output_dir, name, plot):
     """Writes `name`.json (the report, with the machine's load at the end) and
-    `name`.png (drawn by `plot(report, path)`); returns the JSON's path."""
+    `name`.png (drawn by `plot(report, path)`)."""
     report.setdefault("machine", {})["load_average_at_end"] = os.getloadavg()
     report.setdefault("library_commit", library_commit())
     os.makedirs(output_dir, exist_ok=True)
@@ -45,4 +45,3 @@ def write(report, output_dir, name, plot):
         json.dump(report, f, indent=2)
     plot(report, os.path.join(output_dir, f"{name}.png"))
     print(f"wrote {json_path} and {name}.png", flush=True)
-    return json_path
