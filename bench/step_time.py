@@ -50,12 +50,14 @@ flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where step_time.json/.pn
 # name -> (TrainConfig overrides, timed steps per block flag)
 CONFIGURATIONS = {
     "sgd": dict(optimizer="sgd"),
-    "kfac_amortized": dict(optimizer="kfac", factor_update_freq=10, inv_update_freq=100),
+    "kfac_amortized": dict(optimizer="kfac", factor_update_freq=10, inv_update_freq=100,
+                           kfac_method="eigen"),
     # The same schedule with the inverse method: A⁻¹ ∇ G⁻¹ is half the eigen method's
     # per-step matmul work, and an inverse is cheaper than an eigendecomposition.
     "kfac_amortized_inverse": dict(optimizer="kfac", factor_update_freq=10,
                                    inv_update_freq=100, kfac_method="inverse"),
-    "kfac_every_step": dict(optimizer="kfac", factor_update_freq=1, inv_update_freq=1),
+    "kfac_every_step": dict(optimizer="kfac", factor_update_freq=1, inv_update_freq=1,
+                            kfac_method="eigen"),
 }
 
 

@@ -4,7 +4,8 @@ real Fashion-MNIST, plus the deep autoencoder's training error against time.
 Every trial is one run of the trainer (`trainers.runner.run`, what
 `python -m trainers.train` runs), so the numbers are what a user gets from the flags
 recorded beside them. The entries compared are SGD with momentum, Adam, and K-FAC with
-each of its two methods ("kfac" = eigen, the trainer's default; "kfac_inverse").
+each of its two methods ("kfac" = eigen, the optimizer's default; "kfac_inverse", the
+trainer's default).
 Protocol, identical for every entry:
 1. Tuning: the same budget of `len(grid)` trials each (the grids are below: learning
    rates for SGD and Adam; damping for K-FAC, whose KL clip sets its step length, so
@@ -68,7 +69,7 @@ flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where the JSON and PNG g
 TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
 # Benchmark entry -> the trainer settings that make it.
 OPTIMIZERS = {
-    "kfac": dict(optimizer="kfac"),
+    "kfac": dict(optimizer="kfac", kfac_method="eigen"),
     "kfac_inverse": dict(optimizer="kfac", kfac_method="inverse"),
     "sgd": dict(optimizer="sgd"),
     "adam": dict(optimizer="adam"),
