@@ -15,9 +15,11 @@ Protocol, identical for every entry:
 2. Measurement: the kept setting with `--seeds` seeds on the full train split, test
    accuracy every `eval_every_steps` steps, up to `max_epochs` epochs, stopping at
    the highest of `--target_accuracies`. Reported for each target: median training
-   wall time (evaluation excluded) and
-   steps to the target over the seeds (a seed that never reaches it counts as
-   infinite), the accuracy-vs-time curves, and the ratios K-FAC / SGD.
+   wall time (evaluation excluded) and steps to the target over the seeds (a seed that
+   never reaches it counts as infinite), the accuracy-vs-time curves, and the ratios
+   K-FAC / SGD. `--fixed_entries` adds entries measured the same way at a stated,
+   untuned setting (e.g. what an earlier tuning picked), to show how much the pick
+   matters.
 3. Autoencoder (Martens & Grosse 784-1000-500-250-30-250-500-1000-784): each optimizer
    at a stated setting for `--autoencoder_epochs`; squared reconstruction error on
    train[:10000] against training time.
@@ -57,6 +59,10 @@ flags.DEFINE_list("target_accuracies", ["0.88", "0.89", "0.90"],
 flags.DEFINE_integer("seeds", 3, "Seeds per optimizer in the measurement.")
 flags.DEFINE_integer("batch_size", 128, "Examples per step.")
 flags.DEFINE_integer("autoencoder_epochs", 5, "Epochs of each autoencoder run (0 skips it).")
+flags.DEFINE_list("fixed_entries", [],
+                  "Extra entries measured untuned at a stated setting after the tuned ones, "
+                  "as optimizer:key=value (e.g. sgd:learning_rate=0.01, a setting an earlier "
+                  "tuning picked), reported as optimizer@key=value with ratios against them.")
 flags.DEFINE_bool("tune_only", False,
                   "Run only the tuning trials (scored by accuracy, not time, so a busy "
                   "machine is fine) and stop; a later run reads them back and measures.")
@@ -187,7 +193,9 @@ def to_target(runs, target):
 
     A run stops at the highest target, so it has crossed every lower one before. A seed
     that never reaches `target` counts as infinite; a median that is infinite (fewer
-    than half the seeds reached it) is None.
+    than half the seeds reached it) is None, and `median_above` holds what it exceeds:
+    more than half the seeds are beyond their whole run, so the median is beyond the
+    shortest of those runs.
     """
     firsts = [next(({"time_s": time_s, "steps": steps} for time_s, steps, accuracy
                     in run["curve"] if accuracy >= target), None) for run in runs]
@@ -195,6 +203,10 @@ def to_target(runs, target):
     for key in ("time_s", "steps"):
         median = statistics.median(math.inf if f is None else f[key] for f in firsts)
         result[f"median_{key}"] = None if math.isinf(median) else median
+    if result["median_time_s"] is None:
+        ends = [run["curve"][-1] for run, first in zip(runs, firsts) if first is None]
+        result["median_above"] = {"time_s": min(time_s for time_s, _, _ in ends),
+                                  "steps": min(steps for _, steps, _ in ends)}
     return result
 
 
@@ -210,17 +222,34 @@ def autoencoder(optimizer):
                       for p in summary["evaluations"]]}
 
 
-def ratios(results, entry="kfac"):
-    """`entry` / SGD of the median time and steps to each target both reached."""
-    kfac, sgd = results.get(entry), results.get("sgd")
+def fixed_entry(text):
+    """"sgd:learning_rate=0.01" -> ("sgd", {"learning_rate": 0.01})."""
+    optimizer, _, assignment = text.partition(":")
+    key, _, value = assignment.partition("=")
+    if optimizer not in OPTIMIZERS or not key or not value:
+        raise ValueError(f"fixed_entries must be optimizer:key=value with optimizer among "
+                         f"{', '.join(OPTIMIZERS)}; got {text!r}")
+    return optimizer, {key: float(value)}
+
+
+def ratios(results, entry, baseline="sgd"):
+    """`entry` / `baseline` of the median time and steps to each target `entry` reached:
+    the ratio where `baseline` reached it too, else the bound it is below."""
+    kfac, sgd = results.get(entry), results.get(baseline)
     if not kfac or not sgd:
         return {}
     out = {}
     for target, mine in kfac["to_target"].items():
         theirs = sgd["to_target"][target]
-        if None not in (mine["median_time_s"], theirs["median_time_s"]):
+        if mine["median_time_s"] is None:
+            continue
+        if theirs["median_time_s"] is not None:
             out[target] = {"time": mine["median_time_s"] / theirs["median_time_s"],
                            "steps": mine["median_steps"] / theirs["median_steps"]}
+        else:
+            above = theirs["median_above"]
+            out[target] = {"time_below": mine["median_time_s"] / above["time_s"],
+                           "steps_below": mine["median_steps"] / above["steps"]}
     return out
 
 
@@ -238,10 +267,12 @@ def plot(report, path):
             axis.set_title("Deep autoencoder: training error")
         else:
             for optimizer, result in report["models"][panel]["optimizers"].items():
+                base = optimizer.split("@")[0]  # fixed entries: dashed, in their base's colour
                 for run in result["runs"]:
                     times, _, accuracies = zip(*run["curve"])
-                    axis.plot(times, accuracies, color=f"C{list(OPTIMIZERS).index(optimizer)}",
-                              alpha=0.8, label=optimizer if run["seed"] == 0 else None)
+                    axis.plot(times, accuracies, color=f"C{list(OPTIMIZERS).index(base)}",
+                              linestyle="--" if "@" in optimizer else "-", alpha=0.8,
+                              label=optimizer if run["seed"] == 0 else None)
             for target in report["target_accuracies"]:
                 axis.axhline(target, color="gray", linestyle="--", linewidth=0.8)
             axis.set_ylim(max(0.0, min(report["target_accuracies"]) - 0.15),
@@ -284,6 +315,7 @@ def main(argv):
     unknown = sorted(set(FLAGS.optimizers) - set(OPTIMIZERS))
     if unknown:
         raise ValueError(f"optimizers must be among {', '.join(OPTIMIZERS)}; got {unknown}")
+    fixed = [fixed_entry(text) for text in FLAGS.fixed_entries]
     report = {
         "target_accuracies": targets(), "seeds": FLAGS.seeds,
         "batch_size": FLAGS.batch_size,
@@ -311,13 +343,19 @@ def main(argv):
                       f"{reached['reached']}/{FLAGS.seeds} seeds, median "
                       f"{reached['median_time_s']} s, {reached['median_steps']} steps",
                       flush=True)
-        report["models"][model] = {"optimizers": results, "kfac_over_sgd": ratios(results),
-                                   "kfac_inverse_over_sgd": ratios(results, "kfac_inverse"),
-                                   "load_average_after": os.getloadavg(),
-                                   "measured_at_commit": report["library_commit"]}
+        for optimizer, setting in fixed:
+            results[f"{optimizer}@{slug(setting)}"] = measure(model, optimizer, setting)
+        baselines = ["sgd"] + [name for name in results if name.startswith("sgd@")]
+        report["models"][model] = {
+            "optimizers": results,
+            **{f"{entry}_over_{baseline}": ratios(results, entry, baseline)
+               for entry in ("kfac", "kfac_inverse") for baseline in baselines},
+            "load_average_after": os.getloadavg(),
+            "measured_at_commit": report["library_commit"]}
         for entry in ("kfac", "kfac_inverse"):
-            print(f"{model} {entry}/SGD by target: "
-                  f"{report['models'][model][f'{entry}_over_sgd']}", flush=True)
+            for baseline in baselines:
+                print(f"{model} {entry}/{baseline} by target: "
+                      f"{report['models'][model][f'{entry}_over_{baseline}']}", flush=True)
     if FLAGS.tune_only:
         return
     if FLAGS.autoencoder_epochs:
