@@ -235,12 +235,11 @@ def fixed_entry(text):
 def ratios(results, entry, baseline="sgd"):
     """`entry` / `baseline` of the median time and steps to each target `entry` reached:
     the ratio where `baseline` reached it too, else the bound it is below."""
-    kfac, sgd = results.get(entry), results.get(baseline)
-    if not kfac or not sgd:
+    if entry not in results or baseline not in results:
         return {}
     out = {}
-    for target, mine in kfac["to_target"].items():
-        theirs = sgd["to_target"][target]
+    for target, mine in results[entry]["to_target"].items():
+        theirs = results[baseline]["to_target"][target]
         if mine["median_time_s"] is None:
             continue
         if theirs["median_time_s"] is not None:
