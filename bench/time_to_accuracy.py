@@ -226,10 +226,14 @@ def fixed_entry(text):
     """"sgd:learning_rate=0.01" -> ("sgd", {"learning_rate": 0.01})."""
     optimizer, _, assignment = text.partition(":")
     key, _, value = assignment.partition("=")
-    if optimizer not in OPTIMIZERS or not key or not value:
-        raise ValueError(f"fixed_entries must be optimizer:key=value with optimizer among "
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if optimizer not in OPTIMIZERS or not key or number is None:
+        raise ValueError(f"fixed_entries must be optimizer:key=number with optimizer among "
                          f"{', '.join(OPTIMIZERS)}; got {text!r}")
-    return optimizer, {key: float(value)}
+    return optimizer, {key: number}
 
 
 def ratios(results, entry, baseline="sgd"):
