@@ -478,11 +478,17 @@ class KFAC(keras.optimizers.Optimizer):
         damping = tf.cast(schedules.value_at(self.damping, step), tf.float32)
 
         def kfac_step():
+            # Every gradient must be a tensor of this branch's graph: Keras's update sums
+            # gradients over replicas through a custom_gradient, which rejects a mix of
+            # tensors captured from the outer graph (plain-gradient layers) and ones made
+            # in the branch (preconditioned layers).
+            branch_grads = [None if g is None else tf.identity(g) for g in grads]
             self._timed("factors", lambda: self._maybe_update_factors(step, calls))
             self._timed("decomposition",
                         lambda: self._maybe_update_decompositions(step, damping))
             preconditioned = self._timed(
-                "precondition", lambda: self._preconditioned(grads, variables, damping))
+                "precondition",
+                lambda: self._preconditioned(branch_grads, variables, damping))
             self._timed("update", lambda: self._apply_update(preconditioned, variables))
             return tf.constant(True)
 
