@@ -12,7 +12,11 @@ import contextlib
 
 
 class Recorder:
-    """Captures (input, pre-activation) of every call of every block's layer."""
+    """Captures (inputs, pre-activations) of every call of every block's layer.
+
+    What a call records is the block's choice (`Block.pre_activation_call`): usually the
+    layer input and its pre-activation output; either may be a nest of tensors.
+    """
 
     def __init__(self, blocks):
         self.blocks = list(blocks)
@@ -35,15 +39,14 @@ class Recorder:
 
     def _recording_call(self, block, original):
         def call(*args, **kwargs):
-            inputs = args[0] if args else kwargs["inputs"]
-            pre_activation, output = block.pre_activation_call(original, args, kwargs)
-            self._calls[block.name].append((inputs, pre_activation))
+            record, output = block.pre_activation_call(original, args, kwargs)
+            self._calls[block.name].append(record)
             return output
 
         return call
 
     def take(self):
-        """The recorded calls per block, as lists of (input, pre-activation); resets."""
+        """The recorded calls per block, as lists of (inputs, pre-activations); resets."""
         calls, self._calls = self._calls, {}
         missing = [name for name, c in calls.items() if not c]
         if missing:

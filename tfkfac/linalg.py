@@ -1,7 +1,9 @@
 """Damped Kronecker preconditioning: pure functions of tensors.
 
 For a block with gradient matrix `grad` (d_a, d_g) and Kronecker factors A (d_a, d_a),
-G (d_g, d_g), these compute the preconditioned gradient of DESIGN.md §2. The
+G (d_g, d_g), these compute the preconditioned gradient of docs/design.md. Every function
+also takes a batch of such blocks (leading axes, e.g. one pair per group of a grouped
+convolution), so a layer of many small pairs costs one batched call. The
 preconditioning functions are XLA-compilable. The decompositions are not: on CPU they
 call LAPACK through scipy, because TensorFlow's CPU kernels (Eigen, one thread) measured
 5.5x slower for eigh (n=1601: 1.15 s vs 0.21 s with LAPACK's divide and conquer) and 3.9x
@@ -41,7 +43,7 @@ def _finite_or_nan(decompose, matrix):
     they get the identity instead and their outputs are marked.
     """
     finite = tf.reduce_all(tf.math.is_finite(matrix))
-    eye = tf.eye(tf.shape(matrix)[0], dtype=matrix.dtype)
+    eye = tf.eye(tf.shape(matrix)[-1], batch_shape=tf.shape(matrix)[:-2], dtype=matrix.dtype)
     nan = tf.constant(np.nan, matrix.dtype)
     return [tf.where(finite, t, nan) for t in decompose(tf.where(finite, matrix, eye))]
 
@@ -52,11 +54,14 @@ def _nan_like(*arrays):
 
 def _lapack_eigh(matrix):
     """(values, vectors) by LAPACK's divide and conquer; NaN if it cannot finish."""
-    values = np.zeros(matrix.shape[:1], matrix.dtype)
+    values = np.zeros(matrix.shape[:-1], matrix.dtype)
     if not np.all(np.isfinite(matrix)):
         return _nan_like(values, matrix)
     try:
-        values, vectors = scipy.linalg.eigh(matrix, driver="evd", check_finite=False)
+        if matrix.ndim == 2:
+            values, vectors = scipy.linalg.eigh(matrix, driver="evd", check_finite=False)
+        else:  # numpy's batched eigh calls the same LAPACK driver (syevd) per matrix
+            values, vectors = np.linalg.eigh(matrix)
     except np.linalg.LinAlgError:
         return _nan_like(values, matrix)
     return values.astype(matrix.dtype), vectors.astype(matrix.dtype)
@@ -66,6 +71,9 @@ def _lapack_spd_inverse(matrix):
     """Inverse of a symmetric positive definite matrix by Cholesky (potrf, potri)."""
     if not np.all(np.isfinite(matrix)):
         return _nan_like(matrix)
+    if matrix.ndim > 2:
+        inverses = [_lapack_spd_inverse(m)[0] for m in matrix.reshape((-1,) + matrix.shape[-2:])]
+        return (np.stack(inverses).reshape(matrix.shape),)
     potrf, potri = scipy.linalg.get_lapack_funcs(("potrf", "potri"), (matrix,))
     factor, info = potrf(matrix, lower=False, overwrite_a=False, clean=True)
     if info != 0:
@@ -88,7 +96,7 @@ def symmetric_eigh(matrix, backend="auto"):
     symmetric = 0.5 * (matrix + tf.linalg.matrix_transpose(matrix))
     if _uses_lapack(backend):
         values, vectors = _lapack(_lapack_eigh, [symmetric],
-                                  [symmetric.shape[:1], symmetric.shape], symmetric.dtype)
+                                  [symmetric.shape[:-1], symmetric.shape], symmetric.dtype)
     else:
         values, vectors = _finite_or_nan(tf.linalg.eigh, symmetric)
     return tf.maximum(values, 0.0), vectors
@@ -97,16 +105,22 @@ def symmetric_eigh(matrix, backend="auto"):
 def eigen_precondition(grad, q_a, v_a, q_g, v_g, damping):
     """`Q_A [(Q_Aᵀ ∇ Q_G) / (v_A v_Gᵀ + λ)] Q_Gᵀ`, i.e. `(A ⊗ G + λI)⁻¹ vec(∇)`."""
     rotated = tf.linalg.matmul(tf.linalg.matmul(q_a, grad, transpose_a=True), q_g)
-    scaled = rotated / (v_a[:, None] * v_g[None, :] + damping)
+    scaled = rotated / (v_a[..., :, None] * v_g[..., None, :] + damping)
     return tf.linalg.matmul(tf.linalg.matmul(q_a, scaled), q_g, transpose_b=True)
 
 
 def pi_correction(a, g):
     """π of Martens & Grosse (2015): sqrt of the ratio of the factors' mean traces."""
-    mean_trace_a = tf.linalg.trace(a) / tf.cast(tf.shape(a)[0], a.dtype)
-    mean_trace_g = tf.linalg.trace(g) / tf.cast(tf.shape(g)[0], g.dtype)
-    tiny = tf.constant(1e-30, a.dtype)
-    return tf.sqrt(tf.maximum(mean_trace_a, tiny) / tf.maximum(mean_trace_g, tiny))
+    return tf.sqrt(_positive(mean_trace(a)) / _positive(mean_trace(g)))
+
+
+def mean_trace(matrix):
+    """tr(M) / dim M, per matrix of a batch."""
+    return tf.linalg.trace(matrix) / tf.cast(tf.shape(matrix)[-1], matrix.dtype)
+
+
+def _positive(value):
+    return tf.maximum(value, tf.constant(1e-30, value.dtype))
 
 
 def damped_inverse(matrix, shift, backend="auto"):
@@ -115,8 +129,8 @@ def damped_inverse(matrix, shift, backend="auto"):
     With π-corrected shifts this is factored Tikhonov damping. A damped matrix that is
     not numerically positive definite, or not finite, gives non-finite output.
     """
-    eye = tf.eye(tf.shape(matrix)[0], dtype=matrix.dtype)
-    damped = matrix + shift * eye
+    eye = tf.eye(tf.shape(matrix)[-1], dtype=matrix.dtype)
+    damped = matrix + tf.convert_to_tensor(shift, matrix.dtype)[..., None, None] * eye
     if _uses_lapack(backend):
         (inverse,) = _lapack(_lapack_spd_inverse, [damped], [damped.shape], damped.dtype)
         return inverse

@@ -57,7 +57,7 @@ def _check_frequency(name, value):
 
 def _validate(learning_rate, damping, momentum, factor_decay, kl_clip, factor_update_freq,
               inv_update_freq, method, bn_damping_multiplier, inner_optimizer,
-              weight_decay, placement, factor_wire_dtype, eigen_wire_dtype):
+              weight_decay, placement, factor_wire_dtype, eigen_wire_dtype, weight_sharing):
     _check_positive("learning_rate", learning_rate)
     _check_positive("damping", damping)
     _check_positive("bn_damping_multiplier", bn_damping_multiplier)
@@ -77,6 +77,9 @@ def _validate(learning_rate, damping, momentum, factor_decay, kl_clip, factor_up
             f"inv_update_freq={inv_update_freq}, factor_update_freq={factor_update_freq}")
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}; received {method!r}")
+    if weight_sharing not in blocks_lib.WEIGHT_SHARING:
+        raise ValueError(f"`weight_sharing` must be one of {blocks_lib.WEIGHT_SHARING}; "
+                         f"received {weight_sharing!r}")
     if placement not in PLACEMENTS:
         raise ValueError(f"`placement` must be one of {PLACEMENTS}; received {placement!r}")
     for name, value in (("factor_wire_dtype", factor_wire_dtype),
@@ -102,6 +105,11 @@ def _warn_if(condition, *message):
         return tf.constant(True)
 
     tf.cond(condition, warn, lambda: tf.constant(False))
+
+
+def _identities(shape, dtype=None):
+    """Initializer: identity matrices, also for a batch of them (..., n, n)."""
+    return tf.eye(shape[-1], batch_shape=shape[:-2], dtype=dtype or "float32")
 
 
 class _StepCallable(keras.optimizers.schedules.LearningRateSchedule):
@@ -131,7 +139,12 @@ class KFAC(keras.optimizers.Optimizer):
       inv_update_freq: recompute decompositions every this many steps (int or callable).
       method: "eigen" (exact damped Kronecker inverse) or "inverse" (π-corrected
         factored Tikhonov damping).
-      bn_damping_multiplier: ρ_BN; BatchNorm is preconditioned by 1/(F + ρ_BN λ).
+      bn_damping_multiplier: ρ of the diagonal blocks (BatchNorm, LayerNorm,
+        GroupNorm), preconditioned by 1/(F + ρ λ).
+      weight_sharing: how a layer whose weights act at several positions per example
+        (a Dense layer on sequences, EinsumDense, convolutions) counts them: "expand"
+        (every position like an example) or "reduce" (positions summed per example
+        first; cheaper). See docs/design.md.
       skip_layers: layer names or class names (regular expressions, full match)
         that get the plain gradient.
       inner_optimizer: a Keras optimizer that receives the preconditioned gradients
@@ -163,11 +176,12 @@ class KFAC(keras.optimizers.Optimizer):
                  bn_damping_multiplier=1.0, skip_layers=(), inner_optimizer=None,
                  weight_decay=None, xla="auto", placement="replicated",
                  factor_wire_dtype="float32", eigen_wire_dtype="float32",
-                 communicator=None, model=None, name="kfac", **kwargs):
+                 communicator=None, model=None, weight_sharing="expand", name="kfac",
+                 **kwargs):
         _validate(learning_rate, damping, momentum, factor_decay, kl_clip,
                   factor_update_freq, inv_update_freq, method, bn_damping_multiplier,
                   inner_optimizer, weight_decay, placement, factor_wire_dtype,
-                  eigen_wire_dtype)
+                  eigen_wire_dtype, weight_sharing)
         if isinstance(learning_rate, int):
             learning_rate = float(learning_rate)
         if callable(learning_rate) and not isinstance(
@@ -183,6 +197,7 @@ class KFAC(keras.optimizers.Optimizer):
         self.inv_update_freq = inv_update_freq
         self.method = method
         self.bn_damping_multiplier = float(bn_damping_multiplier)
+        self.weight_sharing = weight_sharing
         self.skip_layers = tuple(skip_layers)
         self.inner_optimizer = inner_optimizer
         if xla not in (True, False, "auto"):
@@ -265,7 +280,8 @@ class KFAC(keras.optimizers.Optimizer):
             if any(p.fullmatch(n) for p in patterns for n in names):
                 skipped.append({"layer": layer.name, "reason": "skipped by skip_layers"})
                 continue
-            block, reason = blocks_lib.block_for(layer, self.bn_damping_multiplier)
+            block, reason = blocks_lib.block_for(layer, self.bn_damping_multiplier,
+                                                 self.weight_sharing)
             if block is None:
                 skipped.append({"layer": layer.name, "reason": reason})
             else:
@@ -345,8 +361,10 @@ class KFAC(keras.optimizers.Optimizer):
             for variable, value in zip(statistics, reduced[len(gradients):]):
                 variable.assign(value)
         inverse_scale = 1.0 / tf.cast(loss_scale, tf.float32)
+        unscaled = lambda s, g: (tf.zeros_like(s) if g is None
+                                 else tf.cast(g, tf.float32) * inverse_scale)
         self._pending_calls = [
-            [(x, tf.zeros_like(s) if g is None else tf.cast(g, tf.float32) * inverse_scale)
+            [(x, tf.nest.map_structure(unscaled, s, g))
              for (x, s), g in zip(block_calls, block_grads)]
             for block_calls, block_grads in zip(calls, output_grads)]
         return gradients
@@ -426,7 +444,7 @@ class KFAC(keras.optimizers.Optimizer):
         return self._saves_decompositions or self._owners[b] == self._comm.rank
 
     def _decomposition_variable(self, shape, name):
-        initializer = "identity" if len(shape) == 2 else "zeros"
+        initializer = _identities if len(shape) >= 2 else "zeros"
         if self._saves_decompositions:
             return self.add_variable(shape, initializer=initializer, name=name)
         # Not an optimizer variable: outside `variables`, so checkpoints skip it.
@@ -536,7 +554,8 @@ class KFAC(keras.optimizers.Optimizer):
 
     # factors -------------------------------------------------------------
     def _batch_statistics(self, calls):
-        return [block.batch_statistics(block_calls, tf.shape(block_calls[0][0])[0])
+        return [block.batch_statistics(
+                    block_calls, tf.shape(tf.nest.flatten(block_calls[0][0])[0])[0])
                 for block, block_calls in zip(self._blocks, calls)]
 
     def _maybe_update_factors(self, step, calls):
@@ -576,13 +595,15 @@ class KFAC(keras.optimizers.Optimizer):
         Greedy longest-processing-time on cost dim³: deterministic, so every rank
         computes the same assignment without talking.
         """
+        def cost(block, j):
+            shape = block.factor_shapes()[j]
+            return distributed.eigen_cost(shape[-1], int(np.prod(shape[:-2])))
+
         if self.placement == "owner":
-            costs = [sum(distributed.eigen_cost(block.factor_shapes()[j][0])
-                         for j in block.symmetric_factors()) or 1.0
+            costs = [sum(cost(block, j) for j in block.symmetric_factors()) or 1.0
                      for block in self._blocks]
         else:
-            costs = [distributed.eigen_cost(self._blocks[b].factor_shapes()[j][0])
-                     for b, j in self._work_items()]
+            costs = [cost(self._blocks[b], j) for b, j in self._work_items()]
         return distributed.lpt_assignment(costs, self._comm.size)
 
     def _work_items(self):
@@ -742,6 +763,7 @@ class KFAC(keras.optimizers.Optimizer):
             "inv_update_freq": schedules.serialize(self.inv_update_freq),
             "method": self.method,
             "bn_damping_multiplier": self.bn_damping_multiplier,
+            "weight_sharing": self.weight_sharing,
             "skip_layers": list(self.skip_layers),
             "inner_optimizer": (None if self.inner_optimizer is None else
                                 keras.saving.serialize_keras_object(self.inner_optimizer)),

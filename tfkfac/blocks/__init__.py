@@ -2,40 +2,55 @@
 
 import keras
 
-from tfkfac.blocks.base import Block
+from tfkfac.blocks.base import Block, Unsupported
 from tfkfac.blocks.batchnorm import BatchNormBlock
 from tfkfac.blocks.kronecker import Conv2DBlock, DenseBlock, KroneckerBlock
 
 __all__ = ["Block", "BatchNormBlock", "Conv2DBlock", "DenseBlock", "KroneckerBlock",
-           "block_for"]
+           "Unsupported", "WEIGHT_SHARING", "block_for"]
+
+WEIGHT_SHARING = ("expand", "reduce")
 
 
-def _unsupported_reason(layer):
-    """Why a layer with weights cannot get a block, or None when it can."""
+def _conv2d(layer, options):
+    if layer.data_format != "channels_last":
+        raise Unsupported("Conv2D with data_format='channels_first' is not supported")
+    if layer.groups != 1:
+        raise Unsupported("grouped Conv2D (groups > 1) is not supported")
+    return Conv2DBlock(layer, options["weight_sharing"])
+
+
+def _batchnorm(layer, options):
+    if layer.renorm:
+        raise Unsupported("BatchNormalization(renorm=True) is not supported")
+    return BatchNormBlock(layer, options["diagonal_damping_multiplier"])
+
+
+# (layer class, block builder), most specific class first. A builder returns the block
+# or raises `Unsupported` naming what about this layer has no block.
+_BUILDERS = [
+    (keras.layers.Conv2D, _conv2d),
+    (keras.layers.BatchNormalization, _batchnorm),
+    (keras.layers.Dense, lambda layer, options: DenseBlock(layer, options["weight_sharing"])),
+]
+
+
+def block_for(layer, diagonal_damping_multiplier=1.0, weight_sharing="expand"):
+    """(block, None) for a supported layer, or (None, reason) when it is not.
+
+    `diagonal_damping_multiplier` is ρ of the diagonal (normalization) blocks;
+    `weight_sharing` is the rule of blocks whose weights act at several positions.
+    """
     if getattr(layer, "lora_enabled", False):
-        return "LoRA-enabled layers are not supported"
+        return None, "LoRA-enabled layers are not supported"
     if getattr(layer, "quantization_mode", None):
-        return "quantized layers are not supported"
-    if isinstance(layer, keras.layers.Conv2D):
-        if layer.data_format != "channels_last":
-            return "Conv2D with data_format='channels_first' is not supported"
-        if layer.groups != 1:
-            return "grouped Conv2D (groups > 1) is not supported"
-        return None
-    if isinstance(layer, keras.layers.BatchNormalization):
-        return "BatchNormalization(renorm=True) is not supported" if layer.renorm else None
-    if isinstance(layer, keras.layers.Dense):
-        return None
-    return f"no K-FAC block for {type(layer).__name__}"
-
-
-def block_for(layer, bn_damping_multiplier):
-    """(block, None) for a supported layer, or (None, reason) when it is not."""
-    reason = _unsupported_reason(layer)
-    if reason is not None:
-        return None, reason
-    if isinstance(layer, keras.layers.Conv2D):
-        return Conv2DBlock(layer), None
-    if isinstance(layer, keras.layers.BatchNormalization):
-        return BatchNormBlock(layer, bn_damping_multiplier), None
-    return DenseBlock(layer), None
+        return None, "quantized layers are not supported"
+    options = {"diagonal_damping_multiplier": diagonal_damping_multiplier,
+               "weight_sharing": weight_sharing}
+    for layer_class, build in _BUILDERS:
+        if isinstance(layer, layer_class):
+            try:
+                return build(layer, options), None
+            except Unsupported as error:
+                return None, str(error)
+    return None, f"no K-FAC block for {type(layer).__name__}"

@@ -8,6 +8,10 @@ layer's gradients with those statistics. Blocks never communicate across process
 import tensorflow as tf
 
 
+class Unsupported(Exception):
+    """Raised by a block's builder: this layer's configuration has no block (the reason)."""
+
+
 class Block:
     """One managed layer. Subclasses set `variables` and the factor layout."""
 
@@ -24,18 +28,26 @@ class Block:
         raise NotImplementedError
 
     def symmetric_factors(self):
-        """Indices of `factor_shapes()` that are symmetric matrices."""
-        return [i for i, shape in enumerate(self.factor_shapes()) if len(shape) == 2]
+        """Indices of `factor_shapes()` that are symmetric matrices or batches of them.
+
+        A 1-D factor is a diagonal: it needs no decomposition.
+        """
+        return [i for i, shape in enumerate(self.factor_shapes()) if len(shape) >= 2]
 
     def pre_activation_call(self, call, args, kwargs):
-        """Run the layer's `call`; return (pre-activation, output)."""
+        """Run the layer's `call`; return ((inputs, pre-activations), output).
+
+        The tape gives dL/d(pre-activations) for the recorded pair; both members may be
+        nests of tensors (a layer with two weight products records both).
+        """
         output = call(*args, **kwargs)
-        return output, output
+        return (layer_input(args, kwargs), output), output
 
     def batch_statistics(self, calls, batch_size):
-        """Factor statistics of one batch from `calls`, a list of (input, out_grad).
+        """Factor statistics of one batch from `calls`, a list of (inputs, out_grads).
 
-        `out_grad` is dL/ds for the mean loss L of the batch, already unscaled.
+        `out_grads` is dL/ds for the mean loss L of the batch, already unscaled, in the
+        structure of the recorded pre-activations.
         """
         raise NotImplementedError
 
@@ -55,6 +67,11 @@ class Block:
     def precondition(self, grads, factors, decomposition, method, damping):
         """Preconditioned gradients, aligned with `self.variables`."""
         raise NotImplementedError
+
+
+def layer_input(args, kwargs):
+    """The first argument of a layer call."""
+    return args[0] if args else kwargs["inputs"]
 
 
 def as_float32(tensor):

@@ -3,26 +3,35 @@
 Both see a layer as a matrix product applied at T positions per example: a Dense layer
 on (N, d_in) input has T = 1 (extra leading axes count as positions), a Conv2D layer has
 one position per output pixel, its input rows being the im2col patches. With
-`ā` the input row (plus 1 for the bias) and `g = N dL/ds`:
+`ā` the input row (plus 1 for the bias) and `g = N dL/ds`, the *expand* rule
+(docs/design.md) counts every position like an example:
 
     A = (1/N) Σ_i Σ_t ā_it ā_itᵀ          G = (1/(N T)) Σ_i Σ_t g_it g_itᵀ
 
+and the *reduce* rule (Eschenhagen et al. 2023) first sums over each example's positions,
+ā_i = (1/T) Σ_t ā_it, ĝ_i = Σ_t g_it, then A = (1/N) Σ_i ā_i ā_iᵀ, G = (1/N) Σ_i ĝ_i ĝ_iᵀ.
+
 A layer called several times in one forward pass (shared weights) contributes every
-call's positions, so T counts positions over all calls.
+call's positions, so T counts positions over all calls; under *reduce* each call is
+reduced on its own and then counts as one position.
+
+Rows may carry a leading group axis, (q, rows, d): the block then keeps q Kronecker
+pairs (a block-diagonal layer such as a grouped convolution), all computed batched.
 """
 
 import tensorflow as tf
 
 from tfkfac import linalg
-from tfkfac.blocks.base import Block, as_float32
+from tfkfac.blocks.base import Block, as_float32, layer_input
 
 
 class KroneckerBlock(Block):
     """Shared math; subclasses say how inputs become rows and kernels become matrices."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, weight_sharing="expand"):
         variables = [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
         super().__init__(layer, variables)
+        self.weight_sharing = weight_sharing
         self.has_bias = layer.bias is not None
         kernel_shape = tuple(layer.kernel.shape)
         self.kernel_shape = kernel_shape
@@ -47,17 +56,28 @@ class KroneckerBlock(Block):
         finally:
             self.layer.activation = activation
         output = activation(pre_activation) if activation is not None else pre_activation
-        return pre_activation, output
+        return (layer_input(args, kwargs), pre_activation), output
+
+    def output_rows(self, out_grads):
+        """(rows, out_dim) matrix of dL/ds, rows aligned with `input_rows`."""
+        return tf.reshape(out_grads, (-1, self.out_dim))
 
     def batch_statistics(self, calls, batch_size):
         n = tf.cast(batch_size, tf.float32)
-        a_rows = tf.concat([self.input_rows(as_float32(x)) for x, _ in calls], axis=0)
+        a_rows, g_rows = [], []
+        for inputs, out_grads in calls:
+            a_call = self.input_rows(as_float32(inputs))
+            g_call = self.output_rows(as_float32(out_grads))
+            if self.weight_sharing == "reduce":
+                a_call = tf.reduce_mean(_per_example(a_call, batch_size), axis=-2)
+                g_call = tf.reduce_sum(_per_example(g_call, batch_size), axis=-2)
+            a_rows.append(a_call)
+            g_rows.append(g_call)
+        a_rows = tf.concat(a_rows, axis=-2)
+        g_rows = tf.concat(g_rows, axis=-2)
         if self.has_bias:
-            a_rows = tf.concat([a_rows, tf.ones_like(a_rows[:, :1])], axis=1)
-        g_rows = tf.concat(
-            [tf.reshape(as_float32(g), (-1, self.out_dim)) for _, g in calls], axis=0
-        )
-        positions = tf.cast(tf.shape(g_rows)[0], tf.float32) / n
+            a_rows = tf.concat([a_rows, tf.ones_like(a_rows[..., :1])], axis=-1)
+        positions = tf.cast(tf.shape(g_rows)[-2], tf.float32) / n
         a = tf.linalg.matmul(a_rows, a_rows, transpose_a=True) / n
         # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ = (N / T) Σ dL/ds dL/dsᵀ
         g = tf.linalg.matmul(g_rows, g_rows, transpose_a=True) * (n / positions)
@@ -132,6 +152,12 @@ class Conv2DBlock(KroneckerBlock):
                           j * dw: j * dw + (out_w - 1) * sw + 1: sw, :]
                    for i in range(kh) for j in range(kw)]
         return tf.reshape(tf.concat(columns, axis=-1), (-1, self.in_dim))
+
+
+def _per_example(rows, batch_size):
+    """(..., rows, d) as (..., N, positions, d): rows are example-major."""
+    shape = tf.shape(rows)
+    return tf.reshape(rows, tf.concat([shape[:-2], [batch_size, -1, shape[-1]]], axis=0))
 
 
 def _spatial_size(inputs, axis):

@@ -9,9 +9,9 @@ Pauloski et al. (2020), whose own profile shows the slowest rank barely speeding
 STRATEGIES = ("lpt", "round_robin")
 
 
-def eigen_cost(dim):
-    """Relative cost of decomposing a dim x dim matrix: O(dim³)."""
-    return float(dim) ** 3
+def eigen_cost(dim, count=1):
+    """Relative cost of decomposing `count` matrices of dim x dim: O(count dim³)."""
+    return float(count) * float(dim) ** 3
 
 
 def lpt_assignment(costs, size):

@@ -1,7 +1,8 @@
 """The two K-FAC exchanges, written against any `Communicator`.
 
 - `allreduce_symmetric`: average symmetric factors over ranks with one collective:
-  Kronecker factors as packed upper triangles, diagonal (BatchNorm) factors as they are.
+  Kronecker factors (single or batched) as packed upper triangles, diagonal factors as
+  they are.
 - `gather_from_owners`: every item (an eigenbasis, a preconditioned gradient) is
   computed by one owner rank; one allgather gives every rank all of them.
 
@@ -18,14 +19,14 @@ from tfkfac.distributed import packing
 def allreduce_symmetric(comm, factors, wire_dtype="float32", category="factors"):
     """Mean over ranks of each symmetric factor, as float32, in one grouped collective.
 
-    A matrix travels as its packed upper triangle, a 1-D factor (a diagonal) as it is;
-    both in the wire dtype.
+    A matrix, or a batch of matrices (..., n, n), travels as packed upper triangles, a 1-D
+    factor (a diagonal) as it is; both in the wire dtype.
     """
     factors = [tf.convert_to_tensor(f) for f in factors]
     wire = packing.wire_dtype(wire_dtype)  # Reject a bad name even when nothing is sent.
     if comm.size == 1 or not factors:
         return factors
-    matrices = [f for f in factors if f.shape.rank == 2]
+    matrices = [f for f in factors if f.shape.rank >= 2]
     vectors = [f for f in factors if f.shape.rank == 1]
     buffers = []
     if matrices:
@@ -34,10 +35,10 @@ def allreduce_symmetric(comm, factors, wire_dtype="float32", category="factors")
         buffers.append(tf.cast(tf.concat(vectors, axis=0), wire))
     reduced = iter(comm.grouped_allreduce_mean(buffers, category=category))
     unpacked = iter(packing.unpack_upper_triangles(
-        next(reduced), [int(m.shape[0]) for m in matrices]) if matrices else [])
+        next(reduced), [m.shape.as_list() for m in matrices]) if matrices else [])
     diagonals = iter(tf.split(tf.cast(next(reduced), tf.float32),
                               [int(v.shape[0]) for v in vectors]) if vectors else [])
-    return [next(unpacked) if f.shape.rank == 2 else next(diagonals) for f in factors]
+    return [next(unpacked) if f.shape.rank >= 2 else next(diagonals) for f in factors]
 
 
 def gather_from_owners(comm, local_values, shapes, owners, wire_dtype="float32",

@@ -31,14 +31,18 @@ def wire_dtype(name):
 
 
 def packed_size(dims):
-    """Number of buffer elements for symmetric matrices of sizes `dims`: sum n(n+1)/2."""
-    return sum(_triangle_size(n) for n in _check_dims(dims))
+    """Number of buffer elements for symmetric matrices of sizes `dims`: sum n(n+1)/2.
+
+    An entry of `dims` is a size n, or the shape (..., n, n) of a batch of matrices.
+    """
+    return sum(_count(shape) * _triangle_size(shape[-1]) for shape in _check_dims(dims))
 
 
 def pack_upper_triangles(matrices, dtype="float32"):
     """Concatenate the row-major upper triangles of square `matrices` into one 1-D tensor.
 
-    The result has `packed_size(dims)` elements of wire dtype `dtype`. Only the upper
+    A matrix may be a batch (..., n, n): each of its matrices is packed in turn. The
+    result has `packed_size(shapes)` elements of wire dtype `dtype`. Only the upper
     triangle is read; the caller guarantees symmetry.
     """
     target = wire_dtype(dtype)
@@ -48,24 +52,30 @@ def pack_upper_triangles(matrices, dtype="float32"):
         n = _square_dim(matrix)
         rows, cols = np.triu_indices(n)
         flat_index = tf.constant(rows * n + cols, dtype=tf.int32)
-        pieces.append(tf.gather(tf.reshape(matrix, [-1]), flat_index))
+        pieces.append(tf.reshape(
+            tf.gather(tf.reshape(matrix, [-1, n * n]), flat_index, axis=1), [-1]))
     if not pieces:
         return tf.zeros([0], dtype=target)
     return tf.cast(tf.concat(pieces, axis=0), target)
 
 
 def unpack_upper_triangles(buffer, dims):
-    """Inverse of `pack_upper_triangles`: full symmetric float32 matrices of sizes `dims`."""
-    dims = _check_dims(dims)
+    """Inverse of `pack_upper_triangles`: full symmetric float32 matrices of `dims`.
+
+    An entry of `dims` is a size n (an (n, n) matrix) or a batch shape (..., n, n).
+    """
+    shapes = _check_dims(dims)
     buffer = tf.cast(tf.convert_to_tensor(buffer), tf.float32)
     expected = packed_size(dims)
     if buffer.shape.rank != 1 or (buffer.shape[0] is not None and buffer.shape[0] != expected):
         raise ValueError(
             f"buffer must be 1-D with packed_size(dims)={expected} elements, "
             f"got shape {buffer.shape}")
-    segments = tf.split(buffer, [_triangle_size(n) for n in dims]) if dims else []
-    return [tf.gather(segment, _symmetric_index_map(n))
-            for segment, n in zip(segments, dims)]
+    sizes = [_count(shape) * _triangle_size(shape[-1]) for shape in shapes]
+    segments = tf.split(buffer, sizes) if shapes else []
+    return [tf.reshape(tf.gather(tf.reshape(segment, [-1, _triangle_size(shape[-1])]),
+                                 _symmetric_index_map(shape[-1]), axis=1), shape)
+            for segment, shape in zip(segments, shapes)]
 
 
 def _symmetric_index_map(n):
@@ -81,13 +91,20 @@ def _triangle_size(n):
 
 def _square_dim(matrix):
     shape = matrix.shape
-    if shape.rank != 2 or shape[0] is None or shape[0] != shape[1]:
+    if (shape.rank is None or shape.rank < 2 or not shape.is_fully_defined()
+            or shape[-1] != shape[-2]):
         raise ValueError(f"matrices must be square with static shape, got shape {shape}")
-    return int(shape[0])
+    return int(shape[-1])
+
+
+def _count(shape):
+    """How many matrices a shape (..., n, n) holds."""
+    return int(np.prod(shape[:-2], dtype=np.int64))
 
 
 def _check_dims(dims):
-    dims = [int(n) for n in dims]
-    if any(n < 1 for n in dims):
-        raise ValueError(f"dims must be positive integers, got {dims}")
-    return dims
+    """Each entry as a full shape (..., n, n) of positive sizes."""
+    shapes = [(int(d), int(d)) if np.ndim(d) == 0 else tuple(int(n) for n in d) for d in dims]
+    if any(len(s) < 2 or s[-1] != s[-2] or min(s) < 1 for s in shapes):
+        raise ValueError(f"dims must be positive sizes or shapes (..., n, n), got {list(dims)}")
+    return shapes
