@@ -1,6 +1,6 @@
 """tfkfac.KFAC on BatchNormalization: the diagonal Fisher of Osawa et al.
 
-DESIGN.md §2: F_c = (1/N) Σ_i (dl_i/dθ_c)² over θ = (γ, β) concatenated, and the
+docs/design.md: F_c = (1/N) Σ_i (dl_i/dθ_c)² over θ = (γ, β) concatenated, and the
 gradient is preconditioned as ∇ / (F + ρ_BN λ). The reference takes the per-example
 gradients dl_i/dθ independently of the optimizer: one training-mode forward of the full
 batch under a persistent tape, then N separate `tape.gradient(l_i, [γ, β])` calls, l_i

@@ -1,6 +1,6 @@
 """tfkfac.KFAC on Conv2D (KFC rule) against an explicit numpy im2col.
 
-DESIGN.md §2: ā_it is the im2col patch of output position t (the layer's strides,
+docs/design.md: ā_it is the im2col patch of output position t (the layer's strides,
 padding and dilation; flattened in the kernel's (kh, kw, c_in) order) plus 1 for the
 bias; A = (1/N) Σ_i Σ_t ā_it ā_itᵀ and G = (1/(N T)) Σ_i Σ_t g_it g_itᵀ with
 g_it = N dL/ds_it. The reference extracts patches with Python loops over output

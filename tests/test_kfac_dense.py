@@ -1,6 +1,6 @@
 """tfkfac.KFAC on Dense layers, eigen method, against a float64 numpy reference.
 
-DESIGN.md §2: one step with momentum=0, kl_clip=None and no inner optimizer changes every
+docs/design.md: one step with momentum=0, kl_clip=None and no inner optimizer changes every
 managed kernel/bias by exactly -lr * P, P = (A ⊗ G + λI)⁻¹ vec(∇) split back into kernel
 and bias. The reference runs the tiny network's forward and backward in numpy
 (float64, from the float32 weights), builds A = (1/N) Σ ā āᵀ and G = (1/N) Σ g gᵀ with

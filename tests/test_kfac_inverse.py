@@ -1,6 +1,6 @@
 """tfkfac.KFAC(method="inverse"): factored Tikhonov damping with the π correction.
 
-DESIGN.md §2: π = sqrt((tr A / dim A) / (tr G / dim G)),
+docs/design.md: π = sqrt((tr A / dim A) / (tr G / dim G)),
 P = (A + π√λ I)⁻¹ ∇ (G + (√λ/π) I)⁻¹. The reference runs the tiny network's forward and
 backward in float64 numpy (kfac_reference.py) and inverts the damped factors with
 np.linalg.inv. One step with momentum=0, kl_clip=None must change each kernel/bias by

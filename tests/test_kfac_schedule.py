@@ -1,6 +1,6 @@
 """tfkfac.KFAC over several steps: KL clip, running averages, update frequencies, schedules.
 
-References (DESIGN.md §2), all computed independently of the optimizer (here and in
+References (docs/design.md), all computed independently of the optimizer (here and in
 kfac_reference.py):
 - KL clip (Pauloski eq. 18): ν = min(1, sqrt(κ / (η² Σ_layers |<P, ∇>|))), <P, ∇> the
   inner product of a layer's whole [W; b] matrices; P from a run with kl_clip=None,

@@ -67,6 +67,34 @@ class DecompositionTest(parameterized.TestCase):
         inverse = linalg.damped_inverse(tf.constant(a), 0.1, backend)
         self.assertFalse(np.all(np.isfinite(inverse.numpy())))
 
+    @parameterized.parameters(*BACKENDS)
+    def test_batch_of_factors_is_decomposed_member_by_member(self, backend):
+        batch = np.stack([factor(6, seed=s) for s in range(4)])
+        shifts = np.array([1e-3, 1e-2, 0.1, 1.0], np.float32)
+        values, vectors = linalg.symmetric_eigh(tf.constant(batch), backend)
+        inverses = linalg.damped_inverse(tf.constant(batch), tf.constant(shifts), backend)
+        self.assertEqual(values.shape, (4, 6))
+        for k, member in enumerate(batch.astype(np.float64)):
+            q, v = vectors[k].numpy().astype(np.float64), values[k].numpy()
+            np.testing.assert_allclose((q * v) @ q.T, member, atol=1e-4 * np.abs(member).max())
+            expected = np.linalg.inv(member + shifts[k] * np.eye(6))
+            np.testing.assert_allclose(inverses[k].numpy(), expected,
+                                       atol=1e-3 * np.abs(expected).max())
+
+    def test_batched_preconditioning_equals_each_member_alone(self):
+        rng = np.random.default_rng(2)
+        a, g = np.stack([factor(4, s) for s in (1, 2)]), np.stack([factor(3, s) for s in (3, 4)])
+        grad = rng.standard_normal((2, 4, 3)).astype(np.float32)
+        (v_a, q_a), (v_g, q_g) = linalg.symmetric_eigh(a), linalg.symmetric_eigh(g)
+        batched = linalg.eigen_precondition(grad, q_a, v_a, q_g, v_g, 0.1).numpy()
+        pi = linalg.pi_correction(a, g).numpy()
+        for k in range(2):
+            (va, qa), (vg, qg) = linalg.symmetric_eigh(a[k]), linalg.symmetric_eigh(g[k])
+            single = linalg.eigen_precondition(grad[k], qa, va, qg, vg, 0.1).numpy()
+            np.testing.assert_allclose(batched[k], single, rtol=1e-5, atol=1e-6)
+            expected_pi = np.sqrt(np.trace(a[k]) / 4 / (np.trace(g[k]) / 3))
+            self.assertAlmostEqual(pi[k], expected_pi, places=5)
+
     def test_lapack_inverse_of_an_indefinite_matrix_is_non_finite(self):
         indefinite = np.diag([1.0, -2.0, 3.0]).astype(np.float32)
         inverse = linalg.damped_inverse(tf.constant(indefinite), 0.5, "lapack")

@@ -53,6 +53,20 @@ class PackingTest(parameterized.TestCase):
         expected = np.triu(asymmetric) + np.triu(asymmetric, 1).T
         np.testing.assert_array_equal(got.numpy(), expected)
 
+    def test_batch_of_matrices_packs_like_its_members_in_turn(self):
+        rng = np.random.default_rng(1)
+        batch = np.stack([random_spd(5, rng) for _ in range(3)])
+        single = self.matrices[1]
+        shapes = [batch.shape, single.shape[0]]
+        self.assertEqual(packing.packed_size(shapes), 3 * 15 + 6)
+        buffer = packing.pack_upper_triangles([batch, single])
+        expected = packing.pack_upper_triangles(list(batch) + [single])
+        np.testing.assert_array_equal(buffer.numpy(), expected.numpy())
+        got_batch, got_single = packing.unpack_upper_triangles(buffer, shapes)
+        self.assertEqual(got_batch.shape, batch.shape)
+        np.testing.assert_array_equal(got_batch.numpy(), batch)
+        np.testing.assert_array_equal(got_single.numpy(), single)
+
     @parameterized.parameters("float16", "bfloat16")
     def test_narrow_wire_dtype_rounds_each_entry_once(self, name):
         buffer = packing.pack_upper_triangles(self.matrices, dtype=name)

@@ -53,7 +53,7 @@ class TrainConfig:
     lr_decay_factor: float = 0.1
     lr_decay_power: float = 2.0
     # The CNN's best K-FAC setting in bench/time_to_accuracy.py: the inverse method with
-    # damping 0.1 (the optimizer's own defaults are DESIGN.md §2's eigen method and 1e-3).
+    # damping 0.1 (the optimizer's own defaults are docs/design.md's eigen method and 1e-3).
     damping: float = 0.1
     factor_update_freq: int = 10
     inv_update_freq: int = 100
