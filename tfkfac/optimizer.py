@@ -702,16 +702,24 @@ class KFAC(keras.optimizers.Optimizer):
             self._comm, values, shapes, owners, self.eigen_wire_dtype, "preconditioned"))
         return [[next(gathered) for _ in block.variables] for block in self._blocks]
 
-    def _preconditioned(self, grads, variables, damping):
+    def _preconditioned(self, grads, variables, damping, kl_clip=True):
+        """`grads` with every managed variable's gradient preconditioned (and KL-clipped)."""
         if not self._blocks:
-            return grads
+            return list(grads)
         index = {id(v): i for i, v in enumerate(variables)}
+        missing = [v.path for block in self._blocks for v in block.variables
+                   if id(v) not in index]
+        if missing:
+            raise ValueError(f"`variables` must hold every K-FAC-managed variable; missing "
+                             f"{missing}")
         slots = [[index[id(v)] for v in block.variables] for block in self._blocks]
+        # Dense float32 gradients (an Embedding's arrives as IndexedSlices).
         block_grads = [[tf.zeros(variables[i].shape) if grads[i] is None
-                        else tf.cast(grads[i], tf.float32) for i in block_slots]
+                        else tf.cast(tf.convert_to_tensor(grads[i]), tf.float32)
+                        for i in block_slots]
                        for block_slots in slots]
         preconditioned = self._preconditioned_blocks(block_grads, damping)
-        if self.kl_clip is not None:
+        if kl_clip and self.kl_clip is not None:
             optimizer = self.inner_optimizer or self
             nu = linalg.kl_clip_scale(preconditioned, block_grads,
                                       optimizer.learning_rate, self.kl_clip)
@@ -721,6 +729,44 @@ class KFAC(keras.optimizers.Optimizer):
             for i, p in zip(block_slots, block_p):
                 grads[i] = tf.cast(p, variables[i].dtype)
         return grads
+
+    # ---------------------------------------------------------- curvature API
+    def factors(self, layer):
+        """The running curvature factors of `layer` (a Keras layer or its name).
+
+        A dict of float32 tensors named as in docs/design.md: {"A": ..., "G": ...} for
+        Kronecker blocks (a batch of pairs, e.g. per group, has a leading axis; an
+        Embedding's A is the diagonal as a vector), {"F": ...} for diagonal blocks.
+        """
+        block = self._block_of(layer)
+        state = self._block_state[self._blocks.index(block)]
+        return {name: tf.convert_to_tensor(v)
+                for name, v in zip(block.factor_names(), state["factors"])}
+
+    def precondition(self, gradients, variables):
+        """`gradients` of `variables` preconditioned with the current decompositions.
+
+        What the update receives, before the KL clip: managed variables' gradients become
+        (curvature + λI)⁻¹ ∇ per docs/design.md; the others come back unchanged. Usable
+        eagerly or in a `tf.function`, after a training step has computed decompositions;
+        in a multi-process job every rank calls it (placement "owner" gathers).
+        """
+        if self._block_state is None or (tf.executing_eagerly()
+                                         and not int(self._decomposition_updates.numpy())):
+            raise RuntimeError(
+                "KFAC.precondition needs decompositions: train at least one step first "
+                "(factors and decompositions are computed in the training step).")
+        damping = tf.cast(schedules.value_at(self.damping, self.iterations), tf.float32)
+        return self._preconditioned(list(gradients), list(variables), damping, kl_clip=False)
+
+    def _block_of(self, layer):
+        name = layer if isinstance(layer, str) else getattr(layer, "name", None)
+        for block in self._blocks:
+            if block.name == name and (isinstance(layer, str) or block.layer is layer):
+                return block
+        managed = [block.name for block in self._blocks]
+        raise ValueError(f"`layer` must be a K-FAC-managed layer or its name, one of "
+                         f"{managed}; received {layer!r}")
 
     # ---------------------------------------------------------- introspection
     def summary(self):

@@ -27,6 +27,10 @@ class Block:
         """Shapes of the running statistics this block keeps (float32)."""
         raise NotImplementedError
 
+    def factor_names(self):
+        """Names of `factor_shapes()` in docs/design.md's terms: ("A", "G") or ("F",)."""
+        return {1: ("F",), 2: ("A", "G")}[len(self.factor_shapes())]
+
     def symmetric_factors(self):
         """Indices of `factor_shapes()` that are symmetric matrices or batches of them.
 

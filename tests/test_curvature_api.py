@@ -1,0 +1,128 @@
+"""The public curvature API: `KFAC.factors(layer)` and `KFAC.precondition(grads, vars)`.
+
+Against the independent numpy reference of tests/kfac_reference.py (float64 forward and
+backward of a small MLP): after one step with factor_decay's first update F = F_batch,
+`factors` returns A = (1/N) Σ ā āᵀ and G = (1/N) Σ g gᵀ of each Dense layer, and
+`precondition` returns (A ⊗ G + λI)⁻¹ vec(∇) per layer (explicit np.kron solve) for new
+gradients, leaving unmanaged variables' gradients untouched. BatchNorm's factor is
+named "F". Bad arguments name what is allowed.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl.testing import absltest  # noqa: E402
+
+import tfkfac  # noqa: E402
+from kfac_reference import DAMPING, N, assert_close, kron_precondition  # noqa: E402
+
+RNG = np.random.default_rng(0)
+
+
+def mlp():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(5, activation="tanh", name="hidden"),
+        keras.layers.Dense(3, name="head"),
+    ])
+
+
+def numpy_curvature(model, x, y):
+    """Per layer (A, G, ∇) of the MSE loss, float64, from an explicit forward/backward."""
+    (w1, b1), (w2, b2) = [(l.kernel.numpy().astype(np.float64), l.bias.numpy().astype(np.float64))
+                          for l in model.layers]
+    s1 = x @ w1 + b1
+    h = np.tanh(s1)
+    s2 = h @ w2 + b2
+    ds2 = 2.0 * (s2 - y) / s2.size
+    ds1 = (ds2 @ w2.T) * (1 - h ** 2)
+    result = []
+    for a, ds in ((x, ds1), (h, ds2)):
+        a_bar = np.concatenate([a, np.ones((len(a), 1))], 1)
+        g = N * ds
+        result.append((a_bar.T @ a_bar / N, g.T @ g / N, a_bar.T @ ds))
+    return result
+
+
+class CurvatureApiTest(absltest.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.model = mlp()
+        self.optimizer = tfkfac.KFAC(learning_rate=0.1, damping=DAMPING, kl_clip=None,
+                                     momentum=0.0, xla=False).attach(self.model)
+        self.loss = keras.losses.MeanSquaredError()
+
+    def step(self, x, y):
+        with self.optimizer.record() as tape:
+            loss = self.loss(y, self.model(x, training=True))
+        self.optimizer.minimize(loss, tape=tape)
+
+    def test_factors_and_precondition_match_numpy(self):
+        x = RNG.normal(size=(N, 4)).astype(np.float32)
+        y = RNG.normal(size=(N, 3)).astype(np.float32)
+        expected = numpy_curvature(self.model, x, y)
+        self.step(x, y)
+        for layer, (a, g, _) in zip(self.model.layers, expected):
+            factors = self.optimizer.factors(layer)
+            self.assertEqual(set(factors), {"A", "G"})
+            assert_close(factors["A"], a, msg=layer.name)
+            assert_close(self.optimizer.factors(layer.name)["G"], g, msg=layer.name)
+        # New gradients, preconditioned with the decompositions of those factors.
+        x2 = RNG.normal(size=(N, 4)).astype(np.float32)
+        y2 = RNG.normal(size=(N, 3)).astype(np.float32)
+        with tf.GradientTape() as tape:
+            loss = self.loss(y2, self.model(x2))
+        variables = self.model.trainable_variables
+        grads = tape.gradient(loss, variables)
+        got = self.optimizer.precondition(grads, variables)
+        for k, (a, g, _) in enumerate(expected):
+            grad = np.concatenate([grads[2 * k].numpy(), grads[2 * k + 1].numpy()[None]], 0)
+            p = kron_precondition(a, g, grad.astype(np.float64), DAMPING)
+            assert_close(got[2 * k], p[:-1], msg=f"layer {k} kernel")
+            assert_close(got[2 * k + 1], p[-1], msg=f"layer {k} bias")
+
+    def test_unmanaged_variables_keep_their_gradient(self):
+        optimizer = tfkfac.KFAC(skip_layers=["hidden"], xla=False)
+        model = mlp()
+        optimizer.attach(model)
+        x = RNG.normal(size=(N, 4)).astype(np.float32)
+        with optimizer.record() as tape:
+            loss = tf.reduce_mean(model(x, training=True) ** 2)
+        optimizer.minimize(loss, tape=tape)
+        grads = [tf.ones_like(v) for v in model.trainable_variables]
+        got = optimizer.precondition(grads, model.trainable_variables)
+        for k in (0, 1):  # hidden: skipped
+            np.testing.assert_array_equal(got[k].numpy(), grads[k].numpy())
+        self.assertFalse(np.allclose(got[2].numpy(), 1.0))
+
+    def test_batchnorm_factor_is_named_f(self):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(name="bn"),
+                                  keras.layers.Dense(2)])
+        optimizer = tfkfac.KFAC(xla=False).attach(model)
+        with optimizer.record() as tape:
+            loss = tf.reduce_mean(model(np.ones((4, 3), np.float32), training=True))
+        optimizer.minimize(loss, tape=tape)
+        factors = optimizer.factors("bn")
+        self.assertEqual(set(factors), {"F"})
+        self.assertEqual(factors["F"].shape, (6,))
+
+    def test_bad_arguments_say_what_is_allowed(self):
+        with self.assertRaisesRegex(ValueError, r"`layer`.*hidden.*head"):
+            self.optimizer.factors("nope")
+        with self.assertRaisesRegex(RuntimeError, "train at least one step"):
+            self.optimizer.precondition([], [])
+        x = np.zeros((N, 4), np.float32)
+        self.step(x, np.zeros((N, 3), np.float32))
+        with self.assertRaisesRegex(ValueError, "`variables` must hold every"):
+            self.optimizer.precondition([tf.zeros((4, 5))],
+                                        [self.model.trainable_variables[0]])
+
+
+if __name__ == "__main__":
+    absltest.main()
