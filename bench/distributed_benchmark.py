@@ -116,7 +116,7 @@ def worker_main(out_path):
         model = models.build_model(model_name, (28, 28, 1), 10, seed=0)
         optimizer = tfkfac.KFAC(
             learning_rate=0.02, damping=1e-2, placement=placement,
-            factor_wire_dtype=factor_wire, eigen_wire_dtype=eigen_wire,
+            factor_wire_dtype=factor_wire, decomposition_wire_dtype=eigen_wire,
             factor_update_freq=FLAGS.factor_update_freq,
             inv_update_freq=FLAGS.inv_update_freq, communicator=comm).attach(model)
         model.compile(optimizer=optimizer,
@@ -293,7 +293,8 @@ def summarize(single, per_rank, load_at_start):
             per_step = [_step_bytes(r["warmup_bytes"], 0) for r in ranks]
             row["inverse_step_bytes_per_rank"] = [sum(b.values()) for b in per_step]
             row["factor_bytes_per_factor_step"] = per_step[0]["factors"]
-            row["eigen_bytes_per_inverse_step_all_ranks"] = sum(b["eigen"] for b in per_step)
+            row["decomposition_bytes_per_inverse_step_all_ranks"] = sum(
+                b["decompositions"] for b in per_step)
             stale = [_step_bytes(r["warmup_bytes"], 1) for r in ranks]
             row["stale_step_bytes_mean_of_ranks"] = {
                 c: sum(b[c] for b in stale) / len(stale) for c in stale[0]}
@@ -351,7 +352,7 @@ def plot(report, path):
         ax.legend(fontsize=8)
     # (4) bytes per step by configuration (amortized over the schedule), stacked.
     ax = axes[3]
-    categories = ("gradients", "factors", "eigen", "preconditioned")
+    categories = ("gradients", "factors", "decompositions", "preconditioned")
     labels, stacks = [], []
     for name in names:
         for row in report["models"][name]["distributed"]:
@@ -387,7 +388,7 @@ def add_amortized_bytes(report):
                 "gradients": stale["gradients"],
                 "preconditioned": stale["preconditioned"],
                 "factors": row["factor_bytes_per_factor_step"] / FLAGS.factor_update_freq,
-                "eigen": row["eigen_bytes_per_inverse_step_all_ranks"] / n
+                "decompositions": row["decomposition_bytes_per_inverse_step_all_ranks"] / n
                 / FLAGS.inv_update_freq,
             }
             row["amortized_bytes_per_step_per_rank"]["total"] = sum(

@@ -120,7 +120,7 @@ def check_distributed_eigh(comm, saved):
                 local += [None, None]
         with tf.name_scope(f"share_on_rank_{comm.rank}"):
             return distributed.gather_from_owners(comm, local, shapes, item_owners,
-                                                  category="eigen")
+                                                  category="decompositions")
 
     comm.reset_counters()
     results = distributed_eigh([tf.constant(m) for m in shared_eigen_inputs()])
@@ -128,7 +128,7 @@ def check_distributed_eigh(comm, saved):
         saved[f"eigenvalues_{i}"] = results[2 * i].numpy()
         saved[f"eigenvectors_{i}"] = results[2 * i + 1].numpy()
     saved["eigen_owners"] = np.asarray(owners)
-    saved["eigen_bytes"] = comm.bytes_sent()["eigen"]
+    saved["eigen_bytes"] = comm.bytes_sent()["decompositions"]
 
     # One item owned by rank 1: rank 0 contributes an empty buffer.
     only_rank1 = tf.function(lambda: distributed.gather_from_owners(

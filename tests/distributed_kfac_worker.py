@@ -10,6 +10,9 @@ saves what this rank holds to `$DISTRIBUTED_KFAC_OUT_DIR/<scenario>.rank<r>.npz`
   factor_update_freq = inv_update_freq = 5 over 6 steps, some with
   `steps_per_execution` > 1 (Keras then runs the steps in a tf.while_loop); the test
   runs the same function in one process with batch 2B (`run_equivalence`).
+- `modern_<placement>_<method>`: the equivalence run with tests/modern_net.py (one layer
+  of every block kind added for modern architectures: batched per-group pairs, diagonal
+  vectors, EinsumDense, Embedding), factors every 5 steps in one grouped call.
 - `owner_restore`: "owner" placement across a checkpoint: rank 0 saves after
   RESTORE_STEPS steps, every rank restores that file into a fresh model and optimizer
   and trains RESTORE_STEPS more (`run_owner_restore`; also the 1-process reference).
@@ -30,6 +33,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tfkfac  # noqa: E402
+from modern_net import modern_net  # noqa: E402
 from pipelines import idx_dataset  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 
@@ -46,6 +50,7 @@ SYNC_FREQ = dict(factor_update_freq=1, inv_update_freq=2)  # Every step a factor
 EQUIVALENCE_CASES = [("replicated", "eigen", 1, False), ("owner", "eigen", 1, False),
                      ("replicated", "inverse", 4, False), ("owner", "inverse", 3, True)]
 EQUIVALENCE_STEPS, EQUIVALENCE_BATCH, EQUIVALENCE_FREQ = 6, 16, 5
+MODERN_CASES = [("replicated", "eigen"), ("owner", "inverse")]
 # Steps before and after the restore; decompositions every RESTORE_INV_FREQ steps.
 RESTORE_STEPS, RESTORE_INV_FREQ = 6, 4
 
@@ -111,8 +116,8 @@ class CounterLog(keras.callbacks.Callback):
         self.calls.append([calls[c] for c in distributed.CATEGORIES])
         self.bytes.append([sent[c] for c in distributed.CATEGORIES])
         if self.first_factors is None:
-            self.first_factors = [np.asarray(v.numpy()) for s in self.optimizer._block_state
-                                  for v in s["factors"]]
+            self.first_factors = [np.asarray(v.numpy()) for s in self.optimizer._curvature.states
+                                  for v in s.factors]
 
     def results(self):
         saved = {"calls": np.asarray(self.calls), "bytes": np.asarray(self.bytes),
@@ -124,14 +129,15 @@ class CounterLog(keras.callbacks.Callback):
         return saved
 
 
-def run_equivalence(comm, placement, method, steps_per_execution=1, xla=False):
+def run_equivalence(comm, placement, method, steps_per_execution=1, xla=False,
+                    build=lambda: small_cnn(seed=7, batch_norm=False)):
     """Model variables after EQUIVALENCE_STEPS steps on this rank's part of each batch.
 
     With `comm.size == 1` this is the single-process reference with batch 2B.
     """
     global_batch = 2 * EQUIVALENCE_BATCH
     x, y = fixed_examples(EQUIVALENCE_STEPS * global_batch)
-    model = small_cnn(seed=7, batch_norm=False)
+    model = build()
     optimizer = compiled(model, comm, steps_per_execution, placement=placement, method=method,
                          xla=xla, factor_update_freq=EQUIVALENCE_FREQ,
                          inv_update_freq=EQUIVALENCE_FREQ)
@@ -150,7 +156,14 @@ def final_state(model, optimizer):
     saved["kfac_counters"] = np.asarray([summary["counters"][k] for k in
                                          ("steps", "factor_updates", "decomposition_updates")])
     saved["state_bytes"] = np.asarray(summary["state_bytes"])
+    saved["managed"] = np.asarray([f"{m['layer']}:{m['kind']}" for m in summary["managed"]])
+    saved["factor_shapes"] = np.asarray([str(m["factor_shapes"]) for m in summary["managed"]])
     return saved
+
+
+def run_modern(comm, placement, method):
+    """The equivalence run with modern_net (see tests/modern_net.py)."""
+    return run_equivalence(comm, placement, method, build=lambda: modern_net(seed=7))
 
 
 def run_owner_restore(comm, directory):
@@ -234,6 +247,8 @@ def main(out_dir):
     for placement, method, steps_per_execution, xla in EQUIVALENCE_CASES:
         run(f"equivalence_{placement}_{method}", run_equivalence, comm, placement, method,
             steps_per_execution, xla)
+    for placement, method in MODERN_CASES:
+        run(f"modern_{placement}_{method}", run_modern, comm, placement, method)
     run("owner_restore", run_owner_restore, comm, out_dir)
     np.savez(os.path.join(out_dir, f"timings.rank{comm.rank}.npz"), **timings)
     # Both ranks have saved everything before one of them fails.

@@ -48,7 +48,7 @@ class SingleProcessTest(absltest.TestCase):
         @tf.function
         def run(x, y):
             return (comm.grouped_allreduce_mean([x, y], category="gradients"),
-                    comm.broadcast([x], root_rank=0), comm.allgather(y, category="eigen"))
+                    comm.broadcast([x], root_rank=0), comm.allgather(y, category="decompositions"))
 
         reduced, broadcast, gathered = run(x, y)
         np.testing.assert_array_equal(reduced[0].numpy(), x.numpy())

@@ -12,11 +12,15 @@ with `model.fit`; each rank saves what it holds. The checks:
   ones;
 - stale steps send nothing but gradients and the averaged fit logs (and, for "owner",
   preconditioned gradients);
+- the same with a model of every block kind added for modern architectures
+  (tests/modern_net.py): batched per-group factors and diagonal vectors travel in the one
+  grouped factor call, and 2 ranks equal 1 process for both placements;
 - "owner" placement holds only the decompositions of the layers a rank owns, and a
   checkpoint written by rank 0 restores on both ranks (decompositions recomputed);
 - a rank that raises inside `model.fit` ends the whole job within 60 s, error visible.
 """
 
+import ast
 import os
 import re
 import shutil
@@ -34,6 +38,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)
 
 import distributed_kfac_worker as worker  # noqa: E402
+import modern_net  # noqa: E402
 from tfkfac.distributed.launch import run_horovod_job  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 
@@ -93,7 +98,8 @@ class DistributedKfacTest(absltest.TestCase):
         logging.info("2-rank job exited %d after %.1f s", cls.returncode,
                      cls.exit_time - start)
         names = ["sync", "sync_float16", "owner_restore", "timings"] + [
-            f"equivalence_{p}_{m}" for p, m, *_ in worker.EQUIVALENCE_CASES]
+            f"equivalence_{p}_{m}" for p, m, *_ in worker.EQUIVALENCE_CASES] + [
+            f"modern_{p}_{m}" for p, m in worker.MODERN_CASES]
         cls.saved = {}
         for name in names:
             cls.saved[name] = []
@@ -111,6 +117,8 @@ class DistributedKfacTest(absltest.TestCase):
         comm = distributed.SingleProcess()
         cls.references = {m: worker.run_equivalence(comm, "replicated", m)
                           for m in sorted({m for _, m, *_ in worker.EQUIVALENCE_CASES})}
+        cls.modern_references = {m: worker.run_modern(comm, "replicated", m)
+                                 for _, m in worker.MODERN_CASES}
         with tempfile.TemporaryDirectory() as directory:
             cls.restore_reference = worker.run_owner_restore(comm, directory)
 
@@ -169,6 +177,31 @@ class DistributedKfacTest(absltest.TestCase):
             with self.subTest(placement=placement, method=method):
                 self.assert_matches_one_process(placement, method)
 
+    def test_modern_layers_two_ranks_match_one_process(self):
+        for placement, method in worker.MODERN_CASES:
+            name = f"modern_{placement}_{method}"
+            reference = self.modern_references[method]
+            with self.subTest(placement=placement, method=method):
+                managed = dict(m.split(":") for m in self.both_ranks(name, "managed"))
+                self.assertEqual(managed, modern_net.MANAGED_KINDS)
+                # Batched pairs (grouped, depthwise) and diagonals are among the factors.
+                ranks = {len(shape) for shapes in self.both_ranks(name, "factor_shapes")
+                         for shape in ast.literal_eval(str(shapes))}
+                self.assertEqual(ranks, {1, 2, 3})
+                np.testing.assert_array_equal(self.both_ranks(name, "kfac_counters"),
+                                              [STEPS, UPDATES, UPDATES])
+                calls = self.both_ranks(name, "calls")[-1]
+                self.assertEqual(calls[column("factors")], UPDATES)  # one call per update
+                keys = sorted(k for k in reference if k.startswith("weight"))
+                initial = modern_net.modern_net(seed=7).get_weights()
+                self.assertLen(keys, len(initial))
+                for key, start in zip(keys, initial):
+                    expected, got = reference[key], self.both_ranks(name, key)
+                    tolerance = EQUIVALENCE_RTOL * np.max(np.abs(expected))
+                    np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance,
+                                               err_msg=f"{name}: {key}")
+                    self.assertGreater(np.max(np.abs(expected - start)), tolerance, key)
+
     def test_owner_placement_holds_only_its_layers_decompositions(self):
         # K-FAC state bytes from the factor dims alone: every rank holds every factor
         # (they are allreduced); decompositions are eigenvectors + eigenvalues (eigen)
@@ -210,7 +243,7 @@ class DistributedKfacTest(absltest.TestCase):
                 calls = self.both_ranks(name, "calls")
                 self.assertLen(calls, -(-STEPS // steps_per_execution))  # executions
                 expected = {"gradients": STEPS, "metrics": STEPS, "factors": UPDATES,
-                            "eigen": UPDATES if placement == "replicated" else 0,
+                            "decompositions": UPDATES if placement == "replicated" else 0,
                             "preconditioned": STEPS if placement == "owner" else 0}
                 for category in distributed.CATEGORIES:
                     self.assertEqual(calls[-1][column(category)],
@@ -252,10 +285,10 @@ class DistributedKfacTest(absltest.TestCase):
             eigen = UPDATES * sum(per_factor(n) for n in SYMMETRIC_DIMS) * FLOAT32
             preconditioned = STEPS * PARAMS * FLOAT32
             if placement == "replicated":
-                self.assertEqual(ranks_total[column("eigen")], eigen, name)
+                self.assertEqual(ranks_total[column("decompositions")], eigen, name)
                 self.assertEqual(ranks_total[column("preconditioned")], 0, name)
             else:
-                self.assertEqual(ranks_total[column("eigen")], 0, name)
+                self.assertEqual(ranks_total[column("decompositions")], 0, name)
                 self.assertEqual(ranks_total[column("preconditioned")], preconditioned, name)
 
     def test_float16_wire_factors_close_to_float32(self):
@@ -288,7 +321,7 @@ class DistributedKfacTest(absltest.TestCase):
                 for step in range(STEPS):
                     fresh = step in factor_steps
                     expected = {"gradients": 1, "metrics": 1, "factors": int(fresh),
-                                "eigen": int(fresh and placement == "replicated"),
+                                "decompositions": int(fresh and placement == "replicated"),
                                 "preconditioned": int(placement == "owner")}
                     for category in distributed.CATEGORIES:
                         where = f"{name} rank {rank} step {step} {category}"

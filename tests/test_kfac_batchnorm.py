@@ -98,9 +98,9 @@ class BatchNormTest(parameterized.TestCase):
             opt.minimize(loss, tape=tape)
         delta = np.concatenate([v.numpy() for v in variables]) - before
 
-        kinds = [b.kind for b in opt._blocks]
+        kinds = [b.kind for b in opt._curvature.blocks]
         index = kinds.index("batchnorm")
-        (stored,) = [f.numpy() for f in opt._block_state[index]["factors"]]
+        (stored,) = [f.numpy() for f in opt._curvature.states[index].factors]
         self.assertEqual(stored.shape, fisher.shape)
         assert_close(stored, fisher, msg="diagonal Fisher")
         expected = -LR * grad / (fisher + RHO_BN * DAMPING)
@@ -167,8 +167,8 @@ class BatchNormTest(parameterized.TestCase):
             loss = loss_fn()(labels, model(x, training=True))
         opt.minimize(loss, tape=tape)
         delta = np.concatenate([bn.gamma.numpy(), bn.beta.numpy()]) - before
-        index = [b.name for b in opt._blocks].index("bn1")
-        assert_close(opt._block_state[index]["factors"][0].numpy(), fisher,
+        index = [b.name for b in opt._curvature.blocks].index("bn1")
+        assert_close(opt._curvature.states[index].factors[0].numpy(), fisher,
                      msg="diagonal Fisher, later statistics fixed")
         assert_close(delta, -LR * grad / (fisher + RHO_BN * DAMPING), msg="BN update")
 

@@ -70,6 +70,17 @@ class BadInputTest(parameterized.TestCase):
         ("method", "method", "cholesky"),
         ("kl_clip_zero", "kl_clip", 0.0),
         ("kl_clip_negative", "kl_clip", -1e-3),
+        ("kl_clip_inf", "kl_clip", float("inf")),
+        ("lr_nan", "learning_rate", float("nan")),
+        ("lr_inf", "learning_rate", float("inf")),
+        ("damping_nan", "damping", float("nan")),
+        ("damping_inf", "damping", float("inf")),
+        ("momentum_nan", "momentum", float("nan")),
+        ("decay_nan", "factor_decay", float("nan")),
+        ("weight_sharing", "weight_sharing", "mean"),
+        ("placement", "placement", "sharded"),
+        ("wire_dtype", "decomposition_wire_dtype", "float8"),
+        ("xla", "xla", "yes"),
     )
     def test_value_error_names_argument(self, argument, value):
         with self.assertRaisesRegex(ValueError, f"`?{argument}`?"):
@@ -82,6 +93,12 @@ class BadInputTest(parameterized.TestCase):
             tfkfac.KFAC(learning_rate=0.0)
         with self.assertRaisesRegex(ValueError, r"method.*eigen.*inverse"):
             tfkfac.KFAC(method="svd")
+
+    def test_renamed_wire_dtype_argument_still_works_with_a_deprecation_warning(self):
+        with self.assertWarnsRegex(DeprecationWarning, "decomposition_wire_dtype"):
+            opt = tfkfac.KFAC(eigen_wire_dtype="float16")
+        self.assertEqual(opt.decomposition_wire_dtype, "float16")
+        self.assertEqual(opt.get_config()["decomposition_wire_dtype"], "float16")
 
     def test_inv_freq_must_be_multiple_of_factor_freq(self):
         with self.assertRaisesRegex(ValueError, "inv_update_freq.*factor_update_freq"):
@@ -250,7 +267,7 @@ class SharedLayerTest(absltest.TestCase):
         p = kron_precondition(A, G, grad, DAMPING)
 
         deltas = loop_step(model, opt, MSE, [x1, x2], y)
-        stored_a, stored_g = [f.numpy() for f in opt._block_state[0]["factors"]]
+        stored_a, stored_g = [f.numpy() for f in opt._curvature.states[0].factors]
         assert_close(stored_a, A, msg="shared A")
         assert_close(stored_g, G, msg="shared G")
         assert_close(deltas[0], -LR * p[:-1], msg="shared kernel")

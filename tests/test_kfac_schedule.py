@@ -63,9 +63,9 @@ MSE = keras.losses.MeanSquaredError()
 
 
 def snapshot(opt):
-    factors = [f.numpy().copy() for s in opt._block_state for f in s["factors"]]
-    decomps = [v.numpy().copy() for s in opt._block_state
-               for d in s["decompositions"] for v in d]
+    factors = [f.numpy().copy() for s in opt._curvature.states for f in s.factors]
+    decomps = [v.numpy().copy() for s in opt._curvature.states
+               for d in s.decompositions for v in d]
     return factors, decomps
 
 
@@ -128,12 +128,12 @@ class RunningAverageTest(parameterized.TestCase):
         deltas2 = loop_step(model, opt, MSE, x2, y2)
 
         expected1, expected2 = [], []
-        for k, state in enumerate(opt._block_state):
+        for k, state in enumerate(opt._curvature.states):
             a1, g1 = ref1[k]["A"], ref1[k]["G"]
             a2 = xi * a1 + (1 - xi) * ref2[k]["A"]
             g2 = xi * g1 + (1 - xi) * ref2[k]["G"]
-            assert_close(state["factors"][0].numpy(), a2, msg="A after two steps")
-            assert_close(state["factors"][1].numpy(), g2, msg="G after two steps")
+            assert_close(state.factors[0].numpy(), a2, msg="A after two steps")
+            assert_close(state.factors[1].numpy(), g2, msg="G after two steps")
             p1 = kron_precondition(a1, g1, ref1[k]["grad"], dampings[0])
             p2 = kron_precondition(a2, g2, ref2[k]["grad"], dampings[1])
             expected1 += [-LR * p1[:-1], -LR * p1[-1]]

@@ -48,7 +48,7 @@ def max_difference(weights_a, weights_b):
 
 
 def factor_values(optimizer):
-    return [v.numpy().copy() for s in optimizer._block_state for v in s["factors"]]
+    return [v.numpy().copy() for s in optimizer._curvature.states for v in s.factors]
 
 
 class PrecisionTest(parameterized.TestCase):
@@ -63,8 +63,8 @@ class PrecisionTest(parameterized.TestCase):
         fit(model, steps=4)
         for weight in model.get_weights():
             self.assertTrue(np.all(np.isfinite(weight)))
-        for state in optimizer._block_state:
-            for variable in state["factors"]:
+        for state in optimizer._curvature.states:
+            for variable in state.factors:
                 self.assertEqual(variable.dtype, "float32")
                 self.assertTrue(np.all(np.isfinite(variable.numpy())))
         self.assertEqual(optimizer.summary()["counters"]["factor_updates"], 4)
@@ -128,7 +128,7 @@ class StateTest(absltest.TestCase):
         replicated.build(replicated_model.trainable_variables)
         model, optimizer = compiled(small_cnn(), placement="owner", inv_update_freq=4)
         fit(model, steps=3)  # decomposed at step 0; the next at step 4
-        held = [v for s in optimizer._block_state for d in s["decompositions"] for v in d]
+        held = [v for s in optimizer._curvature.states for d in s.decompositions for v in d]
         # One process owns every layer: it holds all decompositions, but saves none.
         self.assertEqual(optimizer.summary()["state_bytes"],
                          replicated.summary()["state_bytes"])
@@ -138,12 +138,12 @@ class StateTest(absltest.TestCase):
         loaded = keras.models.load_model(path)
         loaded.optimizer.attach(loaded)
         counters = lambda opt: (opt.summary()["counters"]["decomposition_updates"],
-                                int(opt._next_decomposition_step.numpy()))
+                                int(opt._counters.next_decomposition_step.numpy()))
         self.assertEqual(counters(loaded.optimizer), (1, 4))
         fit(loaded, steps=1)  # step 3: recomputed from the restored factors...
         self.assertEqual(counters(loaded.optimizer), (2, 4))  # ...keeping the schedule
-        for state in loaded.optimizer._block_state:  # (BatchNorm has no decomposition)
-            for factor, decomposition in zip(state["factors"], state["decompositions"]):
+        for state in loaded.optimizer._curvature.states:  # (BatchNorm has no decomposition)
+            for factor, decomposition in zip(state.factors, state.decompositions):
                 vectors, values = (v.numpy() for v in decomposition)
                 np.testing.assert_allclose(vectors @ np.diag(values) @ vectors.T,
                                            factor.numpy(), rtol=1e-5, atol=1e-5)
@@ -236,21 +236,21 @@ class UpdateRuleTest(absltest.TestCase):
     def test_failed_decomposition_keeps_the_previous_one(self):
         model, optimizer = compiled(small_cnn(), factor_update_freq=2, inv_update_freq=2)
         fit(model, steps=1)
-        state = optimizer._block_state[-1]
-        previous = [v.numpy().copy() for v in state["decompositions"][0]]
+        state = optimizer._curvature.states[-1]
+        previous = [v.numpy().copy() for v in state.decompositions[0]]
         # Corrupt a stored factor directly (the finite check on new statistics is
         # bypassed) so the next eigendecomposition returns non-finite values.
-        poisoned = state["factors"][0].numpy()
+        poisoned = state.factors[0].numpy()
         poisoned[0, 0] = np.inf
-        state["factors"][0].assign(poisoned)
+        state.factors[0].assign(poisoned)
         model.fit(X[16:32], Y[16:32], batch_size=16, epochs=1, verbose=0)  # stale step 1
-        optimizer._next_decomposition_step.assign(2)
-        optimizer._next_factor_step.assign(10)  # step 2: decomposition only
+        optimizer._counters.next_decomposition_step.assign(2)
+        optimizer._counters.next_factor_step.assign(10)  # step 2: decomposition only
         fit(model, steps=1)
         counters = optimizer.summary()["counters"]
         self.assertEqual(counters["decomposition_updates"], 2)
         self.assertGreaterEqual(counters["failed_decompositions"], 1)
-        for before, variable in zip(previous, state["decompositions"][0]):
+        for before, variable in zip(previous, state.decompositions[0]):
             np.testing.assert_array_equal(before, variable.numpy())
         for weight in model.get_weights():
             self.assertTrue(np.all(np.isfinite(weight)))

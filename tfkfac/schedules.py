@@ -18,6 +18,29 @@ def value_at(hyperparameter, step):
     return hyperparameter
 
 
+class StepCallable(keras.optimizers.schedules.LearningRateSchedule):
+    """Adapts a plain callable of the step to Keras's learning-rate schedule API."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, step):
+        return self.function(step)
+
+    def get_config(self):
+        return {"function": keras.saving.serialize_keras_object(self.function)}
+
+
+def as_learning_rate(value):
+    """A learning rate Keras accepts: a float, a Keras schedule, or a wrapped callable."""
+    if isinstance(value, int):
+        return float(value)
+    if callable(value) and not isinstance(
+            value, keras.optimizers.schedules.LearningRateSchedule):
+        return StepCallable(value)
+    return value
+
+
 def serialize(hyperparameter):
     """A number as is; a schedule as a Keras-serialized object."""
     if callable(hyperparameter):

@@ -1,5 +1,7 @@
 """K-FAC blocks, one per supported layer kind, and the rule that picks them."""
 
+import re
+
 import keras
 
 from tfkfac.blocks.base import Block, Unsupported
@@ -7,9 +9,10 @@ from tfkfac.blocks.batchnorm import BatchNormBlock
 from tfkfac.blocks.kronecker import Conv2DBlock, DenseBlock, KroneckerBlock
 
 __all__ = ["Block", "BatchNormBlock", "Conv2DBlock", "DenseBlock", "KroneckerBlock",
-           "Unsupported", "WEIGHT_SHARING", "block_for"]
+           "Unsupported", "WEIGHT_SHARING", "block_for", "discover"]
 
 WEIGHT_SHARING = ("expand", "reduce")
+SKIPPED_BY_REQUEST = "skipped by skip_layers"
 
 
 def _conv2d(layer, options):
@@ -54,3 +57,27 @@ def block_for(layer, diagonal_damping_multiplier=1.0, weight_sharing="expand"):
             except Unsupported as error:
                 return None, str(error)
     return None, f"no K-FAC block for {type(layer).__name__}"
+
+
+def discover(layers, skip_patterns=(), diagonal_damping_multiplier=1.0,
+             weight_sharing="expand"):
+    """(blocks, skipped) for the layers with trainable weights among `layers`.
+
+    `skipped` lists {"layer", "reason"} for each layer that gets the plain gradient;
+    `skip_patterns` are regular expressions matched in full against the layer's name or
+    class name.
+    """
+    blocks, skipped = [], []
+    patterns = [re.compile(p) for p in skip_patterns]
+    for layer in layers:
+        if not layer.trainable_weights:
+            continue
+        if any(p.fullmatch(n) for p in patterns for n in (layer.name, type(layer).__name__)):
+            skipped.append({"layer": layer.name, "reason": SKIPPED_BY_REQUEST})
+            continue
+        block, reason = block_for(layer, diagonal_damping_multiplier, weight_sharing)
+        if block is None:
+            skipped.append({"layer": layer.name, "reason": reason})
+        else:
+            blocks.append(block)
+    return blocks, skipped

@@ -11,7 +11,7 @@ import tensorflow as tf
 CATEGORIES = (
     "gradients",
     "factors",
-    "eigen",
+    "decompositions",
     "preconditioned",
     "metrics",
     "broadcast",

@@ -42,7 +42,7 @@ def allreduce_symmetric(comm, factors, wire_dtype="float32", category="factors")
 
 
 def gather_from_owners(comm, local_values, shapes, owners, wire_dtype="float32",
-                       category="eigen"):
+                       category="decompositions"):
     """Every item's value as computed by its owner rank, as float32, on every rank.
 
     `local_values[i]` is read only where `owners[i] == comm.rank` (pass None elsewhere);

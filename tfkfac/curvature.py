@@ -1,0 +1,203 @@
+"""The curvature of all managed layers: factors, decompositions, preconditioning.
+
+`Curvature` runs the three K-FAC phases of a step on its blocks' state (docs/design.md):
+running averages of the factor statistics (one grouped reduction over ranks), damped
+decompositions spread over ranks by the placement, and the preconditioning of gradients.
+It holds no Keras optimizer logic; `tfkfac.KFAC` decides when each phase runs.
+"""
+
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfkfac import distributed, linalg, state as state_lib
+
+
+def warn_if(condition, *message):
+    """Print `message` to stderr when the (graph-time) `condition` holds."""
+    def warn():
+        tf.print(*message, output_stream=sys.stderr)
+        return tf.constant(True)
+
+    tf.cond(condition, warn, lambda: tf.constant(False))
+
+
+class Curvature:
+    """Blocks, their state (`state.BlockState` each) and the phases that update it.
+
+    `jit` compiles the factor statistics and the preconditioning with XLA. Decompositions
+    never use XLA: XLA:CPU lowers eigh to a Jacobi solver (docs/benchmarks.md), and on
+    CPU they run in LAPACK (`tfkfac.linalg`).
+    """
+
+    def __init__(self, blocks, placement, comm, method, factor_decay, factor_wire_dtype,
+                 decomposition_wire_dtype, jit):
+        self.blocks, self.placement, self.comm, self.method = blocks, placement, comm, method
+        self.factor_decay = factor_decay
+        self.factor_wire_dtype = factor_wire_dtype
+        self.decomposition_wire_dtype = decomposition_wire_dtype
+        self.states = None
+        self.counters = None
+        self._statistics_fn = tf.function(self._batch_statistics, jit_compile=jit)
+        self._decompose_fn = tf.function(self._decompose)
+        self._precondition_fn = tf.function(self._precondition, jit_compile=jit)
+
+    # ----------------------------------------------------------------- state
+    def create_state(self, counters, add_variable):
+        """Create every block's factors and held decompositions, in a stable order.
+
+        `add_variable(shape, initializer, name)` makes a saved optimizer variable. An
+        owner's decompositions are rank-specific and not saved; after a restore they are
+        missing, so the first step recomputes them from the restored factors.
+        """
+        self.counters = counters
+        self.states = []
+        for b, block in enumerate(self.blocks):
+            factors = [add_variable(shape, "zeros", f"{block.name}_factor{i}")
+                       for i, shape in enumerate(block.factor_shapes())]
+            decompositions = None
+            if self.placement.holds_decompositions(b):
+                decompositions = [
+                    [self._decomposition_variable(add_variable, shape,
+                                                  f"{block.name}_decomp{j}_{k}")
+                     for k, shape in enumerate(shapes)]
+                    for j, shapes in enumerate(block.decomposition_shapes(self.method))]
+            self.states.append(state_lib.BlockState(factors, decompositions))
+        with tf.init_scope():
+            self.decompositions_current = tf.Variable(
+                self.placement.saves_decompositions, trainable=False,
+                name="decompositions_current")
+
+    def _decomposition_variable(self, add_variable, shape, name):
+        initializer = state_lib.identities if len(shape) >= 2 else "zeros"
+        if self.placement.saves_decompositions:
+            return add_variable(shape, initializer, name)
+        # Not an optimizer variable: outside `variables`, so checkpoints skip it.
+        with tf.init_scope():
+            return keras.Variable(keras.initializers.get(initializer)(shape),
+                                  trainable=False, name=name)
+
+    def variables(self, saved_only):
+        """Per-block factors and held decompositions (only saved ones if `saved_only`)."""
+        with_decompositions = self.placement.saves_decompositions or not saved_only
+        return [v for s in self.states for v in s.variables(with_decompositions)]
+
+    def block_of(self, layer):
+        """The block managing `layer` (a Keras layer or its name)."""
+        name = layer if isinstance(layer, str) else getattr(layer, "name", None)
+        for block in self.blocks:
+            if block.name == name and (isinstance(layer, str) or block.layer is layer):
+                return block
+        raise ValueError(f"`layer` must be a K-FAC-managed layer or its name, one of "
+                         f"{[block.name for block in self.blocks]}; received {layer!r}")
+
+    def factors(self, layer):
+        block = self.block_of(layer)
+        state = self.states[self.blocks.index(block)]
+        return {name: tf.convert_to_tensor(v)
+                for name, v in zip(block.factor_names(), state.factors)}
+
+    # --------------------------------------------------------------- factors
+    def _batch_statistics(self, calls):
+        return [block.batch_statistics(
+                    block_calls, tf.shape(tf.nest.flatten(block_calls[0][0])[0])[0])
+                for block, block_calls in zip(self.blocks, calls)]
+
+    def update_factors(self, calls):
+        """Fold this batch's statistics into the running factors; False if not finite."""
+        statistics = self._statistics_fn(calls)
+        flat = distributed.allreduce_symmetric(
+            self.comm, [s for block_stats in statistics for s in block_stats],
+            self.factor_wire_dtype, "factors")
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in flat])
+        decay = tf.where(tf.equal(self.counters.factor_updates, 0), 0.0, self.factor_decay)
+        variables = [v for s in self.states for v in s.factors]
+        for variable, batch_value in zip(variables, flat):
+            average = decay * variable + (1.0 - decay) * batch_value
+            variable.assign(tf.where(finite, average, variable))
+        self.counters.factor_updates.assign_add(tf.cast(finite, tf.int64))
+        self.counters.skipped_factor_updates.assign_add(1 - tf.cast(finite, tf.int64))
+        warn_if(tf.logical_not(finite),
+                "KFAC warning: non-finite factor statistics; factor update skipped")
+        return finite
+
+    # -------------------------------------------------------- decompositions
+    def _decompose(self, items, factors, damping):
+        return {(b, j): self.blocks[b].decompose(j, factors[b], self.method, damping)
+                for b, j in items}
+
+    def update_decompositions(self, damping):
+        """Recompute the decompositions this rank holds; returns how many failed."""
+        factors = [s.factor_values() for s in self.states]
+        owned = self.placement.decomposed_items()
+        results = self._decompose_fn(owned, factors, damping) if owned else {}
+        results = self.placement.share_decompositions(results, self.decomposition_wire_dtype)
+        failures = [tf.constant(False)]
+        for (b, j), result in results.items():
+            targets = self.states[b].decompositions[self.blocks[b].symmetric_factors().index(j)]
+            ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r)) for r in result])
+            for variable, value in zip(targets, result):
+                variable.assign(tf.where(ok, value, variable))
+            failures.append(tf.logical_not(ok))
+        failed = tf.reduce_sum(tf.cast(failures, tf.int64))
+        self.counters.failed_decompositions.assign_add(failed)
+        self.counters.decomposition_updates.assign_add(1)
+        warn_if(failed > 0, "KFAC warning:", failed,
+                "decomposition(s) not finite; keeping the previous ones")
+        self.decompositions_current.assign(True)
+        return failed
+
+    # ------------------------------------------------------- preconditioning
+    def _precondition(self, block_indices, block_grads, factors, decompositions, damping):
+        return {b: self.blocks[b].precondition(grads, block_factors, decomposition,
+                                               self.method, damping)
+                for b, grads, block_factors, decomposition
+                in zip(block_indices, block_grads, factors, decompositions)}
+
+    def precondition(self, grads, variables, damping, scale=None):
+        """`grads` with every managed variable's gradient preconditioned.
+
+        `scale(preconditioned, raw)` (per block lists) may return a factor applied to
+        every preconditioned gradient (the KL clip). Other gradients pass unchanged.
+        """
+        if not self.blocks:
+            return list(grads)
+        index = {id(v): i for i, v in enumerate(variables)}
+        missing = [v.path for block in self.blocks for v in block.variables
+                   if id(v) not in index]
+        if missing:
+            raise ValueError(f"`variables` must hold every K-FAC-managed variable; missing "
+                             f"{missing}")
+        slots = [[index[id(v)] for v in block.variables] for block in self.blocks]
+        # Dense float32 gradients (an Embedding's arrives as IndexedSlices).
+        block_grads = [[tf.zeros(variables[i].shape) if grads[i] is None
+                        else tf.cast(tf.convert_to_tensor(grads[i]), tf.float32)
+                        for i in block_slots] for block_slots in slots]
+        indices = self.placement.preconditioned_blocks()
+        states = [self.states[b] for b in indices]
+        local = self._precondition_fn(
+            tuple(indices), [block_grads[b] for b in indices],
+            [s.factor_values() for s in states], [s.decomposition_values() for s in states],
+            damping) if indices else {}
+        preconditioned = self.placement.share_preconditioned(
+            local, self.decomposition_wire_dtype)
+        if scale is not None:
+            nu = scale(preconditioned, block_grads)
+            preconditioned = [[p * nu for p in ps] for ps in preconditioned]
+        grads = list(grads)
+        for block_slots, block_p in zip(slots, preconditioned):
+            for i, p in zip(block_slots, block_p):
+                grads[i] = tf.cast(p, variables[i].dtype)
+        return grads
+
+    def state_bytes(self):
+        return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize
+                       for v in self.variables(saved_only=False)))
+
+
+def kl_clip_scale(learning_rate, kl_clip):
+    """The KL clip as a `Curvature.precondition` scale (docs/design.md §5)."""
+    return lambda preconditioned, raw: linalg.kl_clip_scale(preconditioned, raw,
+                                                            learning_rate, kl_clip)

@@ -1,0 +1,145 @@
+"""Where decompositions and preconditioning happen across ranks (docs/design.md §6).
+
+A placement answers, for this rank: which factors it decomposes, which blocks'
+decompositions it holds (and saves), which blocks it preconditions, and how the results
+reach the other ranks. Owners come from a greedy longest-processing-time assignment on
+cost q·n³ per factor: deterministic, so every rank computes the same owners without
+talking. With one process both placements do everything locally and send nothing.
+"""
+
+import numpy as np
+
+from tfkfac import distributed
+
+PLACEMENTS = ("replicated", "owner")
+
+
+def decomposition_cost(shape):
+    """Relative cost of decomposing a factor of `shape` (n, n) or a batch (q, n, n)."""
+    return distributed.eigen_cost(shape[-1], int(np.prod(shape[:-2])))
+
+
+class Placement:
+    """Shared bookkeeping; subclasses choose the owners and how results travel."""
+
+    name = None
+    saves_decompositions = True
+
+    def __init__(self, blocks, comm, method):
+        self.blocks, self.comm, self.method = list(blocks), comm, method
+        # One work item per symmetric factor: (block index, factor index).
+        self.items = [(b, j) for b, block in enumerate(self.blocks)
+                      for j in block.symmetric_factors()]
+
+    def decomposition_shapes(self, item):
+        """Shapes of the decomposition of `item`, known to every rank."""
+        b, j = item
+        block = self.blocks[b]
+        return block.decomposition_shapes(self.method)[block.symmetric_factors().index(j)]
+
+    def decomposed_items(self):
+        """The (block, factor) items whose decomposition this rank computes."""
+        raise NotImplementedError
+
+    def holds_decompositions(self, b):
+        """Whether this rank keeps block `b`'s decompositions."""
+        raise NotImplementedError
+
+    def share_decompositions(self, results, wire_dtype):
+        """{item: decomposition} for the items this rank holds, from its own `results`."""
+        raise NotImplementedError
+
+    def preconditioned_blocks(self):
+        """Indices of the blocks this rank preconditions."""
+        raise NotImplementedError
+
+    def share_preconditioned(self, local, wire_dtype):
+        """Every block's preconditioned gradients from this rank's {block: gradients}."""
+        raise NotImplementedError
+
+    def _gather(self, local, owners, shapes_of, keys, wire_dtype, category):
+        """{key: values} for all `keys`, each computed by its owner (one allgather)."""
+        values, shapes, item_owners = [], [], []
+        for key, owner in zip(keys, owners):
+            for k, shape in enumerate(shapes_of(key)):
+                values.append(local[key][k] if key in local else None)
+                shapes.append(shape)
+                item_owners.append(owner)
+        gathered = iter(distributed.gather_from_owners(
+            self.comm, values, shapes, item_owners, wire_dtype, category))
+        return {key: [next(gathered) for _ in shapes_of(key)] for key in keys}
+
+
+class Replicated(Placement):
+    """Every rank holds every decomposition and preconditions every block (Pauloski et al.).
+
+    Each factor is decomposed by its owner and the results are gathered on every rank,
+    so stale steps send nothing but gradients.
+    """
+
+    name = "replicated"
+
+    def __init__(self, blocks, comm, method):
+        super().__init__(blocks, comm, method)
+        self.owners = distributed.lpt_assignment(
+            [decomposition_cost(self.blocks[b].factor_shapes()[j]) for b, j in self.items],
+            comm.size)
+
+    def decomposed_items(self):
+        return [item for item, owner in zip(self.items, self.owners) if owner == self.comm.rank]
+
+    def holds_decompositions(self, b):
+        return True
+
+    def share_decompositions(self, results, wire_dtype):
+        return self._gather(results, self.owners, self.decomposition_shapes, self.items,
+                            wire_dtype, "decompositions")
+
+    def preconditioned_blocks(self):
+        return list(range(len(self.blocks)))
+
+    def share_preconditioned(self, local, wire_dtype):
+        return [local[b] for b in range(len(self.blocks))]
+
+
+class Owner(Placement):
+    """Each block's owner decomposes and preconditions it (Osawa et al.).
+
+    Preconditioned gradients are gathered every step; a rank holds only its own blocks'
+    decompositions, which are rank-specific and not saved (recomputed after a restore).
+    """
+
+    name = "owner"
+    saves_decompositions = False
+
+    def __init__(self, blocks, comm, method):
+        super().__init__(blocks, comm, method)
+        costs = [sum(decomposition_cost(block.factor_shapes()[j])
+                     for j in block.symmetric_factors()) or 1.0 for block in self.blocks]
+        self.owners = distributed.lpt_assignment(costs, comm.size)
+
+    def decomposed_items(self):
+        return [(b, j) for b, j in self.items if self.holds_decompositions(b)]
+
+    def holds_decompositions(self, b):
+        return self.owners[b] == self.comm.rank
+
+    def share_decompositions(self, results, wire_dtype):
+        return results
+
+    def preconditioned_blocks(self):
+        return [b for b in range(len(self.blocks)) if self.holds_decompositions(b)]
+
+    def share_preconditioned(self, local, wire_dtype):
+        shapes_of = lambda b: [v.shape for v in self.blocks[b].variables]
+        gathered = self._gather(local, self.owners, shapes_of, range(len(self.blocks)),
+                                wire_dtype, "preconditioned")
+        return [gathered[b] for b in range(len(self.blocks))]
+
+
+def make_placement(name, blocks, comm, method):
+    """The placement called `name` ("replicated" or "owner")."""
+    kinds = {kind.name: kind for kind in (Replicated, Owner)}
+    if name not in kinds:
+        raise ValueError(f"`placement` must be one of {PLACEMENTS}; received {name!r}")
+    return kinds[name](blocks, comm, method)
