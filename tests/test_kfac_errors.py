@@ -2,7 +2,7 @@
 
 - Every bad hyperparameter raises a ValueError whose message names the argument.
 - A KFAC compiled on a model it was not attached to fails on fit with the attach hint.
-- Layers without a K-FAC block (Embedding, LayerNormalization) are listed in
+- Layers without a K-FAC block (PReLU, SimpleRNN) are listed in
   summary()["skipped"] with a reason, one warning names them at attach, and they get the
   plain momentum-SGD update (m ← μ m - η g; w ← w + m) with the raw gradient from an
   independent tf.GradientTape — not KL-clipped, not preconditioned.
@@ -133,12 +133,12 @@ class AttachTest(absltest.TestCase):
 
 class UnsupportedLayerTest(absltest.TestCase):
 
-    def test_embedding_and_layernorm_get_plain_momentum_sgd(self):
+    def test_prelu_and_recurrent_layer_get_plain_momentum_sgd(self):
         keras.utils.set_random_seed(3)
-        inputs = keras.Input((3,), dtype="int32")
-        h = keras.layers.Embedding(10, 4, name="embed")(inputs)
-        h = keras.layers.Flatten()(h)
-        h = keras.layers.LayerNormalization(name="norm", beta_initializer="random_normal")(h)
+        inputs = keras.Input((3,))
+        h = keras.layers.PReLU(name="prelu", alpha_initializer="random_normal")(inputs)
+        h = keras.layers.Reshape((3, 1))(h)
+        h = keras.layers.SimpleRNN(4, name="rnn")(h)  # weights in its cell
         outputs = keras.layers.Dense(2, name="head")(h)
         model = keras.Model(inputs, outputs)
         opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.9, xla=False)
@@ -147,23 +147,23 @@ class UnsupportedLayerTest(absltest.TestCase):
             opt.attach(model)
         messages = kfac_warnings(caught)
         self.assertLen(messages, 1, [str(w.message) for w in caught])
-        self.assertIn("embed", str(messages[0].message))
-        self.assertIn("norm", str(messages[0].message))
+        self.assertIn("prelu", str(messages[0].message))
+        self.assertIn("simple_rnn_cell", str(messages[0].message))
 
         summary = opt.summary()
         self.assertEqual([m["layer"] for m in summary["managed"]], ["head"])
         skipped = {s["layer"]: s["reason"] for s in summary["skipped"]}
-        self.assertEqual(set(skipped), {"embed", "norm"})
+        self.assertEqual(set(skipped), {"prelu", "simple_rnn_cell"})
         for reason in skipped.values():
             self.assertTrue(reason)
 
         rng = np.random.default_rng(4)
         unmanaged = [i for i, v in enumerate(model.trainable_variables)
                      if not v.path.startswith("head")]
-        self.assertLen(unmanaged, 3)  # embeddings, gamma, beta
+        self.assertLen(unmanaged, 4)  # alpha; kernel, recurrent kernel, bias
         momentum = None
         for step in range(2):
-            x = rng.integers(0, 10, size=(N, 3)).astype(np.int32)
+            x = rng.normal(size=(N, 3)).astype(np.float32)
             y = rng.integers(0, 2, size=N)
             grads = raw_gradients(model, CE, x, y)
             deltas = loop_step(model, opt, CE, x, y)

@@ -5,7 +5,8 @@ import re
 import keras
 
 from tfkfac.blocks.base import Block, Unsupported
-from tfkfac.blocks.batchnorm import BatchNormBlock
+from tfkfac.blocks.normalization import (BatchNormBlock, GroupNormBlock, LayerNormBlock,
+                                         RMSNormBlock)
 from tfkfac.blocks.kronecker import Conv2DBlock, DenseBlock, KroneckerBlock
 
 __all__ = ["Block", "BatchNormBlock", "Conv2DBlock", "DenseBlock", "KroneckerBlock",
@@ -23,17 +24,19 @@ def _conv2d(layer, options):
     return Conv2DBlock(layer, options["weight_sharing"])
 
 
-def _batchnorm(layer, options):
-    if layer.renorm:
-        raise Unsupported("BatchNormalization(renorm=True) is not supported")
-    return BatchNormBlock(layer, options["diagonal_damping_multiplier"])
+def _diagonal(block_class):
+    """The builder of a normalization block, damped with ρ (docs/design.md §3)."""
+    return lambda layer, options: block_class(layer, options["diagonal_damping_multiplier"])
 
 
 # (layer class, block builder), most specific class first. A builder returns the block
 # or raises `Unsupported` naming what about this layer has no block.
 _BUILDERS = [
     (keras.layers.Conv2D, _conv2d),
-    (keras.layers.BatchNormalization, _batchnorm),
+    (keras.layers.BatchNormalization, _diagonal(BatchNormBlock)),
+    (keras.layers.LayerNormalization, _diagonal(LayerNormBlock)),
+    (keras.layers.GroupNormalization, _diagonal(GroupNormBlock)),
+    (keras.layers.RMSNormalization, _diagonal(RMSNormBlock)),
     (keras.layers.Dense, lambda layer, options: DenseBlock(layer, options["weight_sharing"])),
 ]
 
