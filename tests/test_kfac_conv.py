@@ -199,7 +199,7 @@ class Conv2DTest(parameterized.TestCase):
         conv = keras.layers.Conv2D(FILTERS, kernel, strides=strides, padding=padding,
                                    dilation_rate=dilation)
         conv.build((None, None, None, C_IN))
-        block = tfkfac.blocks.Conv2DBlock(conv)
+        block = tfkfac.blocks.ConvBlock(conv)
         rows = tf.function(block.input_rows, input_signature=[
             tf.TensorSpec((None, None, None, C_IN), tf.float32)])
         x = np.random.default_rng(3).normal(size=(N,) + hw + (C_IN,)).astype(np.float32)

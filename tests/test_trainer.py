@@ -84,6 +84,7 @@ class FlagValidationTest(parameterized.TestCase):
         ("--echo_mode=sometimes", "none|example_before_augment"),
         ("--precision=float8", "float32|mixed_float16|mixed_bfloat16"),
         ("--lr_schedule=cosine", "constant|warmup|step|polynomial"),
+        ("--weight_sharing=mean", "expand|reduce"),
     )
     def test_unknown_choice_lists_allowed(self, arg, allowed):
         with self.assertRaisesRegex(flags.IllegalFlagValueError, allowed):
@@ -102,8 +103,13 @@ class FlagValidationTest(parameterized.TestCase):
         (["--lr_schedule=step", "--lr_decay_epochs=5,2"], "strictly increasing"),
         (["--lr_schedule=warmup"], "needs warmup_epochs > 0"),
         (["--lr_decay_epochs=3"], "only applies to lr_schedule=step"),
-        (["--batch_size=0"], "batch_size must be > 0"),
-        (["--learning_rate=-1"], "learning_rate must be > 0"),
+        (["--batch_size=0"], "batch_size must be a finite number > 0"),
+        (["--learning_rate=-1"], "learning_rate` must be a finite number > 0"),
+        (["--learning_rate=nan"], "learning_rate` must be a finite number > 0"),
+        (["--damping=inf"], "damping` must be a finite number > 0"),
+        (["--momentum=nan"], r"momentum` must be in \[0, 1\)"),
+        (["--optimizer=sgd", "--weight_sharing=reduce"],
+         "weight_sharing only apply to optimizer=kfac"),
         (["--running_mixup"], "running_mixup needs mixup_alpha > 0"),
         (["--model=autoencoder", "--mixup_alpha=0.2"], "has none"),
         (["--resume"], "resume needs the model_dir"),

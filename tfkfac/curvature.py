@@ -71,7 +71,8 @@ class Curvature:
                 name="decompositions_current")
 
     def _decomposition_variable(self, add_variable, shape, name):
-        initializer = state_lib.identities if len(shape) >= 2 else "zeros"
+        square = len(shape) >= 2 and shape[-1] == shape[-2]
+        initializer = state_lib.identities if square else "zeros"  # a placeholder until step 0
         if self.placement.saves_decompositions:
             return add_variable(shape, initializer, name)
         # Not an optimizer variable: outside `variables`, so checkpoints skip it.

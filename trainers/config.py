@@ -6,11 +6,12 @@ benchmark runs exactly what a user would run with the same flags.
 
 import dataclasses
 import datetime
+import math
 import os
 from typing import Optional, Tuple
 
 import pipelines
-from tfkfac import distributed, optimizer as kfac_optimizer
+from tfkfac import blocks, distributed, optimizer as kfac_optimizer, validation
 from trainers import models
 
 OPTIMIZERS = ("kfac", "sgd", "adam")
@@ -18,6 +19,7 @@ LR_SCHEDULES = ("constant", "warmup", "step", "polynomial")
 # The choices the optimizer and the pipelines accept, so the flags never drift from them.
 KFAC_METHODS = kfac_optimizer.METHODS
 KFAC_PLACEMENTS = kfac_optimizer.PLACEMENTS
+WEIGHT_SHARING = blocks.WEIGHT_SHARING
 WIRE_DTYPES = tuple(distributed.packing.WIRE_DTYPES)
 ECHO_MODES = pipelines.ECHO_MODES
 PRECISIONS = tuple(pipelines.PRECISIONS)
@@ -26,7 +28,7 @@ VERBOSITIES = (0, 1, 2)
 # Fields that only mean something to K-FAC; setting one with another optimizer is a mistake.
 KFAC_ONLY_FIELDS = (
     "damping", "factor_update_freq", "inv_update_freq", "kl_clip", "kfac_method",
-    "kfac_placement", "factor_wire_dtype", "eigen_wire_dtype",
+    "kfac_placement", "factor_wire_dtype", "eigen_wire_dtype", "weight_sharing",
 )
 # Fields a resumed run must share with the run that wrote the checkpoint.
 RESUME_INVARIANT_FIELDS = (
@@ -62,6 +64,7 @@ class TrainConfig:
     kfac_placement: str = "replicated"
     factor_wire_dtype: str = "float32"
     eigen_wire_dtype: str = "float32"
+    weight_sharing: str = "expand"
     batch_size: int = 128
     epochs: int = 2
     steps: Optional[int] = None
@@ -97,12 +100,14 @@ class TrainConfig:
         _one_of("kfac_placement", self.kfac_placement, KFAC_PLACEMENTS)
         _one_of("factor_wire_dtype", self.factor_wire_dtype, WIRE_DTYPES)
         _one_of("eigen_wire_dtype", self.eigen_wire_dtype, WIRE_DTYPES)
+        _one_of("weight_sharing", self.weight_sharing, WEIGHT_SHARING)
         _one_of("echo_mode", self.echo_mode, ECHO_MODES)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("verbose", self.verbose, VERBOSITIES)
         if not self.dataset:
             raise ValueError("dataset must be a dataset name, e.g. fashion_mnist")
-        _positive("learning_rate", self.learning_rate)
+        # The optimizer's own rules (finite, in range), so the two never disagree.
+        validation.validate(learning_rate=self.learning_rate, momentum=self.momentum)
         _positive("batch_size", self.batch_size)
         _positive("epochs", self.epochs)
         if self.steps is not None:
@@ -110,8 +115,6 @@ class TrainConfig:
         if self.eval_every_steps < 0:
             raise ValueError(f"eval_every_steps must be >= 0 (0 = at epoch ends only), got "
                              f"{self.eval_every_steps}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         self._validate_schedule()
         self._validate_kfac(explicitly_set)
         if self.echo_factor < 1.0:
@@ -178,15 +181,8 @@ class TrainConfig:
                 raise ValueError(f"{', '.join(stray)} only apply to optimizer=kfac, "
                                  f"not optimizer={self.optimizer}")
             return
-        _positive("damping", self.damping)
-        _positive("factor_update_freq", self.factor_update_freq)
-        _positive("inv_update_freq", self.inv_update_freq)
-        if self.inv_update_freq % self.factor_update_freq:
-            raise ValueError(
-                f"inv_update_freq ({self.inv_update_freq}) must be a multiple of "
-                f"factor_update_freq ({self.factor_update_freq})")
-        if self.kl_clip is not None:
-            _positive("kl_clip", self.kl_clip)
+        validation.validate(damping=self.damping, factor_update_freq=self.factor_update_freq,
+                            inv_update_freq=self.inv_update_freq, kl_clip=self.kl_clip)
 
     def resolved_model_dir(self):
         """`model_dir`, or a fresh `runs/<model>-<optimizer>-<timestamp>` when unset."""
@@ -206,5 +202,5 @@ def _one_of(name, value, allowed):
 
 
 def _positive(name, value):
-    if value is None or value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")

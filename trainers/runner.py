@@ -188,7 +188,8 @@ def _build_optimizer(config, steps_per_epoch, total_steps, communicator):
         kl_clip=config.kl_clip, factor_update_freq=config.factor_update_freq,
         inv_update_freq=config.inv_update_freq, method=config.kfac_method, xla=config.xla,
         placement=config.kfac_placement, factor_wire_dtype=config.factor_wire_dtype,
-        eigen_wire_dtype=config.eigen_wire_dtype, communicator=communicator)
+        decomposition_wire_dtype=config.eigen_wire_dtype,
+        weight_sharing=config.weight_sharing, communicator=communicator)
 
 
 def _loss_and_metrics(config):

@@ -57,7 +57,12 @@ flags.DEFINE_enum("kfac_placement", _DEFAULTS.kfac_placement, config_lib.KFAC_PL
 flags.DEFINE_enum("factor_wire_dtype", _DEFAULTS.factor_wire_dtype, config_lib.WIRE_DTYPES,
                   "Distributed K-FAC: dtype of factors on the wire.")
 flags.DEFINE_enum("eigen_wire_dtype", _DEFAULTS.eigen_wire_dtype, config_lib.WIRE_DTYPES,
-                  "Distributed K-FAC: dtype of eigendecompositions on the wire.")
+                  "Distributed K-FAC: dtype of decompositions (eigenbases or inverses) and "
+                  "preconditioned gradients on the wire (KFAC's decomposition_wire_dtype).")
+flags.DEFINE_enum("weight_sharing", _DEFAULTS.weight_sharing, config_lib.WEIGHT_SHARING,
+                  "K-FAC rule for weights used at several positions per example: expand "
+                  "(every position counts like an example) or reduce (summed per example "
+                  "first; cheaper factors).")
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Examples per step on each rank.")
 flags.DEFINE_integer("epochs", _DEFAULTS.epochs, "Epochs to train (ignored with --steps).")
 flags.DEFINE_integer("steps", None, "If set, train exactly this many steps (overrides "

@@ -7,21 +7,27 @@ import keras
 from tfkfac.blocks.base import Block, Unsupported
 from tfkfac.blocks.normalization import (BatchNormBlock, GroupNormBlock, LayerNormBlock,
                                          RMSNormBlock)
-from tfkfac.blocks.kronecker import Conv2DBlock, DenseBlock, KroneckerBlock
+from tfkfac.blocks.conv import ConvBlock
+from tfkfac.blocks.embedding import EmbeddingBlock
+from tfkfac.blocks.kronecker import DenseBlock, KroneckerBlock
 
-__all__ = ["Block", "BatchNormBlock", "Conv2DBlock", "DenseBlock", "KroneckerBlock",
+__all__ = ["Block", "BatchNormBlock", "ConvBlock", "DenseBlock", "EmbeddingBlock",
+           "GroupNormBlock", "KroneckerBlock", "LayerNormBlock", "RMSNormBlock",
            "Unsupported", "WEIGHT_SHARING", "block_for", "discover"]
 
 WEIGHT_SHARING = ("expand", "reduce")
 SKIPPED_BY_REQUEST = "skipped by skip_layers"
+CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 
 
-def _conv2d(layer, options):
-    if layer.data_format != "channels_last":
-        raise Unsupported("Conv2D with data_format='channels_first' is not supported")
-    if layer.groups != 1:
-        raise Unsupported("grouped Conv2D (groups > 1) is not supported")
-    return Conv2DBlock(layer, options["weight_sharing"])
+def _conv(depthwise):
+    def build(layer, options):
+        if layer.data_format != "channels_last":
+            raise Unsupported(f"{type(layer).__name__} with data_format='channels_first' "
+                              "is not supported")
+        return ConvBlock(layer, options["weight_sharing"], depthwise=depthwise)
+    return build
 
 
 def _diagonal(block_class):
@@ -32,7 +38,9 @@ def _diagonal(block_class):
 # (layer class, block builder), most specific class first. A builder returns the block
 # or raises `Unsupported` naming what about this layer has no block.
 _BUILDERS = [
-    (keras.layers.Conv2D, _conv2d),
+    (CONVOLUTIONS, _conv(depthwise=False)),
+    (DEPTHWISE, _conv(depthwise=True)),
+    (keras.layers.Embedding, lambda layer, options: EmbeddingBlock(layer)),
     (keras.layers.BatchNormalization, _diagonal(BatchNormBlock)),
     (keras.layers.LayerNormalization, _diagonal(LayerNormBlock)),
     (keras.layers.GroupNormalization, _diagonal(GroupNormBlock)),

@@ -1,4 +1,4 @@
-"""Kronecker-factored blocks: Dense and Conv2D (KFC, Grosse & Martens 2016).
+"""Kronecker-factored blocks: the shared math, and Dense (Martens & Grosse 2015).
 
 Both see a layer as a matrix product applied at T positions per example: a Dense layer
 on (N, d_in) input has T = 1 (extra leading axes count as positions), a Conv2D layer has
@@ -32,6 +32,7 @@ class KroneckerBlock(Block):
         variables = [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
         super().__init__(layer, variables)
         self.weight_sharing = weight_sharing
+        self.groups = 1  # block-diagonal layers keep `groups` pairs, batched
         self.has_bias = layer.bias is not None
         kernel_shape = tuple(layer.kernel.shape)
         self.kernel_shape = kernel_shape
@@ -45,8 +46,12 @@ class KroneckerBlock(Block):
         """(rows, in_dim) matrix of the layer's input, one row per position."""
         raise NotImplementedError
 
+    def _batched(self, shape):
+        return shape if self.groups == 1 else (self.groups,) + shape
+
     def factor_shapes(self):
-        return [(self.a_dim, self.a_dim), (self.out_dim, self.out_dim)]
+        return [self._batched((self.a_dim, self.a_dim)),
+                self._batched((self.out_dim, self.out_dim))]
 
     def pre_activation_call(self, call, args, kwargs):
         activation = self.layer.activation
@@ -97,10 +102,9 @@ class KroneckerBlock(Block):
         return [kernel]
 
     def decomposition_shapes(self, method):
-        if method == "eigen":
-            return [[(self.a_dim, self.a_dim), (self.a_dim,)],
-                    [(self.out_dim, self.out_dim), (self.out_dim,)]]
-        return [[(self.a_dim, self.a_dim)], [(self.out_dim, self.out_dim)]]
+        shapes = [[self._batched((n, n)), self._batched((n,))]
+                  for n in (self.a_dim, self.out_dim)]
+        return shapes if method == "eigen" else [[matrix] for matrix, _ in shapes]
 
     def decompose(self, index, factors, method, damping):
         if method == "eigen":
@@ -130,48 +134,7 @@ class DenseBlock(KroneckerBlock):
         return tf.reshape(inputs, (-1, self.in_dim))
 
 
-class Conv2DBlock(KroneckerBlock):
-    """im2col rows with the layer's own strides, padding and dilation.
-
-    The patches are the kh*kw strided slices of the (padded) input, concatenated in the
-    kernel's (kh, kw, c_in) order: measured 1.1-1.2x faster than
-    `tf.image.extract_patches` on this project's CPU (5.3 vs 6.4 ms for a 128x13x13x32
-    input, 3x3 kernel; `bench/linalg_benchmark.py`).
-    """
-
-    kind = "conv2d"
-
-    def input_rows(self, inputs):
-        (kh, kw), (sh, sw), (dh, dw) = (
-            self.layer.kernel_size, self.layer.strides, self.layer.dilation_rate)
-        heights = _window_extents(_spatial_size(inputs, 1), kh, sh, dh, self.layer.padding)
-        widths = _window_extents(_spatial_size(inputs, 2), kw, sw, dw, self.layer.padding)
-        (out_h, pad_top, pad_bottom), (out_w, pad_left, pad_right) = heights, widths
-        padded = tf.pad(inputs, [[0, 0], [pad_top, pad_bottom], [pad_left, pad_right], [0, 0]])
-        columns = [padded[:, i * dh: i * dh + (out_h - 1) * sh + 1: sh,
-                          j * dw: j * dw + (out_w - 1) * sw + 1: sw, :]
-                   for i in range(kh) for j in range(kw)]
-        return tf.reshape(tf.concat(columns, axis=-1), (-1, self.in_dim))
-
-
 def _per_example(rows, batch_size):
     """(..., rows, d) as (..., N, positions, d): rows are example-major."""
     shape = tf.shape(rows)
     return tf.reshape(rows, tf.concat([shape[:-2], [batch_size, -1, shape[-1]]], axis=0))
-
-
-def _spatial_size(inputs, axis):
-    """Static size of `axis` when known, else the dynamic one."""
-    size = inputs.shape[axis]
-    return size if size is not None else tf.shape(inputs)[axis]
-
-
-def _window_extents(size, kernel, stride, dilation, padding):
-    """(output size, padding before, padding after) as Keras/TensorFlow compute them."""
-    span = (kernel - 1) * dilation + 1
-    if padding == "valid":
-        return (size - span) // stride + 1, 0, 0
-    out = (size + stride - 1) // stride
-    total = (out - 1) * stride + span - size
-    total = max(total, 0) if isinstance(total, int) else tf.maximum(total, 0)
-    return out, total // 2, total - total // 2

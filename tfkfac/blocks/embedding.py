@@ -1,0 +1,62 @@
+"""Embedding: a bias-free Dense layer on one-hot inputs, with a diagonal A.
+
+With c_v the count of token v among the batch's N·T positions, A = diag(c_v / N), kept
+as a length-V vector (never V x V), and G is the Dense G over T positions (always the
+expand rule: reduce would make A dense). Eigen method:
+P[v, :] = ((∇[v, :] Q_G) / (a_v v_G + λ)) Q_Gᵀ, exactly (A ⊗ G + λI)⁻¹ vec(∇); inverse
+method: (A + π√λ)⁻¹ ∇ (G + (√λ/π) I)⁻¹ with tr(A)/dim A = Σ_v a_v / V (docs/design.md).
+"""
+
+import tensorflow as tf
+
+from tfkfac import linalg
+from tfkfac.blocks.base import Block, as_float32
+
+
+class EmbeddingBlock(Block):
+    kind = "embedding"
+
+    def __init__(self, layer):
+        super().__init__(layer, [layer.embeddings])
+        self.vocabulary, self.width = (int(d) for d in layer.embeddings.shape)
+
+    def factor_shapes(self):
+        return [(self.vocabulary,), (self.width, self.width)]
+
+    def batch_statistics(self, calls, batch_size):
+        n = tf.cast(batch_size, tf.float32)
+        tokens = tf.concat([tf.reshape(tf.cast(x, tf.int32), (-1,)) for x, _ in calls], 0)
+        counts = tf.math.unsorted_segment_sum(tf.ones_like(tokens, tf.float32), tokens,
+                                              self.vocabulary)
+        g_rows = tf.concat([tf.reshape(as_float32(g), (-1, self.width)) for _, g in calls], 0)
+        positions = tf.cast(tf.shape(g_rows)[0], tf.float32) / n
+        # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ
+        g = tf.linalg.matmul(g_rows, g_rows, transpose_a=True) * (n / positions)
+        return [counts / n, g]
+
+    def decomposition_shapes(self, method):
+        if method == "eigen":
+            return [[(self.width, self.width), (self.width,)]]
+        return [[(self.width, self.width)]]
+
+    def _pi(self, factors):
+        a, g = factors
+        return tf.sqrt(tf.maximum(tf.reduce_mean(a), 1e-30)
+                       / tf.maximum(linalg.mean_trace(g), 1e-30))
+
+    def decompose(self, index, factors, method, damping):
+        if method == "eigen":
+            values, vectors = linalg.symmetric_eigh(factors[index])
+            return [vectors, values]
+        return [linalg.damped_inverse(factors[index], tf.sqrt(damping) / self._pi(factors))]
+
+    def precondition(self, grads, factors, decomposition, method, damping):
+        grad, a = as_float32(grads[0]), factors[0]
+        if method == "eigen":
+            ((q_g, v_g),) = decomposition
+            rotated = tf.linalg.matmul(grad, q_g)
+            scaled = rotated / (a[:, None] * v_g[None, :] + damping)
+            return [tf.linalg.matmul(scaled, q_g, transpose_b=True)]
+        ((g_inv,),) = decomposition
+        a_shift = self._pi(factors) * tf.sqrt(damping)
+        return [tf.linalg.matmul(grad / (a[:, None] + a_shift), g_inv)]
