@@ -10,7 +10,8 @@ step (momentum 0, no KL clip), for both methods:
   G_j are the separate layers' A, G;
 - DepthwiseConv2D (c_in, m) equals Conv2D(groups=c_in, filters=c_in·m) with the same
   kernel, and DepthwiseConv1D the same in 1-D;
-- Embedding equals a bias-free Dense on one-hot inputs (its A a dense diagonal matrix);
+- Embedding equals a bias-free Dense on one-hot inputs (its A a dense diagonal matrix),
+  and with a 50,000-token vocabulary its state is O(V + d²): A is the token counts / N;
 - weight_sharing="reduce" on a Dense over sequences: A = (1/N) Σ_i ā_i ā_iᵀ with ā_i the
   per-example mean over positions, G = (1/N) Σ_i ĝ_i ĝ_iᵀ with ĝ_i the per-example sum of
   g = N dL/ds — against numpy from the tape's dL/ds.
@@ -153,6 +154,21 @@ class LayerEquivalenceTest(parameterized.TestCase):
         self.assertEqual(factors["A"].shape, (7,))
         assert_close(np.diag(factors["A"].numpy()), ref["A"], msg="A")
         assert_close(factors["G"], ref["G"], msg="G")
+
+    def test_embedding_state_is_linear_in_the_vocabulary(self):
+        vocabulary, width = 50_000, 8
+        layer = keras.layers.Embedding(vocabulary, width)
+        model = single_layer((5,), layer, dtype="int32")
+        opt = kfac(model)
+        tokens = RNG.integers(0, vocabulary, size=(N, 5)).astype(np.int32)
+        step(model, opt, tokens)
+        self.assertEqual(opt.summary()["managed"][0]["factor_shapes"],
+                         [[vocabulary], [width, width]])
+        # Factors, eigenbasis and eigenvalues: O(V + d²) floats, no V x V anywhere.
+        self.assertEqual(opt.summary()["state_bytes"],
+                         4 * (vocabulary + 2 * width * width + width))
+        counts = opt.factors(layer)["A"].numpy() * N
+        np.testing.assert_array_equal(counts, np.bincount(tokens.ravel(), minlength=vocabulary))
 
     def test_reduce_rule_on_a_dense_layer_over_positions(self):
         keras.utils.set_random_seed(4)

@@ -7,27 +7,27 @@ import keras
 from tfkfac.blocks.base import Block, Unsupported
 from tfkfac.blocks.normalization import (BatchNormBlock, GroupNormBlock, LayerNormBlock,
                                          RMSNormBlock)
-from tfkfac.blocks.conv import ConvBlock
+from tfkfac.blocks.conv import ConvBlock, ConvTransposeBlock, SeparableConvBlock
 from tfkfac.blocks.embedding import EmbeddingBlock
 from tfkfac.blocks.kronecker import DenseBlock, KroneckerBlock
 
-__all__ = ["Block", "BatchNormBlock", "ConvBlock", "DenseBlock", "EmbeddingBlock",
-           "GroupNormBlock", "KroneckerBlock", "LayerNormBlock", "RMSNormBlock",
-           "Unsupported", "WEIGHT_SHARING", "block_for", "discover"]
+__all__ = ["Block", "BatchNormBlock", "ConvBlock", "ConvTransposeBlock", "DenseBlock",
+           "EmbeddingBlock", "GroupNormBlock", "KroneckerBlock", "LayerNormBlock",
+           "RMSNormBlock", "SeparableConvBlock", "Unsupported", "WEIGHT_SHARING", "block_for",
+           "discover"]
 
 WEIGHT_SHARING = ("expand", "reduce")
 SKIPPED_BY_REQUEST = "skipped by skip_layers"
 CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+SEPARABLE = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
+TRANSPOSED = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+              keras.layers.Conv3DTranspose)
 
 
-def _conv(depthwise):
-    def build(layer, options):
-        if layer.data_format != "channels_last":
-            raise Unsupported(f"{type(layer).__name__} with data_format='channels_first' "
-                              "is not supported")
-        return ConvBlock(layer, options["weight_sharing"], depthwise=depthwise)
-    return build
+def _conv(block_class, **kwargs):
+    """The builder of a convolution block (which raises `Unsupported` for its layouts)."""
+    return lambda layer, options: block_class(layer, options["weight_sharing"], **kwargs)
 
 
 def _diagonal(block_class):
@@ -38,8 +38,10 @@ def _diagonal(block_class):
 # (layer class, block builder), most specific class first. A builder returns the block
 # or raises `Unsupported` naming what about this layer has no block.
 _BUILDERS = [
-    (CONVOLUTIONS, _conv(depthwise=False)),
-    (DEPTHWISE, _conv(depthwise=True)),
+    (CONVOLUTIONS, _conv(ConvBlock)),
+    (DEPTHWISE, _conv(ConvBlock, depthwise=True)),
+    (SEPARABLE, _conv(SeparableConvBlock)),
+    (TRANSPOSED, _conv(ConvTransposeBlock)),
     (keras.layers.Embedding, lambda layer, options: EmbeddingBlock(layer)),
     (keras.layers.BatchNormalization, _diagonal(BatchNormBlock)),
     (keras.layers.LayerNormalization, _diagonal(LayerNormBlock)),

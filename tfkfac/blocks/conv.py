@@ -15,19 +15,20 @@ faster than `tf.image.extract_patches` for 2-D (`bench/linalg_benchmark.py`).
 - SeparableConv1D/2D: two weight products in one layer, d = depthwise(x) and
   s = pointwise(d) + b. One block of two parts: the depthwise rule (no bias) on (x, d)
   and a 1x1 convolution with the layer's bias on (d, s).
-- Conv1D/2D/3DTranspose, kernel (k..., c_out, c_in). TensorFlow computes it as the
-  input gradient of the convolution from the output size O (fixed by Keras from padding
-  and output_padding) to the input size I, with that convolution's padding p before:
-  input position i, kernel offset k reach output o = i·s − p + k·d. Insert s − 1 zeros
-  between input positions (z[i·s] = x[i]) and pad L = (k−1)·d − p zeros before; then
-  o = i·s − p + k·d is z_pad[o + (k−1−k)·d] with k' = k−1−k... precisely:
+- Conv1D/2D/3DTranspose, kernel W (k..., c_out, c_in), K taps per axis. TensorFlow
+  computes it as the input gradient of the convolution from the output size O (fixed by
+  Keras from padding and output_padding) to the input size I; with p that convolution's
+  padding before, input position i and kernel tap k (W[k] a (c_out, c_in) matrix)
+  reach output o = i·s − p + k·d. Let z be the input with s − 1 zeros inserted after
+  every position (z[i·s] = x[i]) and z_pad = z with L = (K−1)·d − p zeros before,
+  z_pad[j] = z[j − L]. Then, per spatial axis,
 
-      s_o = Σ_k x[(o + p − k·d)/s] W[k]  =  Σ_k z_pad[o + (K−1−k)·d] W[k] + b,
+      s_o = Σ_k W[k] z[o + p − k·d] + b = Σ_k W[k] z_pad[o + (K−1−k)·d] + b,
 
-  a stride-1 convolution (dilation d) of the stride-dilated, padded input with the
-  spatially flipped kernel. So ā_t is the patch of z_pad at output position t, read
-  with offsets in reverse order so that it lines up with the unflipped kernel (+1 for
-  the bias), G is over c_out, T the output positions.
+  a stride-1 convolution (dilation d) of z_pad with the spatially flipped kernel. So
+  ā_t is the patch of z_pad at output position t, its taps read in reverse order to line
+  up with the unflipped kernel (transposed to (k..., c_in, c_out)), plus 1 for the bias;
+  G is over c_out; T is the number of output positions.
 """
 
 import itertools
@@ -39,9 +40,6 @@ import tensorflow as tf
 
 from tfkfac.blocks.base import Block, Unsupported, layer_input
 from tfkfac.blocks.kronecker import KroneckerBlock
-
-PADDINGS = ("valid", "same", "causal")
-
 
 class ConvBlock(KroneckerBlock):
     """Conv1D/2D/3D, grouped or not; `depthwise` for DepthwiseConv1D/2D."""
@@ -74,8 +72,8 @@ class ConvBlock(KroneckerBlock):
                 layer.dilation_rate[axis], layer.padding)
             extents.append(out)
             pads.append([before, after])
-        starts = [[k * d for k in range(size)]
-                  for size, d in zip(layer.kernel_size, layer.dilation_rate)]
+        starts = [[k * d for k in range(taps)]
+                  for taps, d in zip(layer.kernel_size, layer.dilation_rate)]
         return _pad_spatial(inputs, pads), extents, layer.strides, starts
 
     def patches(self, inputs):
@@ -143,7 +141,7 @@ class ConvTransposeBlock(ConvBlock):
         self.kind = "conv_transpose"
 
     def _channels(self):
-        c_out, c_in = self.kernel_shape[-2:]
+        c_out, c_in = self.kernel_shape[-2:]  # the layer's kernel (k..., c_out, c_in)
         return 1, c_in, c_out
 
     def _padded(self, inputs):
@@ -157,8 +155,8 @@ class ConvTransposeBlock(ConvBlock):
             sizes.append(size)
             extents.append(out)
             pads.append([before, after])
-        starts = [[(size - 1 - k) * d for k in range(size)]
-                  for size, d in zip(layer.kernel_size, layer.dilation_rate)]
+        starts = [[(taps - 1 - k) * d for k in range(taps)]
+                  for taps, d in zip(layer.kernel_size, layer.dilation_rate)]
         dilated = _insert_zeros(inputs, sizes, layer.strides)
         return _pad_spatial(dilated, pads), extents, (1,) * self.spatial, starts
 
@@ -225,20 +223,19 @@ class SeparableConvBlock(Block):
         return self.parts[part].decompose(own, factors[2 * part: 2 * part + 2], method, damping)
 
     def precondition(self, grads, factors, decomposition, method, damping):
-        split = len(self.parts[0].variables)
-        return [p for part, part_grads, pair, part_decomposition in zip(
-                    self.parts, (grads[:split], grads[split:]), (factors[:2], factors[2:]),
-                    (decomposition[:2], decomposition[2:]))
-                for p in part.precondition(part_grads, pair, part_decomposition, method,
-                                           damping)]
+        depthwise, pointwise = self.parts
+        split = len(depthwise.variables)
+        return (depthwise.precondition(grads[:split], factors[:2], decomposition[:2], method,
+                                       damping)
+                + pointwise.precondition(grads[split:], factors[2:], decomposition[2:], method,
+                                         damping))
 
 
 def _require_supported(layer):
-    name = type(layer).__name__
+    """The blocks read inputs and output gradients channels last."""
     if layer.data_format != "channels_last":
-        raise Unsupported(f"{name} with data_format='channels_first' is not supported")
-    if layer.padding not in PADDINGS:
-        raise Unsupported(f"{name} with explicit padding {layer.padding!r} is not supported")
+        raise Unsupported(f"{type(layer).__name__} with data_format='channels_first' is "
+                          "not supported")
 
 
 def _size(inputs, axis):
@@ -287,15 +284,20 @@ def _transpose_extents(size, kernel, stride, dilation, padding, output_padding):
 
 
 def _insert_zeros(inputs, sizes, strides):
-    """`stride - 1` zeros after every input position along each spatial axis."""
-    if all(stride == 1 for stride in strides):
-        return inputs
-    channels = inputs.shape[-1]
-    spread = tf.reshape(inputs, [-1] + [n for size in sizes for n in (size, 1)] + [channels])
-    spread = tf.pad(spread, [[0, 0]] + [p for stride in strides for p in ([0, 0], [0, stride - 1])]
-                    + [[0, 0]])
-    return tf.reshape(spread, [-1] + [size * stride for size, stride in zip(sizes, strides)]
-                      + [channels])
+    """`stride - 1` zeros after every input position, one spatial axis at a time.
+
+    (All axes at once would need a rank-8 pad for 3-D; TensorFlow pads up to rank 6.)
+    """
+    dims = list(sizes)
+    for axis, stride in enumerate(strides):
+        if stride == 1:
+            continue
+        spread = tf.expand_dims(inputs, axis + 2)
+        zeros = [[0, 0]] * len(spread.shape)
+        zeros[axis + 2] = [0, stride - 1]
+        dims[axis] = dims[axis] * stride
+        inputs = tf.reshape(tf.pad(spread, zeros), [-1] + dims + [inputs.shape[-1]])
+    return inputs
 
 
 def _swap_channels(kernel):
