@@ -1,5 +1,6 @@
 """trainers.models: architectures, parameter counts from the papers' layer sizes, seeding,
-output dtypes under mixed precision, and errors for unknown names."""
+output dtypes under mixed precision, and errors for unknown names. Which of these layers
+K-FAC preconditions is tested with the blocks (tests/test_kfac_*.py)."""
 
 import os
 
@@ -9,9 +10,14 @@ from absl.testing import absltest, parameterized
 import keras
 import numpy as np
 
+from tfkfac import keras_integration
 from trainers import models
 
-SUPPORTED_LAYERS = (keras.layers.Dense, keras.layers.Conv2D, keras.layers.BatchNormalization)
+# The standard Keras layers the models keep their weights in (MultiHeadAttention keeps
+# its weights in EinsumDense sublayers).
+WEIGHTED_LAYERS = (keras.layers.Dense, keras.layers.Conv2D, keras.layers.BatchNormalization,
+                   keras.layers.Embedding, keras.layers.LayerNormalization,
+                   keras.layers.EinsumDense)
 
 
 def dense_params(widths):
@@ -34,6 +40,17 @@ def resnet20_params(channels, num_classes):
                 total += conv_bn(1, c_in, width)
             c_in = width
     return total + (64 + 1) * num_classes
+
+
+def vit_params(channels, num_tokens, num_classes):
+    """The ViT counted by hand: 4x4 patches embedded to width 64, a position per token,
+    3 blocks of [LayerNorm, 4-head attention (query, key, value and output projections,
+    64x64 with biases), LayerNorm, MLP 64-128-64], a final LayerNorm and the head."""
+    layer_norm = 2 * 64
+    attention = 4 * (64 * 64 + 64)
+    block = layer_norm + attention + layer_norm + dense_params([64, 128, 64])
+    patches = (4 * 4 * channels + 1) * 64
+    return patches + num_tokens * 64 + 3 * block + layer_norm + (64 + 1) * num_classes
 
 
 class ModelsTest(parameterized.TestCase):
@@ -79,12 +96,54 @@ class ModelsTest(parameterized.TestCase):
         self.assertTrue(any(isinstance(layer, keras.layers.BatchNormalization)
                             for layer in model.layers))
 
+    @parameterized.parameters(((28, 28, 1), 49), ((32, 32, 3), 64))
+    def test_vit_for_both_input_sizes(self, input_shape, num_tokens):
+        model = models.build_model("vit", input_shape, 10, seed=0)
+        self.assertEqual(model.count_params(), vit_params(input_shape[-1], num_tokens, 10))
+        self.assertEqual(model.output.shape, (None, 10))
+        patches = model.get_layer("patch_embedding")
+        self.assertEqual((patches.kernel_size, patches.strides), ((4, 4), (4, 4)))
+        self.assertEqual(model.get_layer("position_embedding").input_dim, num_tokens)
+        attention = [layer for layer in model.layers
+                     if isinstance(layer, keras.layers.MultiHeadAttention)]
+        self.assertLen(attention, 3)
+        self.assertLen([layer for layer in model.layers
+                        if isinstance(layer, keras.layers.LayerNormalization)], 7)
+        output = model(np.random.default_rng(0).random((2, *input_shape), dtype=np.float32))
+        self.assertEqual(output.shape, (2, 10))
+
+    def test_vit_parameter_count_is_about_105k(self):
+        self.assertEqual(models.build_model("vit", (28, 28, 1), 10, seed=0).count_params(),
+                         105_418)
+
+    def test_vit_attention_projections_start_different(self):
+        attention = models.build_model("vit", (28, 28, 1), 10, seed=0).get_layer(
+            "block0_attention")
+        query, key, value = (projection.kernel.numpy() for projection in (
+            attention.query_dense, attention.key_dense, attention.value_dense))
+        self.assertFalse(np.array_equal(query, key))
+        self.assertFalse(np.array_equal(key, value))
+
+    def test_vit_trains_with_sgd(self):
+        model = models.build_model("vit", (28, 28, 1), 10, seed=0)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(0)
+        images = rng.random((32, 28, 28, 1), dtype=np.float32)
+        labels = rng.integers(0, 10, 32)
+        before = model.get_layer("position_embedding").embeddings.numpy()
+        history = model.fit(images, labels, batch_size=16, epochs=2, verbose=0)
+        self.assertTrue(np.all(np.isfinite(history.history["loss"])))
+        # Gradients reach the position lookup, so it is part of the trained graph.
+        self.assertFalse(np.array_equal(
+            before, model.get_layer("position_embedding").embeddings.numpy()))
+
     @parameterized.parameters(*models.MODEL_NAMES)
-    def test_only_kfac_supported_layers_carry_weights(self, name):
+    def test_weights_live_in_standard_layers(self, name):
         model = models.build_model(name, (28, 28, 1), 10, seed=0)
-        for layer in model.layers:
+        for layer in keras_integration.leaf_layers(model):
             if layer.weights:
-                self.assertIsInstance(layer, SUPPORTED_LAYERS, layer.name)
+                self.assertIsInstance(layer, WEIGHTED_LAYERS, layer.name)
 
     @parameterized.parameters(*models.CLASSIFIERS)
     def test_classifiers_return_logits(self, name):
@@ -113,7 +172,7 @@ class ModelsTest(parameterized.TestCase):
 
     def test_unknown_name_lists_allowed(self):
         with self.assertRaisesRegex(ValueError, "model must be one of mlp, cnn, resnet20, "
-                                                "autoencoder; got 'vgg'"):
+                                                "vit, autoencoder; got 'vgg'"):
             models.build_model("vgg", (28, 28, 1), 10)
 
     def test_bad_shapes(self):

@@ -11,9 +11,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import flags
 from absl.testing import absltest, flagsaver, parameterized
+import keras
 import numpy as np
 import tensorflow as tf
 
+import tfkfac
 from tfkfac import distributed
 from trainers import checkpoints, config as config_lib, lr_schedules, reporting, runner
 from trainers import train
@@ -79,8 +81,8 @@ class FlagValidationTest(parameterized.TestCase):
         self.assertEqual(config, config_lib.TrainConfig())
 
     @parameterized.parameters(
-        ("--model=vgg", "mlp|cnn|resnet20|autoencoder"),
-        ("--optimizer=rmsprop", "kfac|sgd|adam"),
+        ("--model=vgg", "mlp|cnn|resnet20|vit|autoencoder"),
+        ("--optimizer=rmsprop", "kfac|sgd|adam|adamw"),
         ("--echo_mode=sometimes", "none|example_before_augment"),
         ("--precision=float8", "float32|mixed_float16|mixed_bfloat16"),
         ("--lr_schedule=cosine", "constant|warmup|step|polynomial"),
@@ -108,6 +110,8 @@ class FlagValidationTest(parameterized.TestCase):
         (["--learning_rate=nan"], "learning_rate` must be a finite number > 0"),
         (["--damping=inf"], "damping` must be a finite number > 0"),
         (["--momentum=nan"], r"momentum` must be in \[0, 1\)"),
+        (["--optimizer=adamw", "--weight_decay=-0.1"],
+         "weight_decay` must be a finite number >= 0"),
         (["--optimizer=sgd", "--weight_sharing=reduce"],
          "weight_sharing only apply to optimizer=kfac"),
         (["--running_mixup"], "running_mixup needs mixup_alpha > 0"),
@@ -120,6 +124,19 @@ class FlagValidationTest(parameterized.TestCase):
         config, explicitly_set = config_from_argv(*argv)
         with self.assertRaisesRegex(ValueError, message):
             runner.check(config, explicitly_set)
+
+    @parameterized.parameters(
+        (["--optimizer=adamw", "--weight_decay=0.01"], keras.optimizers.AdamW, 0.01),
+        (["--optimizer=adamw"], keras.optimizers.AdamW, 0.004),  # Keras's default
+        (["--optimizer=sgd"], keras.optimizers.SGD, None),
+        (["--optimizer=kfac", "--weight_decay=0.001"], tfkfac.KFAC, 0.001),
+    )
+    def test_weight_decay_reaches_the_optimizer(self, argv, optimizer_class, weight_decay):
+        config, _ = config_from_argv("--learning_rate=0.002", *argv)
+        optimizer = runner._build_optimizer(config, 10, 100, distributed.get_communicator())
+        self.assertIsInstance(optimizer, optimizer_class)
+        self.assertEqual(optimizer.weight_decay, weight_decay)
+        self.assertAlmostEqual(float(optimizer.learning_rate), 0.002)
 
     def test_non_numeric_decay_epochs(self):
         with self.assertRaisesRegex(ValueError, "lr_decay_epochs must be numbers"):

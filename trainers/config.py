@@ -14,7 +14,7 @@ import pipelines
 from tfkfac import blocks, distributed, optimizer as kfac_optimizer, validation
 from trainers import models
 
-OPTIMIZERS = ("kfac", "sgd", "adam")
+OPTIMIZERS = ("kfac", "sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "warmup", "step", "polynomial")
 # The choices the optimizer and the pipelines accept, so the flags never drift from them.
 KFAC_METHODS = kfac_optimizer.METHODS
@@ -49,6 +49,9 @@ class TrainConfig:
     optimizer: str = "kfac"
     learning_rate: float = 0.05
     momentum: float = 0.9
+    # Decoupled (Keras semantics) for every optimizer; None keeps each one's own default:
+    # AdamW's 0.004, no decay for the others.
+    weight_decay: Optional[float] = None
     lr_schedule: str = "constant"
     warmup_epochs: float = 0.0
     lr_decay_epochs: Tuple[float, ...] = ()
@@ -107,7 +110,8 @@ class TrainConfig:
         if not self.dataset:
             raise ValueError("dataset must be a dataset name, e.g. fashion_mnist")
         # The optimizer's own rules (finite, in range), so the two never disagree.
-        validation.validate(learning_rate=self.learning_rate, momentum=self.momentum)
+        validation.validate(learning_rate=self.learning_rate, momentum=self.momentum,
+                            weight_decay=self.weight_decay)
         _positive("batch_size", self.batch_size)
         _positive("epochs", self.epochs)
         if self.steps is not None:

@@ -1,4 +1,4 @@
-"""Data parallelism for the plain optimizers (SGD, Adam) under horovodrun.
+"""Data parallelism for the plain optimizers (SGD, Adam, AdamW) under horovodrun.
 
 K-FAC averages gradients over ranks itself, before preconditioning. Keras optimizers do
 not, and Horovod's Keras wrapper fails under Keras 3 (horovod#4290), so the trainer

@@ -1,21 +1,33 @@
 """Models the trainer and the benchmarks train.
 
-Only Dense, Conv2D and BatchNormalization carry weights, so K-FAC manages every
-parameter; pooling, activations, flatten and add have none. Classifiers return float32
-logits (losses use `from_logits=True`); the autoencoder returns float32 sigmoid
-probabilities. Every initializer gets its own seed derived from `seed`, so a model is a
-pure function of its arguments and does not depend on global random state.
+Every weight lives in a standard Keras layer, so K-FAC's per-layer blocks can find it:
+Dense, Conv2D and BatchNormalization in the MLP, CNN, ResNet-20 and autoencoder; the ViT
+adds Embedding (positions), LayerNormalization and MultiHeadAttention (whose weights are
+in EinsumDense sublayers). Pooling, activations, reshapes and adds have none. Which of
+these K-FAC preconditions is in docs/design.md; bench/coverage.py measures it.
+Classifiers return float32 logits (losses use `from_logits=True`); the autoencoder
+returns float32 sigmoid probabilities. Every initializer gets its own seed derived from
+`seed`, so a model is a pure function of its arguments and does not depend on global
+random state.
 """
 
 import keras
 
-CLASSIFIERS = ("mlp", "cnn", "resnet20")
+CLASSIFIERS = ("mlp", "cnn", "resnet20", "vit")
 AUTOENCODERS = ("autoencoder",)
 MODEL_NAMES = CLASSIFIERS + AUTOENCODERS
 
 # Martens & Grosse (2015), after Hinton & Salakhutdinov (2006).
 AUTOENCODER_WIDTHS = (1000, 500, 250, 30, 250, 500, 1000)
 AUTOENCODER_CODE_WIDTH = 30
+
+# The ViT scaled to 28x28 images on 2 CPU cores: 4x4 patches (49 tokens at 28x28),
+# tokens of width 64 in 4 heads of 16, MLPs of width 128, 3 blocks.
+VIT_PATCH_SIZE = 4
+VIT_WIDTH = 64
+VIT_HEADS = 4
+VIT_MLP_WIDTH = 128
+VIT_DEPTH = 3
 
 
 def is_autoencoder(name):
@@ -42,6 +54,7 @@ def build_model(name, input_shape, num_classes, seed=0):
         "mlp": _mlp,
         "cnn": _cnn,
         "resnet20": _resnet20,
+        "vit": _vit,
         "autoencoder": _autoencoder,
     }[name]
     if name in AUTOENCODERS:
@@ -74,6 +87,9 @@ class _SeedSequence:
 
     def he(self):
         return keras.initializers.HeNormal(seed=self._seed())
+
+    def truncated_normal(self, stddev):
+        return keras.initializers.TruncatedNormal(stddev=stddev, seed=self._seed())
 
 
 def _mlp(x, seeds):
@@ -118,6 +134,56 @@ def _resnet20(x, seeds):
             y = _conv_bn(y, filters, seeds, relu=False)
             x = keras.layers.Activation("relu")(keras.layers.Add()([shortcut, y]))
     return keras.layers.GlobalAveragePooling2D()(x)
+
+
+def _vit(x, seeds):
+    """Dosovitskiy et al. (2021) Vision Transformer, pre-norm, at the VIT_* sizes above.
+
+    Patches are embedded by a Conv2D with kernel = stride = patch size (a Dense layer on
+    each flattened patch), positions by an Embedding looked up with the token index, and
+    the class comes from the mean token instead of a class token, so every weight sits
+    in a standard Keras layer. Inputs whose sides are not multiples of the patch size
+    lose the remainder.
+    """
+    patches = keras.layers.Conv2D(
+        VIT_WIDTH, VIT_PATCH_SIZE, strides=VIT_PATCH_SIZE, kernel_initializer=seeds.glorot(),
+        name="patch_embedding",
+    )(x)
+    num_tokens = patches.shape[1] * patches.shape[2]
+    tokens = keras.layers.Reshape((num_tokens, VIT_WIDTH), name="tokens")(patches)
+    # (batch, num_tokens) token indices, built from `tokens` so the lookup is in the graph.
+    positions = keras.ops.zeros_like(tokens[:, :, 0], dtype="int32") + keras.ops.arange(
+        num_tokens, dtype="int32")
+    position_embedding = keras.layers.Embedding(
+        num_tokens, VIT_WIDTH, embeddings_initializer=seeds.truncated_normal(0.02),
+        name="position_embedding",
+    )(positions)
+    x = keras.layers.Add(name="add_positions")([tokens, position_embedding])
+    for block in range(VIT_DEPTH):
+        prefix = f"block{block}_"
+        y = keras.layers.LayerNormalization(epsilon=1e-6, name=prefix + "attention_norm")(x)
+        y = _self_attention(y, seeds, prefix + "attention")
+        x = keras.layers.Add(name=prefix + "attention_residual")([x, y])
+        y = keras.layers.LayerNormalization(epsilon=1e-6, name=prefix + "mlp_norm")(x)
+        y = keras.layers.Dense(VIT_MLP_WIDTH, activation="gelu",
+                               kernel_initializer=seeds.glorot(), name=prefix + "mlp_hidden")(y)
+        y = keras.layers.Dense(VIT_WIDTH, kernel_initializer=seeds.glorot(),
+                               name=prefix + "mlp_output")(y)
+        x = keras.layers.Add(name=prefix + "mlp_residual")([x, y])
+    x = keras.layers.LayerNormalization(epsilon=1e-6, name="final_norm")(x)
+    return keras.layers.GlobalAveragePooling1D(name="mean_token")(x)
+
+
+def _self_attention(x, seeds, name):
+    attention = keras.layers.MultiHeadAttention(
+        VIT_HEADS, VIT_WIDTH // VIT_HEADS, kernel_initializer=seeds.glorot(), name=name)
+    output = attention(x, x)
+    # MultiHeadAttention clones its one initializer for every projection, so seeded query,
+    # key and value kernels (all the same shape) would start equal: reseed each.
+    for projection in (attention.query_dense, attention.key_dense, attention.value_dense):
+        kernel = projection.kernel
+        kernel.assign(seeds.glorot()(kernel.shape, dtype=kernel.dtype))
+    return output
 
 
 def _autoencoder(x, seeds):

@@ -175,21 +175,29 @@ def _jsonable(value):
     return list(value) if isinstance(value, tuple) else value
 
 
+# The plain optimizers of config.OPTIMIZERS (all but kfac).
+_KERAS_OPTIMIZERS = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam,
+                     "adamw": keras.optimizers.AdamW}
+
+
 def _build_optimizer(config, steps_per_epoch, total_steps, communicator):
     learning_rate = lr_schedules.build_learning_rate(config, steps_per_epoch, total_steps)
+    # Unset, each optimizer keeps its own default weight decay.
+    options = {} if config.weight_decay is None else {"weight_decay": config.weight_decay}
+    if config.optimizer == "kfac":
+        # K-FAC averages gradients (and factors) over ranks itself.
+        return tfkfac.KFAC(
+            learning_rate=learning_rate, damping=config.damping, momentum=config.momentum,
+            kl_clip=config.kl_clip, factor_update_freq=config.factor_update_freq,
+            inv_update_freq=config.inv_update_freq, method=config.kfac_method,
+            xla=config.xla, placement=config.kfac_placement,
+            factor_wire_dtype=config.factor_wire_dtype,
+            decomposition_wire_dtype=config.eigen_wire_dtype,
+            weight_sharing=config.weight_sharing, communicator=communicator, **options)
     if config.optimizer == "sgd":
-        return data_parallel.averaging(keras.optimizers.SGD, communicator)(
-            learning_rate, momentum=config.momentum)
-    if config.optimizer == "adam":
-        return data_parallel.averaging(keras.optimizers.Adam, communicator)(learning_rate)
-    # K-FAC averages gradients (and factors) over ranks itself.
-    return tfkfac.KFAC(
-        learning_rate=learning_rate, damping=config.damping, momentum=config.momentum,
-        kl_clip=config.kl_clip, factor_update_freq=config.factor_update_freq,
-        inv_update_freq=config.inv_update_freq, method=config.kfac_method, xla=config.xla,
-        placement=config.kfac_placement, factor_wire_dtype=config.factor_wire_dtype,
-        decomposition_wire_dtype=config.eigen_wire_dtype,
-        weight_sharing=config.weight_sharing, communicator=communicator)
+        options["momentum"] = config.momentum
+    return data_parallel.averaging(_KERAS_OPTIMIZERS[config.optimizer], communicator)(
+        learning_rate, **options)
 
 
 def _loss_and_metrics(config):

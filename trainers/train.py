@@ -1,4 +1,4 @@
-"""Trains a model with K-FAC, SGD or Adam: `python -m trainers.train [--flags]`.
+"""Trains a model with K-FAC, SGD, Adam or AdamW: `python -m trainers.train [--flags]`.
 
 With no flags it is the `make train` job: the small CNN on real Fashion-MNIST with K-FAC,
 printing the test accuracy and where the logs went. Under
@@ -27,9 +27,13 @@ flags.DEFINE_string("eval_split", _DEFAULTS.eval_split,
                     "TFDS split evaluated after every epoch, e.g. test or train[54000:].")
 flags.DEFINE_enum("optimizer", _DEFAULTS.optimizer, config_lib.OPTIMIZERS,
                   "kfac: K-FAC preconditioning momentum SGD; sgd: SGD with --momentum; "
-                  "adam: Adam.")
+                  "adam: Adam; adamw: Adam with decoupled weight decay (--weight_decay).")
 flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Base learning rate.")
 flags.DEFINE_float("momentum", _DEFAULTS.momentum, "Momentum of SGD and of K-FAC's update.")
+flags.DEFINE_float("weight_decay", _DEFAULTS.weight_decay,
+                   "Decoupled weight decay of any optimizer: each step also subtracts "
+                   "learning_rate x weight_decay x w. Unset: AdamW's default 0.004, no decay "
+                   "for the others.")
 flags.DEFINE_enum("lr_schedule", _DEFAULTS.lr_schedule, config_lib.LR_SCHEDULES,
                   "constant; warmup (linear over --warmup_epochs, then constant); step "
                   "(x --lr_decay_factor at each of --lr_decay_epochs); polynomial (to 0 at "
