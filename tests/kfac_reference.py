@@ -4,8 +4,9 @@ Shared by the single-process K-FAC tests: the common constants (batch N, learnin
 damping λ, tolerance), `assert_close`, the float64 numpy forward/backward of a small MLP
 that yields each Dense layer's A = (1/N) Σ ā āᵀ, G = (1/N) Σ g gᵀ (g_i = N dL/ds_i at the
 pre-activation) and gradient ∇ = [dL/dW; dL/db], the explicit-Kronecker solve
-(A ⊗ G + λI)⁻¹ vec(∇), and the one-custom-loop-step helper that measures an update. None of
-it uses the optimizer's own factor or decomposition code.
+(A ⊗ G + λI)⁻¹ vec(∇), the π-corrected factored inverse, and the one-custom-loop-step
+helper that measures an update. None of it uses the optimizer's own factor or
+decomposition code.
 
 Tolerances: float32 TF against float64 numpy on these small, well-conditioned problems
 agrees to rtol 1e-4, with an absolute floor of 1e-5 * max|ref| (`assert_close`).
@@ -98,6 +99,14 @@ def kron_precondition(A, G, grad, damping):
     """
     big = np.kron(A, G) + damping * np.eye(A.shape[0] * G.shape[0])
     return np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+
+
+def factored_inverse_precondition(A, G, grad, damping):
+    """The inverse method: P = (A + π√λ I)⁻¹ ∇ (G + (√λ/π) I)⁻¹, π of the mean traces."""
+    pi = np.sqrt((np.trace(A) / len(A)) / (np.trace(G) / len(G)))
+    root = np.sqrt(damping)
+    return (np.linalg.inv(A + pi * root * np.eye(len(A))) @ grad
+            @ np.linalg.inv(G + root / pi * np.eye(len(G))))
 
 
 # ------------------------------------------------------------------- one step

@@ -5,9 +5,7 @@ mixed precision and save/restore (test_kfac_modern_layers.py). On 28x28x1 inputs
 grouped Conv2D, DepthwiseConv2D, GroupNormalization, SeparableConv2D, Conv2DTranspose,
 then the 6x6 feature map as a sequence of 36 tokens with a learned position Embedding,
 LayerNormalization, self-attention (MultiHeadAttention: four EinsumDense projections),
-a causal Conv1D, a Dense on the sequence and a Dense head. The attention's EinsumDense
-projections have no block yet: they keep the plain-gradient path beside batched and
-diagonal factors.
+a causal Conv1D, a Dense on the sequence and a Dense head.
 """
 
 import keras
@@ -20,10 +18,9 @@ MANAGED_KINDS = {
     "stem": "conv2d", "grouped": "conv2d", "depthwise": "depthwise_conv",
     "separable": "separable_conv", "transpose": "conv_transpose", "positions": "embedding",
     "layer_norm": "layer_norm", "group_norm": "group_norm", "conv1d": "conv1d",
-    "token_mlp": "dense", "logits": "dense",
+    "token_mlp": "dense", "logits": "dense", "query": "einsum_dense", "key": "einsum_dense",
+    "value": "einsum_dense", "attention_output": "einsum_dense",
 }
-# Layers with no block yet: they train on the plain gradient in the same job.
-PLAIN_GRADIENT = {"query", "key", "value", "attention_output"}
 
 
 @keras.saving.register_keras_serializable(package="tfkfac_tests")

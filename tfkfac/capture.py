@@ -20,37 +20,40 @@ class Recorder:
 
     def __init__(self, blocks):
         self.blocks = list(blocks)
-        self._calls = {}
+        self._calls = []
 
     @contextlib.contextmanager
     def recording(self):
         """Within this context, calls of the managed layers are recorded."""
-        self._calls = {block.name: [] for block in self.blocks}
+        # Per block, not per name: nested layers may share one (every MultiHeadAttention
+        # has a "query").
+        self._calls = [[] for _ in self.blocks]
         originals = []
         try:
-            for block in self.blocks:
+            for block, calls in zip(self.blocks, self._calls):
                 original = block.layer.call
                 originals.append((block.layer, original))
-                object.__setattr__(block.layer, "call", self._recording_call(block, original))
+                object.__setattr__(block.layer, "call",
+                                   self._recording_call(block, original, calls))
             yield self
         finally:
             for layer, _ in originals:
                 object.__delattr__(layer, "call")
 
-    def _recording_call(self, block, original):
+    def _recording_call(self, block, original, calls):
         def call(*args, **kwargs):
             record, output = block.pre_activation_call(original, args, kwargs)
-            self._calls[block.name].append(record)
+            calls.append(record)
             return output
 
         return call
 
     def take(self):
         """The recorded calls per block, as lists of (inputs, pre-activations); resets."""
-        calls, self._calls = self._calls, {}
-        missing = [name for name, c in calls.items() if not c]
+        calls, self._calls = self._calls, []
+        missing = [block.name for block, c in zip(self.blocks, calls) if not c]
         if missing:
             raise RuntimeError(
                 f"K-FAC layers {missing} were not called in the recorded forward pass; "
                 "attach the optimizer to the model whose forward pass you record.")
-        return [calls[block.name] for block in self.blocks]
+        return calls

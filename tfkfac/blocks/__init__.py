@@ -8,13 +8,14 @@ from tfkfac.blocks.base import Block, Unsupported
 from tfkfac.blocks.normalization import (BatchNormBlock, GroupNormBlock, LayerNormBlock,
                                          RMSNormBlock)
 from tfkfac.blocks.conv import ConvBlock, ConvTransposeBlock, SeparableConvBlock
+from tfkfac.blocks.einsum import EinsumDenseBlock
 from tfkfac.blocks.embedding import EmbeddingBlock
 from tfkfac.blocks.kronecker import DenseBlock, KroneckerBlock
 
 __all__ = ["Block", "BatchNormBlock", "ConvBlock", "ConvTransposeBlock", "DenseBlock",
-           "EmbeddingBlock", "GroupNormBlock", "KroneckerBlock", "LayerNormBlock",
-           "RMSNormBlock", "SeparableConvBlock", "Unsupported", "WEIGHT_SHARING", "block_for",
-           "discover"]
+           "EinsumDenseBlock", "EmbeddingBlock", "GroupNormBlock", "KroneckerBlock",
+           "LayerNormBlock", "RMSNormBlock", "SeparableConvBlock", "Unsupported",
+           "WEIGHT_SHARING", "block_for", "discover"]
 
 WEIGHT_SHARING = ("expand", "reduce")
 SKIPPED_BY_REQUEST = "skipped by skip_layers"
@@ -48,6 +49,8 @@ _BUILDERS = [
     (keras.layers.GroupNormalization, _diagonal(GroupNormBlock)),
     (keras.layers.RMSNormalization, _diagonal(RMSNormBlock)),
     (keras.layers.Dense, lambda layer, options: DenseBlock(layer, options["weight_sharing"])),
+    (keras.layers.EinsumDense,
+     lambda layer, options: EinsumDenseBlock(layer, options["weight_sharing"])),
 ]
 
 
