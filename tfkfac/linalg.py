@@ -111,7 +111,12 @@ def eigen_precondition(grad, q_a, v_a, q_g, v_g, damping):
 
 def pi_correction(a, g):
     """π of Martens & Grosse (2015): sqrt of the ratio of the factors' mean traces."""
-    return tf.sqrt(_positive(mean_trace(a)) / _positive(mean_trace(g)))
+    return pi_from_mean_traces(mean_trace(a), mean_trace(g))
+
+
+def pi_from_mean_traces(mean_trace_a, mean_trace_g):
+    """π from tr(A)/dim A and tr(G)/dim G (a diagonal A gives its mean directly)."""
+    return tf.sqrt(_positive(mean_trace_a) / _positive(mean_trace_g))
 
 
 def mean_trace(matrix):

@@ -41,8 +41,7 @@ class EmbeddingBlock(Block):
 
     def _pi(self, factors):
         a, g = factors
-        return tf.sqrt(tf.maximum(tf.reduce_mean(a), 1e-30)
-                       / tf.maximum(linalg.mean_trace(g), 1e-30))
+        return linalg.pi_from_mean_traces(tf.reduce_mean(a), linalg.mean_trace(g))
 
     def decompose(self, index, factors, method, damping):
         if method == "eigen":
