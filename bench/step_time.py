@@ -15,10 +15,23 @@ Each step is timed from asking for its batch to its finished update
 stale, factor and eigendecomposition steps at their true proportions. K-FAC's own
 per-phase clocks (factors, decomposition, preconditioning, update) give the breakdown.
 
+`--compare=weight_sharing` measures instead what `weight_sharing="reduce"` saves against
+"expand" in the factor phase: two K-FAC trainers (the trainer's defaults, factors every
+step, decompositions only at the first) alternate blocks of `--weight_sharing_block_steps`
+steps (expand, reduce, expand, ...); each block's factor-phase seconds (K-FAC's own clock)
+over its factor updates gives one figure per block, and the median over `--blocks` blocks
+is reported with the ratio reduce / expand, beside the median step time of the blocks
+(every step a factor step).
+
 Run (in the background; ~15 min on 2 idle cores):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_time.py \
       > /tmp/step_time.log 2>&1 &
 Writes bench/results/step_time.json and step_time.png and prints the ratios.
+Weight sharing (a few minutes):
+  cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_time.py \
+      --compare=weight_sharing --models=cnn,resnet20,vit --blocks=5 \
+      > /tmp/weight_sharing.log 2>&1 &
+Writes bench/results/weight_sharing.json and weight_sharing.png.
 """
 
 import os
@@ -45,7 +58,14 @@ flags.DEFINE_integer("amortized_block_steps", 50,
 flags.DEFINE_integer("every_step_block_steps", 5,
                      "Steps per block for K-FAC with factors and eigendecompositions every step.")
 flags.DEFINE_integer("cached_batches", 16, "Distinct batches held in memory and cycled.")
-flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where step_time.json/.png go.")
+flags.DEFINE_enum("compare", "optimizers", ["optimizers", "weight_sharing"],
+                  "optimizers: K-FAC vs SGD step times (step_time.json); weight_sharing: "
+                  "K-FAC's factor phase with weight_sharing reduce vs expand "
+                  "(weight_sharing.json).")
+flags.DEFINE_integer("weight_sharing_block_steps", 10,
+                     "Steps per block of each weight-sharing rule (every step a factor step).")
+flags.DEFINE_string("output_dir", outputs.RESULTS_DIR,
+                    "Where step_time.json/.png (or weight_sharing.json/.png) go.")
 
 # name -> (TrainConfig overrides, timed steps per block flag)
 CONFIGURATIONS = {
@@ -60,14 +80,23 @@ CONFIGURATIONS = {
                             kfac_method="eigen"),
 }
 
+# --compare=weight_sharing: factors every step, decompositions once (at the first step,
+# in the warm-up), so every timed step is a factor step and nothing else differs.
+WEIGHT_SHARING_INV_UPDATE_FREQ = 1_000_000
+WEIGHT_SHARING_CONFIGURATIONS = {
+    rule: dict(optimizer="kfac", factor_update_freq=1,
+               inv_update_freq=WEIGHT_SHARING_INV_UPDATE_FREQ, weight_sharing=rule)
+    for rule in ("expand", "reduce")
+}
+
 
 class Timed:
     """One configuration's trainer, its cached batches and its step timer."""
 
-    def __init__(self, name, model, model_dir):
+    def __init__(self, name, model, model_dir, configurations=None):
         config = config_lib.TrainConfig(model=model, batch_size=FLAGS.batch_size,
                                         model_dir=model_dir, verbose=0,
-                                        **CONFIGURATIONS[name])
+                                        **(configurations or CONFIGURATIONS)[name])
         self.name = name
         self.config = config
         self.trainer = runner.Trainer(config)
@@ -76,7 +105,7 @@ class Timed:
             pass
         self._batches = batches.repeat()
         self.totals = {}
-        self.timer = reporting.StepTimer(runner.phase_fn(config), self.totals)
+        self.timer = reporting.StepTimer(runner.phase_fn(self.trainer.optimizer), self.totals)
         self.block_steps = (FLAGS.every_step_block_steps if name == "kfac_every_step"
                             else FLAGS.amortized_block_steps)
         self._kfac_start = None
@@ -125,6 +154,71 @@ def time_model(model):
     for name, result in results.items():
         result["ratio_to_sgd"] = result["mean_step_s"] / sgd
     return {"configurations": results, "wall_s": time.time() - started}
+
+
+def factor_clock(optimizer):
+    """(seconds in K-FAC's factor phase so far, factor updates so far)."""
+    summary = optimizer.summary()
+    return summary["phase_seconds"]["factors"], summary["counters"]["factor_updates"]
+
+
+def time_weight_sharing(model):
+    """Factor-phase seconds per factor update, reduce vs expand, in interleaved blocks."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        timed = [Timed(rule, model, os.path.join(model_dir, rule),
+                       WEIGHT_SHARING_CONFIGURATIONS) for rule in WEIGHT_SHARING_CONFIGURATIONS]
+        for entry in timed:
+            entry.warm_up()
+        per_block = {entry.name: {"factor_s_per_update": [], "step_s": []} for entry in timed}
+        started = time.time()
+        for _ in range(FLAGS.blocks):
+            for entry in timed:
+                seconds, updates = factor_clock(entry.trainer.optimizer)
+                entry.totals.clear()
+                entry.run(FLAGS.weight_sharing_block_steps)
+                end_seconds, end_updates = factor_clock(entry.trainer.optimizer)
+                per_block[entry.name]["factor_s_per_update"].append(
+                    (end_seconds - seconds) / (end_updates - updates))
+                per_block[entry.name]["step_s"].append(
+                    reporting.mean_step_times(entry.totals)["all"])
+        results = {}
+        for entry in timed:
+            blocks = per_block[entry.name]
+            results[entry.name] = {
+                "per_block": blocks,
+                "median_factor_s_per_update": statistics.median(blocks["factor_s_per_update"]),
+                "median_step_s": statistics.median(blocks["step_s"]),
+                "state_bytes": entry.trainer.optimizer.summary()["state_bytes"]}
+    expand, reduce = results["expand"], results["reduce"]
+    return {"rules": results, "wall_s": time.time() - started,
+            "reduce_over_expand": {
+                "factor_phase": (reduce["median_factor_s_per_update"]
+                                 / expand["median_factor_s_per_update"]),
+                "step": reduce["median_step_s"] / expand["median_step_s"]}}
+
+
+def plot_weight_sharing(report, path):
+    model_names = list(report["models"])
+    figure, (factors, steps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.4
+    for axis, key, title in (
+            (factors, "median_factor_s_per_update", "K-FAC factor phase per factor step"),
+            (steps, "median_step_s", "Training step, factors every step")):
+        for i, rule in enumerate(WEIGHT_SHARING_CONFIGURATIONS):
+            values = [report["models"][m]["rules"][rule][key] * 1e3 for m in model_names]
+            bars = axis.bar([x + (i - 0.5) * width for x in range(len(model_names))], values,
+                            width, label=f'weight_sharing="{rule}"')
+            if rule == "reduce":
+                ratio_key = "factor_phase" if key.startswith("median_factor") else "step"
+                labels = [f"{report['models'][m]['reduce_over_expand'][ratio_key]:.2f}x"
+                          for m in model_names]
+                axis.bar_label(bars, labels, fontsize=8)
+        axis.set_xticks(range(len(model_names)), model_names)
+        axis.set_ylabel("ms (median over blocks)")
+        axis.set_title(f"{title}, batch {report['batch_size']}")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def plot(report, path):
@@ -176,12 +270,16 @@ def plot(report, path):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
-    report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.blocks,
-              "machine": outputs.machine(), "configurations": CONFIGURATIONS, "models": {}}
     for model in FLAGS.models:
         if model not in models.CLASSIFIERS:
             raise ValueError(f"models must be among {', '.join(models.CLASSIFIERS)}; "
                              f"got {model!r}")
+    if FLAGS.compare == "weight_sharing":
+        weight_sharing_main()
+        return
+    report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.blocks,
+              "machine": outputs.machine(), "configurations": CONFIGURATIONS, "models": {}}
+    for model in FLAGS.models:
         report["models"][model] = time_model(model)
         for name, result in report["models"][model]["configurations"].items():
             print(f"{model:9s} {name:22s} {result['mean_step_s'] * 1e3:9.1f} ms/step  "
@@ -192,6 +290,24 @@ def main(argv):
     report["median_amortized_ratio"] = statistics.median(
         r["configurations"]["kfac_amortized"]["ratio_to_sgd"] for r in report["models"].values())
     outputs.write(report, FLAGS.output_dir, "step_time", plot)
+
+
+def weight_sharing_main():
+    report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.blocks,
+              "block_steps": FLAGS.weight_sharing_block_steps,
+              "machine": outputs.machine(), "configurations": WEIGHT_SHARING_CONFIGURATIONS,
+              "models": {}}
+    for model in FLAGS.models:
+        result = report["models"][model] = time_weight_sharing(model)
+        rules = result["rules"]
+        print(f"{model:9s} factor phase per factor step: expand "
+              f"{rules['expand']['median_factor_s_per_update'] * 1e3:.1f} ms, reduce "
+              f"{rules['reduce']['median_factor_s_per_update'] * 1e3:.1f} ms "
+              f"({result['reduce_over_expand']['factor_phase']:.2f}x); step: expand "
+              f"{rules['expand']['median_step_s'] * 1e3:.1f} ms, reduce "
+              f"{rules['reduce']['median_step_s'] * 1e3:.1f} ms "
+              f"({result['reduce_over_expand']['step']:.2f}x)", flush=True)
+    outputs.write(report, FLAGS.output_dir, "weight_sharing", plot_weight_sharing)
 
 
 if __name__ == "__main__":

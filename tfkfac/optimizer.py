@@ -136,6 +136,7 @@ class KFAC(keras.optimizers.Optimizer):
         self._stashed_state = None
         self._model_ref = None
         self._recorder = None
+        self._due = None
         self._phase_seconds = {phase: tf.Variable(0.0, dtype=tf.float64, trainable=False)
                                for phase in PHASES}
 
@@ -446,6 +447,17 @@ class KFAC(keras.optimizers.Optimizer):
                 name: counters[name] for name in state_lib.Counters.NAMES
                 if not name.startswith("next_")}}
         return info
+
+    def step_phase(self, step):
+        """The K-FAC work of training step `step` (0-based) by this optimizer's schedule:
+        "factors_and_decompositions", "decompositions", "factors" or "stale"."""
+        if self._due is None:
+            keras_integration.set_untracked(self, "_due", (
+                schedules.DueSteps(self.factor_update_freq),
+                schedules.DueSteps(self.inv_update_freq)))
+        factors, decompositions = (step in due for due in self._due)
+        return {(True, True): "factors_and_decompositions", (False, True): "decompositions",
+                (True, False): "factors", (False, False): "stale"}[factors, decompositions]
 
     def current_damping(self):
         return float(schedules.value_at(self.damping, self.iterations))

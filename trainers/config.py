@@ -28,7 +28,7 @@ VERBOSITIES = (0, 1, 2)
 # Fields that only mean something to K-FAC; setting one with another optimizer is a mistake.
 KFAC_ONLY_FIELDS = (
     "damping", "factor_update_freq", "inv_update_freq", "kl_clip", "kfac_method",
-    "kfac_placement", "factor_wire_dtype", "eigen_wire_dtype", "weight_sharing",
+    "kfac_placement", "factor_wire_dtype", "decomposition_wire_dtype", "weight_sharing",
 )
 # Fields a resumed run must share with the run that wrote the checkpoint.
 RESUME_INVARIANT_FIELDS = (
@@ -66,7 +66,7 @@ class TrainConfig:
     kfac_method: str = "inverse"
     kfac_placement: str = "replicated"
     factor_wire_dtype: str = "float32"
-    eigen_wire_dtype: str = "float32"
+    decomposition_wire_dtype: str = "float32"
     weight_sharing: str = "expand"
     batch_size: int = 128
     epochs: int = 2
@@ -102,7 +102,7 @@ class TrainConfig:
         _one_of("kfac_method", self.kfac_method, KFAC_METHODS)
         _one_of("kfac_placement", self.kfac_placement, KFAC_PLACEMENTS)
         _one_of("factor_wire_dtype", self.factor_wire_dtype, WIRE_DTYPES)
-        _one_of("eigen_wire_dtype", self.eigen_wire_dtype, WIRE_DTYPES)
+        _one_of("decomposition_wire_dtype", self.decomposition_wire_dtype, WIRE_DTYPES)
         _one_of("weight_sharing", self.weight_sharing, WEIGHT_SHARING)
         _one_of("echo_mode", self.echo_mode, ECHO_MODES)
         _one_of("precision", self.precision, PRECISIONS)

@@ -91,7 +91,7 @@ class Trainer:
             self.counters, self.communicator,
             scalars_fn=lambda: _optimizer_scalars(config, self.optimizer),
             fresh_examples_fn=self.data.fresh_examples,
-            phase_fn=phase_fn(config),
+            phase_fn=phase_fn(self.optimizer),
             evaluate_fn=lambda: self._evaluate_mid_epoch(eval_data),
             eval_every_steps=config.eval_every_steps,
             target_accuracy=config.target_accuracy,
@@ -192,7 +192,7 @@ def _build_optimizer(config, steps_per_epoch, total_steps, communicator):
             inv_update_freq=config.inv_update_freq, method=config.kfac_method,
             xla=config.xla, placement=config.kfac_placement,
             factor_wire_dtype=config.factor_wire_dtype,
-            decomposition_wire_dtype=config.eigen_wire_dtype,
+            decomposition_wire_dtype=config.decomposition_wire_dtype,
             weight_sharing=config.weight_sharing, communicator=communicator, **options)
     if config.optimizer == "sgd":
         options["momentum"] = config.momentum
@@ -222,19 +222,10 @@ def _optimizer_scalars(config, optimizer):
     return scalars
 
 
-def phase_fn(config):
-    """Names the K-FAC work a step does, so step times can be reported per phase."""
-    if config.optimizer != "kfac":
-        return lambda step: "step"
-
-    def phase(step):
-        if step % config.inv_update_freq == 0:
-            return "factors_and_inverses"
-        if step % config.factor_update_freq == 0:
-            return "factors"
-        return "stale"
-
-    return phase
+def phase_fn(optimizer):
+    """Names the work each step does, so step times can be reported per phase: K-FAC's
+    own schedule (`KFAC.step_phase`), one "step" kind for the other optimizers."""
+    return getattr(optimizer, "step_phase", lambda step: "step")
 
 
 def _print_summary(summary):

@@ -60,9 +60,12 @@ flags.DEFINE_enum("kfac_placement", _DEFAULTS.kfac_placement, config_lib.KFAC_PL
                   "(each layer's owner preconditions it and shares the result every step).")
 flags.DEFINE_enum("factor_wire_dtype", _DEFAULTS.factor_wire_dtype, config_lib.WIRE_DTYPES,
                   "Distributed K-FAC: dtype of factors on the wire.")
-flags.DEFINE_enum("eigen_wire_dtype", _DEFAULTS.eigen_wire_dtype, config_lib.WIRE_DTYPES,
+flags.DEFINE_enum("decomposition_wire_dtype", _DEFAULTS.decomposition_wire_dtype,
+                  config_lib.WIRE_DTYPES,
                   "Distributed K-FAC: dtype of decompositions (eigenbases or inverses) and "
-                  "preconditioned gradients on the wire (KFAC's decomposition_wire_dtype).")
+                  "preconditioned gradients on the wire.")
+# The flag's name before 0.2, kept working.
+flags.DEFINE_alias("eigen_wire_dtype", "decomposition_wire_dtype")
 flags.DEFINE_enum("weight_sharing", _DEFAULTS.weight_sharing, config_lib.WEIGHT_SHARING,
                   "K-FAC rule for weights used at several positions per example: expand "
                   "(every position counts like an example) or reduce (summed per example "
