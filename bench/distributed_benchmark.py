@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 import outputs  # noqa: E402
-from tfkfac.distributed import launch  # noqa: E402
+from trainers import launch  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "cnn"], "Models of trainers/models.py to measure.")

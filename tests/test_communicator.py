@@ -20,7 +20,7 @@ sys.path.insert(0, TESTS_DIR)
 sys.path.insert(0, os.path.join(TESTS_DIR, "testdata"))
 
 import communicator_worker as worker  # noqa: E402
-from tfkfac.distributed.launch import run_horovod_job  # noqa: E402
+from trainers.launch import run_horovod_job  # noqa: E402
 from resnet_factors import resnet50_factor_dims  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 

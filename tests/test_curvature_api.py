@@ -6,6 +6,10 @@ backward of a small MLP): after one step with factor_decay's first update F = F_
 `precondition` returns (A ⊗ G + λI)⁻¹ vec(∇) per layer (explicit np.kron solve) for new
 gradients, leaving unmanaged variables' gradients untouched. BatchNorm's factor is
 named "F". Bad arguments name what is allowed.
+
+`state_dtype="float64"` on a float64 model agrees with the same reference to 1e-9
+(float32 state: 1e-4), and `step_phase` names exactly the work each step did (the
+counters), also for callable intervals.
 """
 
 import os
@@ -23,12 +27,12 @@ from kfac_reference import DAMPING, N, assert_close, kron_precondition  # noqa: 
 RNG = np.random.default_rng(0)
 
 
-def mlp():
+def mlp(dtype=None):
     keras.utils.set_random_seed(1)
     return keras.Sequential([
-        keras.Input((4,)),
-        keras.layers.Dense(5, activation="tanh", name="hidden"),
-        keras.layers.Dense(3, name="head"),
+        keras.Input((4,), dtype=dtype),
+        keras.layers.Dense(5, activation="tanh", name="hidden", dtype=dtype),
+        keras.layers.Dense(3, name="head", dtype=dtype),
     ])
 
 
@@ -63,19 +67,20 @@ class CurvatureApiTest(absltest.TestCase):
             loss = self.loss(y, self.model(x, training=True))
         self.optimizer.minimize(loss, tape=tape)
 
-    def test_factors_and_precondition_match_numpy(self):
-        x = RNG.normal(size=(N, 4)).astype(np.float32)
-        y = RNG.normal(size=(N, 3)).astype(np.float32)
+    def check_against_numpy(self, dtype, rtol):
+        x = RNG.normal(size=(N, 4)).astype(dtype)
+        y = RNG.normal(size=(N, 3)).astype(dtype)
         expected = numpy_curvature(self.model, x, y)
         self.step(x, y)
         for layer, (a, g, _) in zip(self.model.layers, expected):
             factors = self.optimizer.factors(layer)
             self.assertEqual(set(factors), {"A", "G"})
-            assert_close(factors["A"], a, msg=layer.name)
-            assert_close(self.optimizer.factors(layer.name)["G"], g, msg=layer.name)
+            self.assertEqual(factors["A"].dtype, self.optimizer.state_dtype)
+            assert_close(factors["A"], a, rtol=rtol, msg=layer.name)
+            assert_close(self.optimizer.factors(layer.name)["G"], g, rtol=rtol, msg=layer.name)
         # New gradients, preconditioned with the decompositions of those factors.
-        x2 = RNG.normal(size=(N, 4)).astype(np.float32)
-        y2 = RNG.normal(size=(N, 3)).astype(np.float32)
+        x2 = RNG.normal(size=(N, 4)).astype(dtype)
+        y2 = RNG.normal(size=(N, 3)).astype(dtype)
         with tf.GradientTape() as tape:
             loss = self.loss(y2, self.model(x2))
         variables = self.model.trainable_variables
@@ -84,8 +89,53 @@ class CurvatureApiTest(absltest.TestCase):
         for k, (a, g, _) in enumerate(expected):
             grad = np.concatenate([grads[2 * k].numpy(), grads[2 * k + 1].numpy()[None]], 0)
             p = kron_precondition(a, g, grad.astype(np.float64), DAMPING)
-            assert_close(got[2 * k], p[:-1], msg=f"layer {k} kernel")
-            assert_close(got[2 * k + 1], p[-1], msg=f"layer {k} bias")
+            assert_close(got[2 * k], p[:-1], rtol=rtol, msg=f"layer {k} kernel")
+            assert_close(got[2 * k + 1], p[-1], rtol=rtol, msg=f"layer {k} bias")
+
+    def test_factors_and_precondition_match_numpy(self):
+        self.check_against_numpy(np.float32, rtol=1e-4)
+
+    def test_float64_state_matches_numpy_to_float64_rounding(self):
+        self.model = mlp(dtype="float64")
+        self.optimizer = tfkfac.KFAC(learning_rate=0.1, damping=DAMPING, kl_clip=None,
+                                     momentum=0.0, xla=False, state_dtype="float64")
+        self.optimizer.attach(self.model)
+        self.check_against_numpy(np.float64, rtol=1e-9)
+        self.assertEqual(tfkfac.KFAC.from_config(self.optimizer.get_config()).state_dtype,
+                         "float64")
+
+    def test_float64_state_trains_a_float32_model(self):
+        model = mlp()
+        optimizer = tfkfac.KFAC(state_dtype="float64", xla=False).attach(model)
+        model.compile(optimizer=optimizer, loss="mse")
+        x = RNG.normal(size=(4 * N, 4)).astype(np.float32)
+        history = model.fit(x, x[:, :3], batch_size=N, epochs=1, verbose=0)
+        self.assertTrue(np.isfinite(history.history["loss"][-1]))
+        self.assertEqual(optimizer.factors("head")["G"].dtype, tf.float64)
+        self.assertEqual(model.layers[0].kernel.dtype, "float32")
+
+    def test_step_phase_names_the_work_each_step_did(self):
+        for factor_freq, inv_freq in ((2, 4), (lambda s: 1 + s // 3, lambda s: 2 + s // 2)):
+            model = mlp()
+            optimizer = tfkfac.KFAC(factor_update_freq=factor_freq, inv_update_freq=inv_freq,
+                                    xla=False).attach(model)
+            x = RNG.normal(size=(N, 4)).astype(np.float32)
+            done = []
+            for step in range(14):
+                before = optimizer.summary()["counters"] if step else {
+                    "factor_updates": 0, "decomposition_updates": 0}
+                with optimizer.record() as tape:
+                    loss = tf.reduce_mean(model(x, training=True) ** 2)
+                optimizer.minimize(loss, tape=tape)
+                after = optimizer.summary()["counters"]
+                factors, decompositions = (
+                    after[name] > before[name]
+                    for name in ("factor_updates", "decomposition_updates"))
+                done.append({(True, True): "factors_and_decompositions",
+                             (False, True): "decompositions", (True, False): "factors",
+                             (False, False): "stale"}[factors, decompositions])
+            self.assertEqual([optimizer.step_phase(s) for s in range(14)], done)
+            self.assertIn("stale", done)
 
     def test_unmanaged_variables_keep_their_gradient(self):
         optimizer = tfkfac.KFAC(skip_layers=["hidden"], xla=False)
@@ -115,6 +165,10 @@ class CurvatureApiTest(absltest.TestCase):
     def test_bad_arguments_say_what_is_allowed(self):
         with self.assertRaisesRegex(ValueError, r"`layer`.*hidden.*head"):
             self.optimizer.factors("nope")
+        with self.assertRaisesRegex(ValueError, r"`state_dtype` must be one of.*float64"):
+            tfkfac.KFAC(state_dtype="float16")
+        with self.assertRaisesRegex(ValueError, r"`skip_layers` must be a list"):
+            tfkfac.KFAC(skip_layers="hidden")
         with self.assertRaisesRegex(RuntimeError, "train at least one step"):
             self.optimizer.precondition([], [])
         x = np.zeros((N, 4), np.float32)

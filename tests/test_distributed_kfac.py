@@ -39,7 +39,7 @@ sys.path.insert(0, TESTS_DIR)
 
 import distributed_kfac_worker as worker  # noqa: E402
 import modern_net  # noqa: E402
-from tfkfac.distributed.launch import run_horovod_job  # noqa: E402
+from trainers.launch import run_horovod_job  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 
 JOB_TIMEOUT_SECONDS = 270  # Measured 75-120 s on the 2-core machine at load 6-8.

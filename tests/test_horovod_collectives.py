@@ -5,7 +5,7 @@ import os
 
 from absl.testing import absltest
 
-from tfkfac.distributed.launch import run_horovod_job
+from trainers.launch import run_horovod_job
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "horovod_collectives_worker.py")

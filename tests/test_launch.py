@@ -1,4 +1,4 @@
-"""tfkfac.distributed.launch: jobs report their exit code and output, and never hang."""
+"""trainers.launch: jobs report their exit code and output, and never hang."""
 
 import os
 import re
@@ -8,7 +8,7 @@ from unittest import mock
 
 from absl.testing import absltest
 
-from tfkfac.distributed import launch
+from trainers import launch
 
 SLEEPER = ("import subprocess, sys, time\n"
            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"

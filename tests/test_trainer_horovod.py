@@ -16,7 +16,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)
 
 import trainer_worker as worker  # noqa: E402
-from tfkfac.distributed.launch import run_horovod_job  # noqa: E402
+from trainers.launch import run_horovod_job  # noqa: E402
 
 NUM_RANKS = 2
 JOB_TIMEOUT_SECONDS = 280

@@ -3,7 +3,9 @@
 `Curvature` runs the three K-FAC phases of a step on its blocks' state (docs/design.md):
 running averages of the factor statistics (one grouped reduction over ranks), damped
 decompositions spread over ranks by the placement, and the preconditioning of gradients.
-It holds no Keras optimizer logic; `tfkfac.KFAC` decides when each phase runs.
+Factors and decompositions are updated when their interval schedule says they are due
+(`tfkfac.schedules.DueSteps` answers the same question in Python). It holds no Keras
+optimizer logic.
 """
 
 import sys
@@ -27,19 +29,23 @@ def warn_if(condition, *message):
 class Curvature:
     """Blocks, their state (`state.BlockState` each) and the phases that update it.
 
-    `jit` compiles the factor statistics and the preconditioning with XLA. Decompositions
+    Factors, decompositions and preconditioning run in `dtype` (float32, or float64 for
+    checks against a float64 reference). `xla` (True, False or "auto": when a GPU is
+    visible) compiles the factor statistics and the preconditioning. Decompositions
     never use XLA: XLA:CPU lowers eigh to a Jacobi solver (docs/benchmarks.md), and on
     CPU they run in LAPACK (`tfkfac.linalg`).
     """
 
     def __init__(self, blocks, placement, comm, method, factor_decay, factor_wire_dtype,
-                 decomposition_wire_dtype, jit):
+                 decomposition_wire_dtype, xla, dtype="float32"):
         self.blocks, self.placement, self.comm, self.method = blocks, placement, comm, method
         self.factor_decay = factor_decay
         self.factor_wire_dtype = factor_wire_dtype
         self.decomposition_wire_dtype = decomposition_wire_dtype
+        self.dtype = tf.as_dtype(dtype)
         self.states = None
         self.counters = None
+        jit = bool(tf.config.list_physical_devices("GPU")) if xla == "auto" else xla
         self._statistics_fn = tf.function(self._batch_statistics, jit_compile=jit)
         self._decompose_fn = tf.function(self._decompose)
         self._precondition_fn = tf.function(self._precondition, jit_compile=jit)
@@ -77,7 +83,7 @@ class Curvature:
             return add_variable(shape, initializer, name)
         # Not an optimizer variable: outside `variables`, so checkpoints skip it.
         with tf.init_scope():
-            return keras.Variable(keras.initializers.get(initializer)(shape),
+            return keras.Variable(keras.initializers.get(initializer)(shape, self.dtype),
                                   trainable=False, name=name)
 
     def variables(self, saved_only):
@@ -102,6 +108,8 @@ class Curvature:
 
     # --------------------------------------------------------------- factors
     def _batch_statistics(self, calls):
+        calls = tf.nest.map_structure(
+            lambda t: tf.cast(t, self.dtype) if t.dtype.is_floating else t, calls)
         return [block.batch_statistics(
                     block_calls, tf.shape(tf.nest.flatten(block_calls[0][0])[0])[0])
                 for block, block_calls in zip(self.blocks, calls)]
@@ -113,7 +121,8 @@ class Curvature:
             self.comm, [s for block_stats in statistics for s in block_stats],
             self.factor_wire_dtype, "factors")
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in flat])
-        decay = tf.where(tf.equal(self.counters.factor_updates, 0), 0.0, self.factor_decay)
+        decay = tf.cast(tf.where(tf.equal(self.counters.factor_updates, 0), 0.0,
+                                 self.factor_decay), self.dtype)
         variables = [v for s in self.states for v in s.factors]
         for variable, batch_value in zip(variables, flat):
             average = decay * variable + (1.0 - decay) * batch_value
@@ -123,6 +132,16 @@ class Curvature:
         warn_if(tf.logical_not(finite),
                 "KFAC warning: non-finite factor statistics; factor update skipped")
         return finite
+
+    def update_factors_if_due(self, step, calls, interval):
+        """`update_factors` at a due step (`interval(step)` steps after the last one)."""
+        def update():
+            updated = self.update_factors(calls)
+            self.counters.next_factor_step.assign(step + interval(step))
+            return updated
+
+        due = step >= self.counters.next_factor_step
+        return tf.cond(due, update, lambda: tf.constant(False))
 
     # -------------------------------------------------------- decompositions
     def _decompose(self, items, factors, damping):
@@ -150,6 +169,19 @@ class Curvature:
         self.decompositions_current.assign(True)
         return failed
 
+    def update_decompositions_if_due(self, step, damping, interval):
+        """`update_decompositions` at a due step, or when a restore left none ("owner")."""
+        def update():
+            failed = self.update_decompositions(damping)
+            # A recomputation after a restore keeps the saved schedule.
+            self.counters.next_decomposition_step.assign(tf.where(
+                due, step + interval(step), self.counters.next_decomposition_step))
+            return failed
+
+        due = step >= self.counters.next_decomposition_step
+        needed = tf.logical_or(due, tf.logical_not(self.decompositions_current))
+        return tf.cond(needed, update, lambda: tf.constant(0, tf.int64))
+
     # ------------------------------------------------------- preconditioning
     def _precondition(self, block_indices, block_grads, factors, decompositions, damping):
         return {b: self.blocks[b].precondition(grads, block_factors, decomposition,
@@ -172,9 +204,9 @@ class Curvature:
             raise ValueError(f"`variables` must hold every K-FAC-managed variable; missing "
                              f"{missing}")
         slots = [[index[id(v)] for v in block.variables] for block in self.blocks]
-        # Dense float32 gradients (an Embedding's arrives as IndexedSlices).
-        block_grads = [[tf.zeros(variables[i].shape) if grads[i] is None
-                        else tf.cast(tf.convert_to_tensor(grads[i]), tf.float32)
+        # Dense gradients in the state dtype (an Embedding's arrives as IndexedSlices).
+        block_grads = [[tf.zeros(variables[i].shape, self.dtype) if grads[i] is None
+                        else tf.cast(tf.convert_to_tensor(grads[i]), self.dtype)
                         for i in block_slots] for block_slots in slots]
         indices = self.placement.preconditioned_blocks()
         states = [self.states[b] for b in indices]
@@ -193,9 +225,15 @@ class Curvature:
                 grads[i] = tf.cast(p, variables[i].dtype)
         return grads
 
-    def state_bytes(self):
-        return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize
-                       for v in self.variables(saved_only=False)))
+    def summary(self):
+        """Per block its layer, kind and factor shapes; the bytes of the state created."""
+        managed = [{"layer": b.name, "kind": b.kind,
+                    "factor_shapes": [list(s) for s in b.factor_shapes()]}
+                   for b in self.blocks]
+        state_bytes = 0 if self.states is None else sum(
+            int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+            for v in self.variables(saved_only=False))
+        return {"managed": managed, "state_bytes": state_bytes}
 
 
 def kl_clip_scale(learning_rate, kl_clip):

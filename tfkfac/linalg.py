@@ -159,4 +159,4 @@ def kl_clip_scale(preconditioned, grads, learning_rate, kl_clip):
         for layer_p, layer_g in zip(preconditioned, grads)])
     lr = tf.cast(learning_rate, vg_sum.dtype)
     ratio = kl_clip / tf.maximum(lr * lr * vg_sum, 1e-30)
-    return tf.minimum(1.0, tf.sqrt(ratio))
+    return tf.minimum(tf.sqrt(ratio), 1.0)

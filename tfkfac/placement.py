@@ -25,8 +25,9 @@ class Placement:
     name = None
     saves_decompositions = True
 
-    def __init__(self, blocks, comm, method):
+    def __init__(self, blocks, comm, method, dtype="float32"):
         self.blocks, self.comm, self.method = list(blocks), comm, method
+        self.dtype = dtype  # of the decompositions and preconditioned gradients
         # One work item per symmetric factor: (block index, factor index).
         self.items = [(b, j) for b, block in enumerate(self.blocks)
                       for j in block.symmetric_factors()]
@@ -66,7 +67,7 @@ class Placement:
                 shapes.append(shape)
                 item_owners.append(owner)
         gathered = iter(distributed.gather_from_owners(
-            self.comm, values, shapes, item_owners, wire_dtype, category))
+            self.comm, values, shapes, item_owners, wire_dtype, category, self.dtype))
         return {key: [next(gathered) for _ in shapes_of(key)] for key in keys}
 
 
@@ -79,8 +80,8 @@ class Replicated(Placement):
 
     name = "replicated"
 
-    def __init__(self, blocks, comm, method):
-        super().__init__(blocks, comm, method)
+    def __init__(self, blocks, comm, method, dtype="float32"):
+        super().__init__(blocks, comm, method, dtype)
         self.owners = distributed.lpt_assignment(
             [decomposition_cost(self.blocks[b].factor_shapes()[j]) for b, j in self.items],
             comm.size)
@@ -112,8 +113,8 @@ class Owner(Placement):
     name = "owner"
     saves_decompositions = False
 
-    def __init__(self, blocks, comm, method):
-        super().__init__(blocks, comm, method)
+    def __init__(self, blocks, comm, method, dtype="float32"):
+        super().__init__(blocks, comm, method, dtype)
         costs = [sum(decomposition_cost(block.factor_shapes()[j])
                      for j in block.symmetric_factors()) or 1.0 for block in self.blocks]
         self.owners = distributed.lpt_assignment(costs, comm.size)
@@ -137,9 +138,9 @@ class Owner(Placement):
         return [gathered[b] for b in range(len(self.blocks))]
 
 
-def make_placement(name, blocks, comm, method):
+def make_placement(name, blocks, comm, method, dtype="float32"):
     """The placement called `name` ("replicated" or "owner")."""
     kinds = {kind.name: kind for kind in (Replicated, Owner)}
     if name not in kinds:
         raise ValueError(f"`placement` must be one of {PLACEMENTS}; received {name!r}")
-    return kinds[name](blocks, comm, method)
+    return kinds[name](blocks, comm, method, dtype)

@@ -52,6 +52,39 @@ class Counters:
         return {name: int(getattr(self, name).numpy()) for name in self.NAMES}
 
 
+class PhaseClocks:
+    """Seconds spent in each phase of the K-FAC steps so far (not saved: per process)."""
+
+    PHASES = ("factors", "decomposition", "precondition", "update")
+
+    def __init__(self):
+        self.seconds = {phase: tf.Variable(0.0, dtype=tf.float64, trainable=False)
+                        for phase in self.PHASES}
+
+    def timed(self, phase, function):
+        """`function()`, its wall time (until its outputs exist) added to `phase`."""
+        start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            result = function()
+        with tf.control_dependencies(tf.nest.flatten(result)):
+            self.seconds[phase].assign_add(tf.timestamp() - start)
+        return result
+
+    def values(self):
+        return {phase: float(v.numpy()) for phase, v in self.seconds.items()}
+
+
+def restore(variables, values):
+    """Assign saved `values` (in creation order) to the K-FAC `variables`."""
+    if len(values) != len(variables):
+        raise ValueError(
+            f"The restored K-FAC state has {len(values)} variables but the attached model "
+            f"needs {len(variables)}: attach the optimizer to the same architecture it was "
+            "saved with.")
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
 def identities(shape, dtype=None):
     """Initializer: identity matrices, also for a batch of them (..., n, n)."""
     return tf.eye(shape[-1], batch_shape=shape[:-2], dtype=dtype or "float32")

@@ -6,6 +6,7 @@ received; NaN and infinity are never allowed where a number is expected.
 
 import math
 import numbers
+import re
 
 import keras
 
@@ -13,6 +14,7 @@ from tfkfac import blocks, placement
 from tfkfac.distributed import packing
 
 METHODS = ("eigen", "inverse")
+STATE_DTYPES = ("float32", "float64")
 XLA_CHOICES = (True, False, "auto")
 
 
@@ -65,6 +67,18 @@ def _weight_decay(name, value):
         raise ValueError(f"`{name}` must be a finite number >= 0 or None; received {value!r}")
 
 
+def _patterns(name, value):
+    if isinstance(value, str):
+        raise ValueError(f"`{name}` must be a list of regular expressions; received the "
+                         f"string {value!r} (write [{value!r}])")
+    for pattern in value:
+        try:
+            re.compile(pattern)
+        except (TypeError, re.error) as error:
+            raise ValueError(f"`{name}` must be regular expressions (strings) matching layer "
+                             f"names or class names; received {pattern!r} ({error})") from None
+
+
 RULES = {
     "learning_rate": _positive,
     "damping": _positive,
@@ -79,8 +93,10 @@ RULES = {
     "weight_sharing": _one_of(blocks.WEIGHT_SHARING),
     "factor_wire_dtype": _one_of(tuple(packing.WIRE_DTYPES)),
     "decomposition_wire_dtype": _one_of(tuple(packing.WIRE_DTYPES)),
+    "state_dtype": _one_of(STATE_DTYPES),
     "xla": _one_of(XLA_CHOICES),
     "inner_optimizer": _inner_optimizer,
+    "skip_layers": _patterns,
     "weight_decay": _weight_decay,
 }
 

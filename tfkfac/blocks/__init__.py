@@ -1,6 +1,7 @@
 """K-FAC blocks, one per supported layer kind, and the rule that picks them."""
 
 import re
+import warnings
 
 import keras
 
@@ -15,7 +16,7 @@ from tfkfac.blocks.kronecker import DenseBlock, KroneckerBlock
 __all__ = ["Block", "BatchNormBlock", "ConvBlock", "ConvTransposeBlock", "DenseBlock",
            "EinsumDenseBlock", "EmbeddingBlock", "GroupNormBlock", "KroneckerBlock",
            "LayerNormBlock", "RMSNormBlock", "SeparableConvBlock", "Unsupported",
-           "WEIGHT_SHARING", "block_for", "discover"]
+           "WEIGHT_SHARING", "block_for", "discover", "warn_unsupported"]
 
 WEIGHT_SHARING = ("expand", "reduce")
 SKIPPED_BY_REQUEST = "skipped by skip_layers"
@@ -97,3 +98,12 @@ def discover(layers, skip_patterns=(), diagonal_damping_multiplier=1.0,
         else:
             blocks.append(block)
     return blocks, skipped
+
+
+def warn_unsupported(skipped):
+    """One warning naming every layer that has no block (and why), if there is any."""
+    unsupported = [f"{s['layer']} ({s['reason']})" for s in skipped
+                   if s["reason"] != SKIPPED_BY_REQUEST]
+    if unsupported:
+        warnings.warn("KFAC: these layers have no K-FAC block and get the plain gradient: "
+                      + ", ".join(unsupported), stacklevel=3)

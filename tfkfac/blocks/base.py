@@ -24,7 +24,7 @@ class Block:
 
     # --- the optimizer's view of the statistics --------------------------------
     def factor_shapes(self):
-        """Shapes of the running statistics this block keeps (float32)."""
+        """Shapes of the running statistics this block keeps (in the state dtype)."""
         raise NotImplementedError
 
     def factor_names(self):
@@ -78,5 +78,7 @@ def layer_input(args, kwargs):
     return args[0] if args else kwargs["inputs"]
 
 
-def as_float32(tensor):
-    return tf.cast(tensor, tf.float32)
+def as_float(tensor):
+    """`tensor` in the state dtype it arrives in (float64), or float32 from a narrower float."""
+    tensor = tf.convert_to_tensor(tensor)
+    return tf.cast(tensor, tf.float64 if tensor.dtype == tf.float64 else tf.float32)

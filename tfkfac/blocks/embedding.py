@@ -10,7 +10,7 @@ method: (A + π√λ)⁻¹ ∇ (G + (√λ/π) I)⁻¹ with tr(A)/dim A = Σ_v a
 import tensorflow as tf
 
 from tfkfac import linalg
-from tfkfac.blocks.base import Block, as_float32
+from tfkfac.blocks.base import Block, as_float
 
 
 class EmbeddingBlock(Block):
@@ -24,12 +24,12 @@ class EmbeddingBlock(Block):
         return [(self.vocabulary,), (self.width, self.width)]
 
     def batch_statistics(self, calls, batch_size):
-        n = tf.cast(batch_size, tf.float32)
         tokens = tf.concat([tf.reshape(tf.cast(x, tf.int32), (-1,)) for x, _ in calls], 0)
-        counts = tf.math.unsorted_segment_sum(tf.ones_like(tokens, tf.float32), tokens,
+        g_rows = tf.concat([tf.reshape(as_float(g), (-1, self.width)) for _, g in calls], 0)
+        n = tf.cast(batch_size, g_rows.dtype)
+        counts = tf.math.unsorted_segment_sum(tf.ones_like(tokens, g_rows.dtype), tokens,
                                               self.vocabulary)
-        g_rows = tf.concat([tf.reshape(as_float32(g), (-1, self.width)) for _, g in calls], 0)
-        positions = tf.cast(tf.shape(g_rows)[0], tf.float32) / n
+        positions = tf.cast(tf.shape(g_rows)[0], g_rows.dtype) / n
         # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ
         g = tf.linalg.matmul(g_rows, g_rows, transpose_a=True) * (n / positions)
         return [counts / n, g]
@@ -50,7 +50,7 @@ class EmbeddingBlock(Block):
         return [linalg.damped_inverse(factors[index], tf.sqrt(damping) / self._pi(factors))]
 
     def precondition(self, grads, factors, decomposition, method, damping):
-        grad, a = as_float32(grads[0]), factors[0]
+        grad, a = as_float(grads[0]), factors[0]
         if method == "eigen":
             ((q_g, v_g),) = decomposition
             rotated = tf.linalg.matmul(grad, q_g)

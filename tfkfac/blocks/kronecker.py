@@ -22,7 +22,7 @@ pairs (a block-diagonal layer such as a grouped convolution), all computed batch
 import tensorflow as tf
 
 from tfkfac import linalg
-from tfkfac.blocks.base import Block, as_float32, layer_input
+from tfkfac.blocks.base import Block, as_float, layer_input
 
 
 class KroneckerBlock(Block):
@@ -68,11 +68,10 @@ class KroneckerBlock(Block):
         return tf.reshape(out_grads, (-1, self.out_dim))
 
     def batch_statistics(self, calls, batch_size):
-        n = tf.cast(batch_size, tf.float32)
         a_rows, g_rows = [], []
         for inputs, out_grads in calls:
-            a_call = self.input_rows(as_float32(inputs))
-            g_call = self.output_rows(as_float32(out_grads))
+            a_call = self.input_rows(as_float(inputs))
+            g_call = self.output_rows(as_float(out_grads))
             if self.weight_sharing == "reduce":
                 a_call = tf.reduce_mean(_per_example(a_call, batch_size), axis=-2)
                 g_call = tf.reduce_sum(_per_example(g_call, batch_size), axis=-2)
@@ -82,7 +81,8 @@ class KroneckerBlock(Block):
         g_rows = tf.concat(g_rows, axis=-2)
         if self.has_bias:
             a_rows = tf.concat([a_rows, tf.ones_like(a_rows[..., :1])], axis=-1)
-        positions = tf.cast(tf.shape(g_rows)[-2], tf.float32) / n
+        n = tf.cast(batch_size, g_rows.dtype)
+        positions = tf.cast(tf.shape(g_rows)[-2], g_rows.dtype) / n
         a = tf.linalg.matmul(a_rows, a_rows, transpose_a=True) / n
         # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ = (N / T) Σ dL/ds dL/dsᵀ
         g = tf.linalg.matmul(g_rows, g_rows, transpose_a=True) * (n / positions)
@@ -117,7 +117,7 @@ class KroneckerBlock(Block):
         return [linalg.damped_inverse(factors[index], shift)]
 
     def precondition(self, grads, factors, decomposition, method, damping):
-        grad = self.grad_matrix([as_float32(g) for g in grads])
+        grad = self.grad_matrix([as_float(g) for g in grads])
         if method == "eigen":
             (q_a, v_a), (q_g, v_g) = decomposition
             matrix = linalg.eigen_precondition(grad, q_a, v_a, q_g, v_g, damping)

@@ -12,15 +12,15 @@ g_i = N dL/ds_i in the Kronecker blocks, N dL/dy_i holds its batch statistics (a
 of later BatchNorm layers) fixed; the exact gradients would need N backward passes.
 
 The forward pass records only the layer input; x̂ is recomputed with Keras's own
-normalization ops, in float32 as the layers compute it, when factors are updated, so
-steps without a factor update pay nothing for it.
+normalization ops (in float32, or float64 with state_dtype="float64") when factors are
+updated, so steps without a factor update pay nothing for it.
 """
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfkfac.blocks.base import Block, Unsupported, as_float32
+from tfkfac.blocks.base import Block, Unsupported, as_float
 
 
 def _input_axes(layer, axes):
@@ -57,7 +57,7 @@ class NormalizationBlock(Block):
         raise NotImplementedError
 
     def normalized(self, x):
-        """x̂ of the float32 layer input `x`."""
+        """x̂ of the layer input `x` (float32 or float64)."""
         raise NotImplementedError
 
     def factor_shapes(self):
@@ -69,8 +69,8 @@ class NormalizationBlock(Block):
         Keras lays γ and β over the input in the order of their axes, so summing the
         other axes and flattening gives the variable's own flat order.
         """
-        x = as_float32(x)
-        scaled = as_float32(out_grad) * tf.cast(batch_size, tf.float32)
+        x = as_float(x)
+        scaled = as_float(out_grad) * tf.cast(batch_size, x.dtype)
         positions = [a for a in range(1, len(x.shape)) if a not in self.parameter_axes]
         per_example = lambda t: tf.reshape(tf.reduce_sum(t, axis=positions), (-1, self.size))
         grads = []
@@ -90,7 +90,7 @@ class NormalizationBlock(Block):
 
     def precondition(self, grads, factors, decomposition, method, damping):
         (fisher,) = factors
-        flat = tf.concat([tf.reshape(as_float32(g), (-1,)) for g in grads], axis=0)
+        flat = tf.concat([tf.reshape(as_float(g), (-1,)) for g in grads], axis=0)
         scaled = flat / (fisher + self.damping_multiplier * damping)
         return [tf.reshape(p, v.shape)
                 for p, v in zip(tf.split(scaled, len(grads)), self.variables)]

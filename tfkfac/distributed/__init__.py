@@ -3,9 +3,7 @@
 Nothing here imports Horovod until a Horovod communicator is asked for.
 """
 
-from tfkfac.distributed.assignment import (assign_owners, eigen_cost, load_balance,
-                                           lpt_assignment, rank_loads,
-                                           round_robin_assignment)
+from tfkfac.distributed.assignment import eigen_cost, lpt_assignment
 from tfkfac.distributed.base import CATEGORIES, Communicator, SingleProcess
 from tfkfac.distributed.exchange import allreduce_symmetric, gather_from_owners
 from tfkfac.distributed.factory import get_communicator, launched_world_size

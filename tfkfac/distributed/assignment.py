@@ -3,10 +3,9 @@
 Pure Python and deterministic: every rank computes the same owners from the same sizes,
 so no communication is needed to agree. Greedy longest-processing-time (LPT) with
 cost ∝ dim³ balances the slowest rank far better than the factor-wise round-robin of
-Pauloski et al. (2020), whose own profile shows the slowest rank barely speeding up.
+Pauloski et al. (2020), whose own profile shows the slowest rank barely speeding up
+(tests/test_assignment.py compares the two).
 """
-
-STRATEGIES = ("lpt", "round_robin")
 
 
 def eigen_cost(dim, count=1):
@@ -29,47 +28,6 @@ def lpt_assignment(costs, size):
         owners[item] = rank
         loads[rank] += costs[item]
     return owners
-
-
-def round_robin_assignment(num_items, size):
-    """Owner rank of every item in turn, item i to rank i mod size (Pauloski et al.)."""
-    size = _check_size(size)
-    return [item % size for item in range(num_items)]
-
-
-def assign_owners(dims, size, strategy="lpt"):
-    """Owner rank of each square matrix of size `dims[i]` for its O(dim³) decomposition."""
-    if strategy == "lpt":
-        return lpt_assignment([eigen_cost(n) for n in dims], size)
-    if strategy == "round_robin":
-        return round_robin_assignment(len(dims), size)
-    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-
-
-def rank_loads(costs, owners, size):
-    """Total cost held by each rank."""
-    costs = _check_costs(costs)
-    size = _check_size(size)
-    if len(owners) != len(costs):
-        raise ValueError(
-            f"owners must have one entry per cost ({len(costs)}), got {len(owners)}")
-    loads = [0.0] * size
-    for cost, rank in zip(costs, owners):
-        if not 0 <= rank < size:
-            raise ValueError(f"owners must be ranks in [0, {size}), got {rank}")
-        loads[rank] += cost
-    return loads
-
-
-def load_balance(costs, owners, size):
-    """Per-rank load summary: `max`, `min` and `max_over_min` (inf when a rank is idle)."""
-    loads = rank_loads(costs, owners, size)
-    high, low = max(loads), min(loads)
-    return {
-        "max": high,
-        "min": low,
-        "max_over_min": high / low if low > 0 else float("inf"),
-    }
 
 
 def _check_costs(costs):

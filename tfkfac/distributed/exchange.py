@@ -17,7 +17,7 @@ from tfkfac.distributed import packing
 
 
 def allreduce_symmetric(comm, factors, wire_dtype="float32", category="factors"):
-    """Mean over ranks of each symmetric factor, as float32, in one grouped collective.
+    """Mean over ranks of each symmetric factor, in its own dtype, in one grouped collective.
 
     A matrix, or a batch of matrices (..., n, n), travels as packed upper triangles, a 1-D
     factor (a diagonal) as it is; both in the wire dtype.
@@ -36,14 +36,15 @@ def allreduce_symmetric(comm, factors, wire_dtype="float32", category="factors")
     reduced = iter(comm.grouped_allreduce_mean(buffers, category=category))
     unpacked = iter(packing.unpack_upper_triangles(
         next(reduced), [m.shape.as_list() for m in matrices]) if matrices else [])
-    diagonals = iter(tf.split(tf.cast(next(reduced), tf.float32),
+    diagonals = iter(tf.split(next(reduced),
                               [int(v.shape[0]) for v in vectors]) if vectors else [])
-    return [next(unpacked) if f.shape.rank >= 2 else next(diagonals) for f in factors]
+    return [tf.cast(next(unpacked) if f.shape.rank >= 2 else next(diagonals), f.dtype)
+            for f in factors]
 
 
 def gather_from_owners(comm, local_values, shapes, owners, wire_dtype="float32",
-                       category="decompositions"):
-    """Every item's value as computed by its owner rank, as float32, on every rank.
+                       category="decompositions", dtype="float32"):
+    """Every item's value as computed by its owner rank, as `dtype`, on every rank.
 
     `local_values[i]` is read only where `owners[i] == comm.rank` (pass None elsewhere);
     `shapes[i]` is item i's static shape, known to all ranks. Each rank sends the
@@ -67,7 +68,7 @@ def gather_from_owners(comm, local_values, shapes, owners, wire_dtype="float32",
                               category=category)
     # The gathered buffer holds rank 0's items in item order, then rank 1's, and so on.
     order = sorted(range(len(owners)), key=lambda i: (owners[i], i))
-    pieces = tf.split(tf.cast(gathered, tf.float32), [sizes[i] for i in order])
+    pieces = tf.split(tf.cast(gathered, dtype), [sizes[i] for i in order])
     values = [None] * len(owners)
     for item, piece in zip(order, pieces):
         values[item] = tf.reshape(piece, shapes[item])

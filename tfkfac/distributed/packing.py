@@ -3,7 +3,7 @@
 Kronecker factors are symmetric, so only n(n+1)/2 of their n^2 entries need to cross the
 wire (Osawa et al. 2019, Ueno et al. 2020). Packing every factor into one buffer also lets
 one collective carry them all. The buffer may be cast to a narrower wire dtype; unpacking
-always returns float32. Index maps are built in numpy at trace time, so the ops are
+returns float32 (float64 from a float64 buffer). Index maps are built in numpy at trace time, so the ops are
 plain gathers: usable inside `tf.function`, XLA-compilable, and with static shapes.
 float16 keeps 11 significant bits but overflows above 65504; bfloat16 keeps the float32
 range with 8 significant bits. Each entry is rounded once, to within 2^-11 (float16) or
@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 WIRE_DTYPES = {
+    "float64": tf.float64,
     "float32": tf.float32,
     "float16": tf.float16,
     "bfloat16": tf.bfloat16,
@@ -21,7 +22,7 @@ WIRE_DTYPES = {
 
 
 def wire_dtype(name):
-    """The `tf.DType` for a wire dtype name (`float32`, `float16` or `bfloat16`)."""
+    """The `tf.DType` for a wire dtype name (a key of `WIRE_DTYPES`)."""
     if isinstance(name, tf.dtypes.DType):
         name = name.name
     if name not in WIRE_DTYPES:
@@ -60,12 +61,14 @@ def pack_upper_triangles(matrices, dtype="float32"):
 
 
 def unpack_upper_triangles(buffer, dims):
-    """Inverse of `pack_upper_triangles`: full symmetric float32 matrices of `dims`.
+    """Inverse of `pack_upper_triangles`: full symmetric matrices of `dims`, float32
+    (float64 from a float64 buffer).
 
     An entry of `dims` is a size n (an (n, n) matrix) or a batch shape (..., n, n).
     """
     shapes = _check_dims(dims)
-    buffer = tf.cast(tf.convert_to_tensor(buffer), tf.float32)
+    buffer = tf.convert_to_tensor(buffer)
+    buffer = tf.cast(buffer, tf.float64 if buffer.dtype == tf.float64 else tf.float32)
     expected = packed_size(dims)
     if buffer.shape.rank != 1 or (buffer.shape[0] is not None and buffer.shape[0] != expected):
         raise ValueError(

@@ -1,7 +1,9 @@
 """Running a job on this host that cannot hang: a horovodrun job or a plain process.
 
-Tests and benchmarks start real multi-process jobs; a job that outlives its timeout is
-killed whole (its own process group, so no rank lingers) and reported with its output.
+The tests and benchmarks start real multi-process training jobs with it; a job that
+outlives its timeout is killed whole (its own process group, so no rank lingers) and
+reported with its output. The tfkfac library never launches processes, so this lives
+with the jobs.
 """
 
 import os

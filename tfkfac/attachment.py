@@ -1,0 +1,108 @@
+"""The model side of K-FAC: what `KFAC.attach(model)` sets up on the model.
+
+K-FAC needs each managed layer's inputs and output gradients, which Keras's train step
+never shows an optimizer. An `Attachment` records them under its own tape, computes the
+weight gradients (averaged over ranks, with the BatchNorm moving statistics) and hands
+the captures to the optimizer's `apply` for exactly that one call (`providing`). They
+cannot be an argument of `apply`: under mixed precision Keras wraps the optimizer in a
+`LossScaleOptimizer`, whose `apply` passes only (gradients, variables) on.
+"""
+
+import contextlib
+import weakref
+
+import keras
+import tensorflow as tf
+
+from tfkfac.capture import Recorder
+
+ATTACH_HINT = (
+    "KFAC has no layer captures for this step: it needs its own train step. Attach it "
+    "to the model before training with `optimizer.attach(model)` (or "
+    "`tfkfac.KFAC(..., model=model)`), or in a custom loop compute gradients with "
+    "`optimizer.record()` and `optimizer.minimize(loss, tape)`.")
+
+
+class Attachment:
+    """The recorder, rank averaging and train step of the one model K-FAC manages."""
+
+    def __init__(self, model, layers, blocks, communicator):
+        self._model = weakref.ref(model)
+        self._recorder = Recorder(blocks)
+        self._comm = communicator
+        self._captures = None
+        # BatchNorm moving statistics are updated from each rank's own batch: averaged
+        # with the gradients every step so that every rank holds the same model.
+        self._running_statistics = [
+            v for layer in layers
+            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+            for v in (layer.moving_mean, layer.moving_variance)]
+
+    @property
+    def model(self):
+        return self._model()
+
+    @contextlib.contextmanager
+    def record(self):
+        """A `tf.GradientTape` during which the managed layers' calls are recorded."""
+        with tf.GradientTape() as tape, self._recorder.recording():
+            yield tape
+
+    def step(self, tape, loss, variables, apply, loss_scale=1.0):
+        """Gradients of `loss` (recorded by `tape`), then `apply(gradients, variables)`
+        with this step's captures provided to the optimizer."""
+        gradients, captures = self._gradients(tape, loss, variables, loss_scale)
+        self._captures = captures
+        try:
+            apply(gradients, variables)
+        finally:
+            self._captures = None
+
+    def captures(self):
+        """Per block, the (inputs, unscaled output gradients) of every call this step."""
+        if self._captures is None:
+            raise RuntimeError(ATTACH_HINT)
+        return self._captures
+
+    def train_step(self, forward):
+        """Keras's train step with K-FAC's tape: `forward()` gives (scaled loss, y_pred)."""
+        model = self.model
+        with self.record() as tape:
+            scaled_loss, y_pred = forward()
+        self.step(tape, scaled_loss, model.trainable_variables, model.optimizer.apply,
+                  loss_scale=model.optimizer.scale_loss(1.0))
+        return y_pred
+
+    def averaged_over_ranks(self, logs):
+        """`model.fit` logs as the mean over ranks (each rank's running mean, equal batches)."""
+        names = [name for name, value in logs.items() if tf.is_tensor(value)]
+        values = self._comm.grouped_allreduce_mean(
+            [tf.cast(logs[name], tf.float32) for name in names], category="metrics")
+        return {**logs, **dict(zip(names, values))}
+
+    def _gradients(self, tape, loss, variables, loss_scale):
+        """(weight gradients averaged over ranks, captures with unscaled output gradients).
+
+        `loss_scale` is the factor `loss` was multiplied by (mixed precision).
+        """
+        calls = self._recorder.take()
+        outputs = [[s for _, s in block_calls] for block_calls in calls]
+        gradients, output_grads = tape.gradient(loss, (list(variables), outputs))
+        # Averaged here, before any loss-scale finiteness check, so that every rank takes
+        # the same branch and issues the same collectives. BatchNorm moving statistics
+        # (updated by this step's forward pass) ride in the same call.
+        present = [g for g in gradients if g is not None]
+        statistics = self._running_statistics
+        reduced = self._comm.grouped_allreduce_mean(
+            present + [tf.convert_to_tensor(v) for v in statistics], category="gradients")
+        for variable, value in zip(statistics, reduced[len(present):]):
+            variable.assign(value)
+        reduced = iter(reduced[:len(present)])
+        gradients = [None if g is None else next(reduced) for g in gradients]
+        inverse_scale = 1.0 / tf.cast(loss_scale, tf.float32)
+        unscaled = lambda s, g: (tf.zeros_like(s) if g is None
+                                 else tf.cast(g, tf.float32) * inverse_scale)
+        captures = [[(x, tf.nest.map_structure(unscaled, s, g))
+                     for (x, s), g in zip(block_calls, block_grads)]
+                    for block_calls, block_grads in zip(calls, output_grads)]
+        return gradients, captures
