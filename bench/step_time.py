@@ -213,6 +213,8 @@ def plot_weight_sharing(report, path):
                 labels = [f"{report['models'][m]['reduce_over_expand'][ratio_key]:.2f}x"
                           for m in model_names]
                 axis.bar_label(bars, labels, fontsize=8)
+        axis.set_ylim(0, 1.25 * max(report["models"][m]["rules"][r][key] * 1e3
+                                    for m in model_names for r in WEIGHT_SHARING_CONFIGURATIONS))
         axis.set_xticks(range(len(model_names)), model_names)
         axis.set_ylabel("ms (median over blocks)")
         axis.set_title(f"{title}, batch {report['batch_size']}")
