@@ -109,15 +109,6 @@ def parameters(variables):
     return int(sum(np.prod(variable.shape) for variable in variables))
 
 
-def is_managed(optimizer, layer):
-    """Asked by layer object: nested layers (a MultiHeadAttention's "query") share names."""
-    try:
-        optimizer.factors(layer)
-    except ValueError:
-        return False
-    return True
-
-
 def coverage(model, optimizer):
     """Managed parameters by layer class, and every weighted layer on the plain gradient."""
     summary = optimizer.summary()
@@ -125,17 +116,17 @@ def coverage(model, optimizer):
     reasons = {entry["layer"]: entry["reason"] for entry in summary["skipped"]}
     managed = collections.defaultdict(lambda: {"layers": 0, "params": 0})
     plain = []
-    for layer in keras_integration.leaf_layers(model):
+    for path, layer in keras_integration.leaf_layers(model).items():
         params = parameters(layer.trainable_weights)
         if not params:
             continue
-        if is_managed(optimizer, layer):
-            entry = managed[f"{type(layer).__name__} ({kinds[layer.name]} block)"]
+        if path in kinds:
+            entry = managed[f"{type(layer).__name__} ({kinds[path]} block)"]
             entry["layers"] += 1
             entry["params"] += params
         else:
-            plain.append({"layer": layer.name, "class": type(layer).__name__,
-                          "params": params, "reason": reasons[layer.name]})
+            plain.append({"layer": path, "class": type(layer).__name__,
+                          "params": params, "reason": reasons[path]})
     total = parameters(model.trainable_weights)
     managed_params = sum(entry["params"] for entry in managed.values())
     return {"trainable_params": total, "managed_params": managed_params,

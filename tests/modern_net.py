@@ -16,10 +16,12 @@ TOKENS, WIDTH = 36, 8
 # Layer name -> block kind K-FAC must manage it with.
 MANAGED_KINDS = {
     "stem": "conv2d", "grouped": "conv2d", "depthwise": "depthwise_conv",
-    "separable": "separable_conv", "transpose": "conv_transpose", "positions": "embedding",
+    "separable": "separable_conv", "transpose": "conv_transpose",
+    "position_embedding/positions": "embedding",
     "layer_norm": "layer_norm", "group_norm": "group_norm", "conv1d": "conv1d",
-    "token_mlp": "dense", "logits": "dense", "query": "einsum_dense", "key": "einsum_dense",
-    "value": "einsum_dense", "attention_output": "einsum_dense",
+    "token_mlp": "dense", "logits": "dense", "attention/query": "einsum_dense",
+    "attention/key": "einsum_dense", "attention/value": "einsum_dense",
+    "attention/attention_output": "einsum_dense",
 }
 
 

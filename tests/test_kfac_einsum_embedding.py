@@ -222,6 +222,11 @@ class EinsumDenseTest(parameterized.TestCase):
         # The two "query" sublayers keep their own statistics: A of the first is its input's.
         rows = with_ones(x[:N].reshape(-1, 4).astype(np.float64))
         assert_close(opt.factors(projections[0])["A"], rows.T @ rows / N)
+        # Names repeat across attention layers; paths do not.
+        self.assertEqual([m["layer"] for m in summary["managed"]].count("first/query"), 1)
+        assert_close(opt.factors("first/query")["A"], rows.T @ rows / N)
+        with self.assertRaisesRegex(ValueError, r"'query' names 2 managed layers.*first/query"):
+            opt.factors("query")
 
         before = [v.numpy().copy() for v in model.trainable_variables]
         model.compile(optimizer=opt, loss=MSE)

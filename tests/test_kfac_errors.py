@@ -153,7 +153,7 @@ class UnsupportedLayerTest(absltest.TestCase):
         summary = opt.summary()
         self.assertEqual([m["layer"] for m in summary["managed"]], ["head"])
         skipped = {s["layer"]: s["reason"] for s in summary["skipped"]}
-        self.assertEqual(set(skipped), {"prelu", "simple_rnn_cell"})
+        self.assertEqual(set(skipped), {"prelu", "rnn/simple_rnn_cell"})
         for reason in skipped.values():
             self.assertTrue(reason)
 

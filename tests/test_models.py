@@ -141,7 +141,7 @@ class ModelsTest(parameterized.TestCase):
     @parameterized.parameters(*models.MODEL_NAMES)
     def test_weights_live_in_standard_layers(self, name):
         model = models.build_model(name, (28, 28, 1), 10, seed=0)
-        for layer in keras_integration.leaf_layers(model):
+        for layer in keras_integration.leaf_layers(model).values():
             if layer.weights:
                 self.assertIsInstance(layer, WEIGHTED_LAYERS, layer.name)
 

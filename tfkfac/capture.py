@@ -51,7 +51,7 @@ class Recorder:
     def take(self):
         """The recorded calls per block, as lists of (inputs, pre-activations); resets."""
         calls, self._calls = self._calls, []
-        missing = [block.name for block, c in zip(self.blocks, calls) if not c]
+        missing = [block.path for block, c in zip(self.blocks, calls) if not c]
         if missing:
             raise RuntimeError(
                 f"K-FAC layers {missing} were not called in the recorded forward pass; "

@@ -92,13 +92,19 @@ class Curvature:
         return [v for s in self.states for v in s.variables(with_decompositions)]
 
     def block_of(self, layer):
-        """The block managing `layer` (a Keras layer or its name)."""
-        name = layer if isinstance(layer, str) else getattr(layer, "name", None)
-        for block in self.blocks:
-            if block.name == name and (isinstance(layer, str) or block.layer is layer):
-                return block
-        raise ValueError(f"`layer` must be a K-FAC-managed layer or its name, one of "
-                         f"{[block.name for block in self.blocks]}; received {layer!r}")
+        """The block managing `layer`: a Keras layer, its path ("mha/query") or its name."""
+        if isinstance(layer, str):
+            found = ([b for b in self.blocks if b.path == layer]
+                     or [b for b in self.blocks if b.name == layer])
+        else:
+            found = [b for b in self.blocks if b.layer is layer]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise ValueError(f"`layer` {layer!r} names {len(found)} managed layers; pass the "
+                             f"layer or its path, one of {[b.path for b in found]}")
+        raise ValueError(f"`layer` must be a K-FAC-managed layer, its path or its name, one "
+                         f"of {[b.path for b in self.blocks]}; received {layer!r}")
 
     def factors(self, layer):
         block = self.block_of(layer)
@@ -227,7 +233,7 @@ class Curvature:
 
     def summary(self):
         """Per block its layer, kind and factor shapes; the bytes of the state created."""
-        managed = [{"layer": b.name, "kind": b.kind,
+        managed = [{"layer": b.path, "kind": b.kind,
                     "factor_shapes": [list(s) for s in b.factor_shapes()]}
                    for b in self.blocks]
         state_bytes = 0 if self.states is None else sum(

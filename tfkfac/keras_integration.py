@@ -25,14 +25,26 @@ def name_scope(optimizer):
 
 
 def leaf_layers(model):
-    """Every layer inside `model` that has no sublayers, in the model's order.
+    """{path: layer} for every layer inside `model` that has no sublayers.
 
     `Model.layers` lists only the top level; a leaf is where weights really live (a
     MultiHeadAttention's weights belong to its EinsumDense sublayers). Keras's own
-    traversal, `_flatten_layers`, is the only one that sees nested layers.
+    traversal, `_flatten_layers`, is the only one that sees nested layers; its order
+    fixes the order of K-FAC's saved state. A path joins the names from the model down
+    ("attention/query"; a top-level layer's is its name): names repeat, paths do not.
     """
-    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
-            if not list(layer._flatten_layers(include_self=False, recursive=False))]
+    paths = {}
+
+    def visit(layer, path):
+        paths.setdefault(id(layer), path)
+        for child in layer._flatten_layers(include_self=False, recursive=False):
+            visit(child, f"{path}/{child.name}")
+
+    for child in model._flatten_layers(include_self=False, recursive=False):
+        visit(child, child.name)
+    return {paths[id(layer)]: layer
+            for layer in model._flatten_layers(include_self=False, recursive=True)
+            if not list(layer._flatten_layers(include_self=False, recursive=False))}
 
 
 def install_train_step(model, step_with_tape, reduce_logs):

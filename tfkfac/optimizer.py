@@ -53,7 +53,7 @@ class KFAC(keras.optimizers.Optimizer):
         (a Dense layer on sequences, EinsumDense, convolutions) counts them: "expand"
         (every position like an example) or "reduce" (positions summed per example
         first; cheaper). See docs/design.md.
-      skip_layers: layer names or class names (regular expressions, full match)
+      skip_layers: layer names, paths or class names (regular expressions, full match)
         that get the plain gradient.
       inner_optimizer: a Keras optimizer that receives the preconditioned gradients
         instead of the built-in momentum SGD.
@@ -142,7 +142,7 @@ class KFAC(keras.optimizers.Optimizer):
             self._comm, self.method, self.factor_decay, self.factor_wire_dtype,
             self.decomposition_wire_dtype, self.xla, self.state_dtype)
         self._comm.broadcast_variables(model.variables, root_rank=0)
-        self._attachment = Attachment(model, layers, blocks, self._comm)
+        self._attachment = Attachment(model, list(layers.values()), blocks, self._comm)
         keras_integration.install_train_step(model, self._attachment.train_step,
                                              self._attachment.averaged_over_ranks)
         blocks_lib.warn_unsupported(self._skipped)
@@ -280,7 +280,7 @@ class KFAC(keras.optimizers.Optimizer):
 
     # ---------------------------------------------------------- curvature API
     def factors(self, layer):
-        """The running curvature factors of `layer` (a Keras layer or its name).
+        """The running curvature factors of `layer` (a Keras layer, its path or its name).
 
         A dict of float32 tensors named as in docs/design.md: {"A": ..., "G": ...} for
         Kronecker blocks (a batch of pairs, e.g. per group, has a leading axis; an

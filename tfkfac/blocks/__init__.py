@@ -78,24 +78,26 @@ def block_for(layer, diagonal_damping_multiplier=1.0, weight_sharing="expand"):
 
 def discover(layers, skip_patterns=(), diagonal_damping_multiplier=1.0,
              weight_sharing="expand"):
-    """(blocks, skipped) for the layers with trainable weights among `layers`.
+    """(blocks, skipped) for the layers with trainable weights among `layers`, {path: layer}.
 
-    `skipped` lists {"layer", "reason"} for each layer that gets the plain gradient;
-    `skip_patterns` are regular expressions matched in full against the layer's name or
-    class name.
+    `skipped` lists {"layer": path, "reason"} for each layer that gets the plain gradient;
+    `skip_patterns` are regular expressions matched in full against the layer's name,
+    path or class name.
     """
     blocks, skipped = [], []
     patterns = [re.compile(p) for p in skip_patterns]
-    for layer in layers:
+    for path, layer in layers.items():
         if not layer.trainable_weights:
             continue
-        if any(p.fullmatch(n) for p in patterns for n in (layer.name, type(layer).__name__)):
-            skipped.append({"layer": layer.name, "reason": SKIPPED_BY_REQUEST})
+        names = (layer.name, path, type(layer).__name__)
+        if any(p.fullmatch(n) for p in patterns for n in names):
+            skipped.append({"layer": path, "reason": SKIPPED_BY_REQUEST})
             continue
         block, reason = block_for(layer, diagonal_damping_multiplier, weight_sharing)
         if block is None:
-            skipped.append({"layer": layer.name, "reason": reason})
+            skipped.append({"layer": path, "reason": reason})
         else:
+            block.path = path
             blocks.append(block)
     return blocks, skipped
 

@@ -20,6 +20,7 @@ class Block:
     def __init__(self, layer, variables):
         self.layer = layer
         self.name = layer.name
+        self.path = layer.name  # `discover` sets the path in the model ("mha/query")
         self.variables = list(variables)
 
     # --- the optimizer's view of the statistics --------------------------------
