@@ -15,6 +15,7 @@ import dataclasses
 import tensorflow as tf
 
 from pipelines import augment, counters, echoing, seeds, sources
+from pipelines.validation import check_number
 
 ECHO_MODES = ("none", "example_before_augment", "example_after_augment", "batch")
 _SHUFFLE_SALT, _ECHO_SALT, _AUGMENT_SALT, _MIXUP_SALT = range(4)
@@ -46,11 +47,14 @@ class Augmentation:
     running_mixup: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.crop_padding, int) or self.crop_padding < 0:
+            raise ValueError(f"`crop_padding` must be an int >= 0; received "
+                             f"{self.crop_padding!r}")
+        check_number("erasing_probability", self.erasing_probability, 0, 1)
+        check_number("mixup_alpha", self.mixup_alpha, low=0)
         if self.running_mixup and not self.mixup_alpha > 0:
             raise ValueError("running_mixup needs mixup_alpha > 0, "
                              f"got mixup_alpha={self.mixup_alpha!r}")
-        if self.mixup_alpha < 0:
-            raise ValueError(f"mixup_alpha must be >= 0, got {self.mixup_alpha!r}")
 
     @property
     def per_example(self):
@@ -61,7 +65,7 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
           echo_factor=1.0, shuffle_buffer=10_000, augmentation=Augmentation(),
           num_classes=None, mean=None, stddev=None, seed=0, epoch=0, num_epochs=1,
           num_shards=1, shard_index=0, dtype=tf.float32, cache=False, read_latency=0.0,
-          drop_remainder=True):
+          drop_remainder=True, skip_batches=0, idx_dir=None):
     """Returns `(dataset, counters)`: batched, prefetched `(image, label)` pairs for
     `model.fit`, and the `EchoCounters` of fresh and trained examples.
 
@@ -84,6 +88,12 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
       cache: keep decoded examples in memory after the first pass.
       read_latency: seconds of simulated storage latency per example (benchmarks).
       drop_remainder: drop a last short batch (running mixup needs it).
+      skip_batches: start this many batches into the stream (every random choice is
+        still made for them, so the rest is exactly what an unskipped stream yields
+        there); they are not counted as fresh or trained. A resumed run uses it to
+        continue mid-epoch.
+      idx_dir: directory of the IDX files of "fashion_mnist"/"mnist" (see
+        `pipelines.idx_dataset.prepare_idx`); only for those sources.
 
     Example:
       >>> dataset, counters = build("fashion_mnist", batch_size=128,
@@ -95,7 +105,12 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
     """
     _check_args(batch_size, echo_mode, echo_factor, shuffle_buffer, augmentation,
                 num_classes, epoch, num_epochs, dtype, drop_remainder)
-    examples = sources.load(source, split, data_dir, num_shards=num_shards, shard_index=shard_index)
+    check_number("read_latency", read_latency, low=0)
+    _check_moments(mean, stddev)
+    if not isinstance(skip_batches, int) or skip_batches < 0:
+        raise ValueError(f"`skip_batches` must be an int >= 0; received {skip_batches!r}")
+    examples = sources.load(source, split, data_dir, num_shards=num_shards,
+                            shard_index=shard_index, idx_dir=idx_dir)
     examples = (examples.apply(sources.simulate_read_latency(read_latency))
                 .map(_decoder(num_classes, mean, stddev), num_parallel_calls=tf.data.AUTOTUNE))
     if cache:
@@ -125,8 +140,10 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
     epochs = (tf.data.Dataset.counter(epoch) if num_epochs is None
               else tf.data.Dataset.range(epoch, epoch + num_epochs))
     batches = (epochs.flat_map(one_epoch)
-               .map(lambda batch: {**batch, "image": tf.cast(batch["image"], dtype)})
-               .prefetch(tf.data.AUTOTUNE))
+               .map(lambda batch: {**batch, "image": tf.cast(batch["image"], dtype)}))
+    if skip_batches:
+        batches = batches.skip(skip_batches)  # before counting: skipped ones were trained
+    batches = batches.prefetch(tf.data.AUTOTUNE)
     echo_counters = counters.EchoCounters()
     return echo_counters.count(batches), echo_counters
 
@@ -137,6 +154,7 @@ def _check_args(batch_size, echo_mode, echo_factor, shuffle_buffer, augmentation
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if echo_mode not in ECHO_MODES:
         raise ValueError(f"echo_mode must be one of {', '.join(ECHO_MODES)}; got {echo_mode!r}")
+    check_number("echo_factor", echo_factor, low=1)
     if echo_mode == "none" and echo_factor != 1:
         raise ValueError(f"echo_factor={echo_factor!r} needs an echo_mode other than 'none'")
     if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
@@ -153,6 +171,16 @@ def _check_args(batch_size, echo_mode, echo_factor, shuffle_buffer, augmentation
         raise ValueError(f"num_epochs must be None or an int >= 1, got {num_epochs!r}")
     if not tf.as_dtype(dtype).is_floating:
         raise ValueError(f"dtype must be a floating dtype, got {dtype!r}")
+
+
+def _check_moments(mean, stddev):
+    """`mean` (any finite numbers) and `stddev` (finite, > 0), scalars or per channel."""
+    for name, value, low in (("mean", mean, None), ("stddev", stddev, 0)):
+        if value is None:
+            continue
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for item in values:
+            check_number(name, item, low=low, low_open=True)
 
 
 def _decoder(num_classes, mean, stddev):

@@ -12,6 +12,7 @@ import math
 import tensorflow as tf
 
 from pipelines import counters, seeds
+from pipelines.validation import check_number
 
 # Small elements (single examples) are echoed in chunks of consecutive elements with
 # one vectorized `tf.repeat` (same output order; a few microseconds per element instead
@@ -80,10 +81,8 @@ def _check_factor(factor):
     try:
         factor = float(factor)
     except (TypeError, ValueError):
-        raise ValueError(f"echo factor must be a number >= 1, got {factor!r}") from None
-    if not (math.isfinite(factor) and factor >= 1):
-        raise ValueError(f"echo factor must be a finite number >= 1, got {factor!r}")
-    return factor
+        raise ValueError(f"`echo_factor` must be a finite number >= 1; received {factor!r}") from None
+    return check_number("echo_factor", factor, low=1)
 
 
 def _seed_or_draw(seed):

@@ -10,10 +10,15 @@ works like any other TFDS dataset (after importing this module).
 
 import contextlib
 import fcntl
+import functools
 import gzip
+import hashlib
+import json
 import os
 import subprocess
+import zlib
 
+from absl import logging
 import numpy as np
 import tensorflow_datasets as tfds
 
@@ -27,8 +32,20 @@ SPLIT_FILES = {
 }
 
 
+# Written beside a prepared dataset: size and SHA-256 of each IDX file it was made from.
+SOURCES_FILE = "idx_sources.json"
+
+
 class IdxFilesNotFoundError(FileNotFoundError):
     """The IDX directory or one of its four files is missing (says where it looked)."""
+
+
+class IdxFileError(ValueError):
+    """An IDX file is damaged (says which file and what is wrong with it)."""
+
+
+class IdxSourceMismatchError(ValueError):
+    """A prepared dataset was made from other IDX files than the `idx_dir` given."""
 
 
 def default_data_dir():
@@ -38,18 +55,37 @@ def default_data_dir():
 
 
 def _read_idx(path, magic):
-    """Parses one IDX file (gzipped if it ends in .gz) into a uint8 array."""
+    """Parses one IDX file (gzipped if it ends in .gz) into a uint8 array.
+
+    Raises `IdxFileError` naming the file and what is wrong: a damaged or truncated gzip
+    stream, a wrong magic number, a header that does not match the data.
+    """
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except EOFError:
+        raise IdxFileError(f"IDX file {path} is damaged: its gzip stream ends early "
+                           "(truncated file?)") from None
+    except (gzip.BadGzipFile, zlib.error) as error:
+        raise IdxFileError(f"IDX file {path} is damaged: not a valid gzip file ({error})"
+                           ) from None
+    except OSError as error:
+        raise IdxFileError(f"IDX file {path} cannot be read: {error}") from None
+    ndim = magic & 0xFF
+    offset = 4 + 4 * ndim
+    if len(data) < offset:
+        raise IdxFileError(f"IDX file {path} is damaged: {len(data)} bytes, shorter than "
+                           f"its {offset}-byte header")
     header = np.frombuffer(data, dtype=">u4", count=1)[0]
     if header != magic:
-        raise ValueError(f"{path}: IDX magic number is {header:#010x}, expected {magic:#010x}")
-    ndim = magic & 0xFF
+        raise IdxFileError(f"IDX file {path} is damaged or of another kind: magic number "
+                           f"{header:#010x}, expected {magic:#010x}")
     shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
-    offset = 4 + 4 * ndim
     if len(data) - offset != int(np.prod(shape)):
-        raise ValueError(f"{path}: header says shape {shape} but holds {len(data) - offset} bytes")
+        raise IdxFileError(f"IDX file {path} is damaged: its header says shape {shape} "
+                           f"({int(np.prod(shape))} bytes) but it holds {len(data) - offset} "
+                           "bytes of data")
     return np.frombuffer(data, dtype=np.uint8, offset=offset).reshape(shape)
 
 
@@ -200,36 +236,131 @@ def _builder_class(name):
     return IDX_DATASETS[name]
 
 
+@functools.lru_cache(maxsize=64)
+def _file_fingerprint(path, size, mtime_ns):  # size and mtime key the cache
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def source_fingerprints(files):
+    """{file name: {"size", "sha256"}} of the IDX files from `find_idx_files`."""
+    fingerprints = {}
+    for paths in files.values():
+        for path in paths:
+            stat = os.stat(path)
+            fingerprints[os.path.basename(path)] = _file_fingerprint(
+                path, stat.st_size, stat.st_mtime_ns)
+    return fingerprints
+
+
+def _read_sources(builder):
+    path = os.path.join(builder.data_dir, SOURCES_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _write_sources(builder, idx_dir, fingerprints):
+    path = os.path.join(builder.data_dir, SOURCES_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"idx_dir": os.path.abspath(idx_dir), "files": fingerprints}, f, indent=2,
+                  sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def _check_same_sources(builder, idx_dir, files, lock_path):
+    """Raises `IdxSourceMismatchError` if `builder`'s prepared data came from other files
+    than those in `idx_dir` (sizes and SHA-256 of the four files). `lock_path`: the
+    preparation lock to wait for when the record is missing (None: already held)."""
+    recorded = _read_sources(builder)
+    if recorded is None and lock_path:  # perhaps being written now: the preparer holds the lock
+        with _exclusive_lock(lock_path):
+            recorded = _read_sources(builder)
+    if recorded is None:
+        logging.warning("%s in %s was prepared without a record of its IDX files; cannot "
+                        "check that it matches idx_dir %s", builder.name, builder.data_dir,
+                        idx_dir)
+        return
+    given = source_fingerprints(files)
+    differences = []
+    for file_name, fingerprint in sorted(given.items()):
+        before = recorded["files"].get(file_name)
+        if before != fingerprint:
+            was = ("not among them" if before is None else
+                   f"{before['size']} bytes, sha256 {before['sha256'][:12]}")
+            differences.append(f"{file_name} ({fingerprint['size']} bytes, sha256 "
+                               f"{fingerprint['sha256'][:12]}; prepared from: {was})")
+    if differences:
+        raise IdxSourceMismatchError(
+            f"{builder.name} in {builder.data_dir} was prepared from other IDX files "
+            f"(from {recorded['idx_dir']}) than those in idx_dir {idx_dir}: "
+            f"{'; '.join(differences)}. Use another data_dir for these files, or delete "
+            f"{builder.data_dir} to prepare it again from them")
+
+
+def _ensure_data_dir(data_dir):
+    """Creates `data_dir` if missing, but only when its parent exists (a mistyped path
+    is an error, not a new directory tree), and says so in the log."""
+    if os.path.isdir(data_dir):
+        return
+    if os.path.exists(data_dir):
+        raise ValueError(f"data_dir {data_dir} is a file, not a directory")
+    parent = os.path.dirname(os.path.abspath(data_dir))
+    if not os.path.isdir(parent):
+        raise ValueError(f"data_dir {data_dir} does not exist and neither does its parent "
+                         f"{parent}; create it first or fix the path")
+    os.makedirs(data_dir, exist_ok=True)
+    logging.warning("data_dir %s did not exist; created it to prepare the dataset in",
+                    data_dir)
+
+
 def prepare_idx(name, data_dir=None, idx_dir=None):
     """Prepares the TFDS dataset for `name` once and returns its builder.
 
+    The prepared dataset records the size and SHA-256 of the IDX files it was made from
+    (`SOURCES_FILE`); an explicit `idx_dir` whose files differ from them is an error,
+    never silently ignored.
+
     Args:
       name: one of `IDX_DATASETS` ("fashion_mnist", "mnist").
-      data_dir: TFDS data dir; default `default_data_dir()`.
+      data_dir: TFDS data dir; default `default_data_dir()`. Created if missing when its
+        parent exists.
       idx_dir: directory holding the four IDX files; default the builder's
         `default_idx_dir()` (Debian's dataset-fashion-mnist for Fashion-MNIST).
 
     Raises:
-      ValueError: unknown `name`.
+      ValueError: unknown `name`, or a `data_dir` that cannot be used.
       IdxFilesNotFoundError: the IDX directory or a file is missing (an explicit
         `idx_dir` is always checked; the default only when preparation is needed).
+      IdxFileError: an IDX file is damaged.
+      IdxSourceMismatchError: the dataset was prepared from other files than `idx_dir`'s.
     """
     builder_cls = _builder_class(name)
     data_dir = data_dir or default_data_dir()
-    if idx_dir is not None:
-        find_idx_files(idx_dir, builder_cls.install_hint())
+    lock_path = os.path.join(data_dir, f".{builder_cls.name}.lock")
+    explicit_files = (find_idx_files(idx_dir, builder_cls.install_hint())
+                      if idx_dir is not None else None)
     builder = builder_cls(data_dir=data_dir)
     if builder.is_prepared():
+        if explicit_files is not None:
+            _check_same_sources(builder, idx_dir, explicit_files, lock_path)
         return builder
     idx_dir = idx_dir or builder_cls.default_idx_dir()
-    find_idx_files(idx_dir, builder_cls.install_hint())
-    os.makedirs(data_dir, exist_ok=True)
-    with _exclusive_lock(os.path.join(data_dir, f".{builder_cls.name}.lock")):
+    files = find_idx_files(idx_dir, builder_cls.install_hint())
+    _ensure_data_dir(data_dir)
+    with _exclusive_lock(lock_path):
         # Another process may have prepared it while this one waited for the lock.
         builder = builder_cls(data_dir=data_dir)
         if not builder.is_prepared():
             builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
                 manual_dir=idx_dir, try_download_gcs=False))
+            _write_sources(builder, idx_dir, source_fingerprints(files))
+        elif explicit_files is not None:
+            _check_same_sources(builder, idx_dir, explicit_files, lock_path=None)
     return builder
 
 

@@ -9,9 +9,11 @@ import tensorflow_datasets as tfds
 from tensorflow.python.data.experimental.ops import testing as tf_data_testing
 
 from pipelines import idx_dataset
+from pipelines.validation import check_number
 
 
-def load(source, split="train", data_dir=None, download=False, num_shards=1, shard_index=0):
+def load(source, split="train", data_dir=None, download=False, num_shards=1, shard_index=0,
+         idx_dir=None):
     """Returns one shard of a dataset of dicts `{"image": (H, W, C), "label": int64}`.
 
     Stored images are decoded after sharding, so each rank decodes only its own part.
@@ -25,15 +27,20 @@ def load(source, split="train", data_dir=None, download=False, num_shards=1, sha
       download: let `tfds.load` download missing data (never for the IDX datasets).
         Off by default: with no network TFDS retries for minutes before failing.
       num_shards, shard_index: see `shard`.
+      idx_dir: where the IDX files of "fashion_mnist"/"mnist" are (see
+        `idx_dataset.prepare_idx`); an error for any other source.
     """
     if isinstance(source, tf.data.Dataset):
         return shard(_as_dicts(source), num_shards, shard_index)
     if not isinstance(source, str):
         raise ValueError("source must be a dataset name (str) or a tf.data.Dataset, "
                          f"got {type(source).__name__}")
+    if idx_dir is not None and source not in idx_dataset.IDX_DATASETS:
+        raise ValueError(f"idx_dir only applies to the IDX datasets "
+                         f"{', '.join(sorted(idx_dataset.IDX_DATASETS))}, not {source!r}")
     skip_image_decoding = {"image": tfds.decode.SkipDecoding()}
     if source in idx_dataset.IDX_DATASETS:
-        builder = idx_dataset.prepare_idx(source, data_dir=data_dir)
+        builder = idx_dataset.prepare_idx(source, data_dir=data_dir, idx_dir=idx_dir)
         stored, info = builder.as_dataset(split=split, decoders=skip_image_decoding), builder.info
     else:
         stored, info = tfds.load(source, split=split, data_dir=data_dir, download=download,
@@ -71,8 +78,7 @@ def simulate_read_latency(seconds_per_example, examples_per_read=32):
     `examples_per_read * seconds_per_example` before they flow on. Reading in blocks
     keeps the wait, not the scheduling of many short sleeps on a busy machine, the
     cost. It is the upstream-cost knob of `bench/echo_benchmark.py`."""
-    if seconds_per_example < 0:
-        raise ValueError(f"seconds_per_example must be >= 0, got {seconds_per_example!r}")
+    check_number("seconds_per_example", seconds_per_example, low=0)
     if not isinstance(examples_per_read, int) or examples_per_read < 1:
         raise ValueError(f"examples_per_read must be an int >= 1, got {examples_per_read!r}")
     microseconds = int(round(seconds_per_example * examples_per_read * 1e6))

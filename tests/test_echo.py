@@ -72,7 +72,7 @@ class FractionalFactorTest(absltest.TestCase):
 
     def test_bad_factor_and_buffer_are_rejected(self):
         for factor in (0.5, 0, -1, float("nan"), float("inf"), "two"):
-            with self.assertRaisesRegex(ValueError, "echo factor"):
+            with self.assertRaisesRegex(ValueError, "`echo_factor` must be a finite number >= 1"):
                 pipelines.echo(factor)
         with self.assertRaisesRegex(ValueError, "shuffle_buffer"):
             pipelines.echo(2, shuffle_buffer=-1)

@@ -2,6 +2,8 @@
 IDX files for the plain-file, concurrent-preparation and error paths."""
 
 import gzip
+import hashlib
+import json
 import os
 import struct
 import subprocess
@@ -11,6 +13,7 @@ from absl.testing import absltest
 import numpy as np
 import tensorflow_datasets as tfds
 
+from idx_testing import write_idx, write_small_idx_dir
 from pipelines import idx_dataset
 
 tfds.disable_progress_bar()
@@ -25,30 +28,6 @@ def read_raw_idx(path):
     ndim = data[3]
     shape = struct.unpack(">" + "I" * ndim, data[4:4 + 4 * ndim])
     return np.frombuffer(data[4 + 4 * ndim:], dtype=np.uint8).reshape(shape)
-
-
-def write_idx(path, array):
-    """Writes a uint8 array as an IDX file (gzipped when the path ends in .gz)."""
-    header = struct.pack(">I", 0x0800 + array.ndim) + struct.pack(">" + "I" * array.ndim,
-                                                                   *array.shape)
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "wb") as f:
-        f.write(header + array.astype(np.uint8).tobytes())
-
-
-def write_small_idx_dir(directory, num_train, num_test, gzipped, seed=0):
-    """Four IDX files of random 28x28 images; returns {split: (images, labels)}."""
-    rng = np.random.default_rng(seed)
-    suffix = ".gz" if gzipped else ""
-    arrays = {}
-    for split, count in (("train", num_train), ("test", num_test)):
-        images = rng.integers(0, 256, size=(count, 28, 28), dtype=np.uint8)
-        labels = rng.integers(0, 10, size=(count,), dtype=np.uint8)
-        images_name, labels_name = idx_dataset.SPLIT_FILES[split]
-        write_idx(os.path.join(directory, images_name + suffix), images)
-        write_idx(os.path.join(directory, labels_name + suffix), labels)
-        arrays[split] = (images, labels)
-    return arrays
 
 
 def dataset_arrays(dataset):
@@ -175,6 +154,44 @@ class SmallIdxFilesTest(absltest.TestCase):
         with self.assertRaisesRegex(Exception, "magic number"):
             idx_dataset.prepare_idx("mnist", data_dir=os.path.join(self.tmp, "tfds"),
                                     idx_dir=idx_dir)
+
+    def test_damaged_files_name_the_file_and_the_fault(self):
+        idx_dir = os.path.join(self.tmp, "idx")
+        os.makedirs(idx_dir)
+        write_small_idx_dir(idx_dir, num_train=5, num_test=5, gzipped=True)
+        truncated = os.path.join(idx_dir, "t10k-images-idx3-ubyte.gz")
+        os.truncate(truncated, os.path.getsize(truncated) // 2)
+        with self.assertRaises(idx_dataset.IdxFileError) as caught:
+            idx_dataset.prepare_idx("mnist", data_dir=os.path.join(self.tmp, "a"),
+                                    idx_dir=idx_dir)
+        self.assertEqual(str(caught.exception), f"IDX file {truncated} is damaged: its gzip "
+                                                "stream ends early (truncated file?)")
+        with open(truncated, "wb") as f:
+            f.write(b"not gzip at all")
+        with self.assertRaisesRegex(idx_dataset.IdxFileError,
+                                    f"IDX file {truncated} is damaged: not a valid gzip file"):
+            idx_dataset.prepare_idx("mnist", data_dir=os.path.join(self.tmp, "b"),
+                                    idx_dir=idx_dir)
+
+    def test_prepared_dataset_records_its_files_and_refuses_others(self):
+        first, second = os.path.join(self.tmp, "first"), os.path.join(self.tmp, "second")
+        for seed, directory in enumerate((first, second)):
+            os.makedirs(directory)
+            write_small_idx_dir(directory, num_train=6, num_test=4, gzipped=False, seed=seed)
+        data_dir = os.path.join(self.tmp, "tfds")
+        builder = idx_dataset.prepare_idx("mnist", data_dir=data_dir, idx_dir=first)
+        with open(os.path.join(builder.data_dir, idx_dataset.SOURCES_FILE)) as f:
+            recorded = json.load(f)
+        labels = os.path.join(first, "train-labels-idx1-ubyte")
+        with open(labels, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        self.assertEqual(recorded["files"]["train-labels-idx1-ubyte"],
+                         {"size": os.path.getsize(labels), "sha256": digest})
+        idx_dataset.prepare_idx("mnist", data_dir=data_dir, idx_dir=first)  # same files
+        idx_dataset.prepare_idx("mnist", data_dir=data_dir)  # no idx_dir: nothing to check
+        with self.assertRaisesRegex(idx_dataset.IdxSourceMismatchError,
+                                    f"than those in idx_dir {second}: t10k-images-idx3-ubyte "):
+            idx_dataset.prepare_idx("mnist", data_dir=data_dir, idx_dir=second)
 
     def test_no_default_files_raises_naming_the_default_locations(self):
         known_dirs = idx_dataset.MnistIdx.KNOWN_DIRS

@@ -1,7 +1,6 @@
 """trainers.train: flag validation, the files a run writes, checkpoint/resume equality and
 target-accuracy bookkeeping, on small slices of real Fashion-MNIST."""
 
-import csv
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import flags
-from absl.testing import absltest, flagsaver, parameterized
+from absl.testing import absltest, parameterized
 import keras
 import numpy as np
 import tensorflow as tf
@@ -19,45 +18,13 @@ import tfkfac
 from tfkfac import distributed
 from trainers import checkpoints, config as config_lib, lr_schedules, reporting, runner
 from trainers import train
+from trainer_testing import (BATCH, ROOT, SMALL, config_from_argv, read_csv, read_json,
+                             step_tensors)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
-BATCH = 32
-TRAIN_EXAMPLES = 640  # 20 steps per epoch
 # Checkpoint keys of the optimizer's step counter and K-FAC's factor-update counter.
 ITERATIONS_KEY = "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"
 FACTOR_UPDATES_KEY = "optimizer/_factor_updates/.ATTRIBUTES/VARIABLE_VALUE"
-# Small slices keep each run to seconds; the data is real Fashion-MNIST.
-SMALL = dict(train_split=f"train[:{TRAIN_EXAMPLES}]", eval_split="test[:256]",
-             batch_size=BATCH, verbose=0)
-
-
-def config_from_argv(*argv):
-    """The TrainConfig (and explicitly set names) that `python -m trainers.train argv` uses."""
-    with flagsaver.flagsaver():
-        FLAGS.unparse_flags()
-        try:
-            FLAGS(["train", *argv])
-            return train.config_from_flags(FLAGS)
-        finally:
-            FLAGS.mark_as_parsed()  # absltest's own flags stay readable afterwards
-
-
-def read_csv(path):
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
-def read_json(path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def checkpoint_tensors(prefix):
-    """Every saved tensor (model and optimizer variables) of a checkpoint, by key."""
-    reader = tf.train.load_checkpoint(prefix)
-    return {key: reader.get_tensor(key) for key in reader.get_variable_to_shape_map()
-            if "OBJECT_GRAPH" not in key}
 
 
 def tensorboard_scalars(directory):
@@ -93,12 +60,12 @@ class FlagValidationTest(parameterized.TestCase):
             config_from_argv(arg)
 
     @parameterized.parameters(
-        (["--echo_factor=0.5", "--echo_mode=batch"], "echo_factor must be >= 1"),
+        (["--echo_factor=0.5", "--echo_mode=batch"], "`echo_factor` must be a finite number >= 1"),
         (["--echo_factor=2"], "echo_factor=2.0 needs an echo_mode"),
         (["--optimizer=sgd", "--damping=0.01", "--kl_clip=0.01"],
          "damping, kl_clip only apply to optimizer=kfac"),
         (["--factor_update_freq=10", "--inv_update_freq=15"], "must be a multiple"),
-        (["--target_accuracy=1.5"], r"target_accuracy must be in \(0, 1\]"),
+        (["--target_accuracy=1.5"], r"`target_accuracy` must be a finite number in \(0, 1\]"),
         (["--model=autoencoder", "--target_accuracy=0.5"], "applies to classifiers"),
         (["--stop_at_target"], "stop_at_target needs a target_accuracy"),
         (["--lr_schedule=step"], "needs lr_decay_epochs"),
@@ -113,7 +80,7 @@ class FlagValidationTest(parameterized.TestCase):
         (["--optimizer=adamw", "--weight_decay=-0.1"],
          "weight_decay` must be a finite number >= 0"),
         (["--optimizer=sgd", "--weight_sharing=reduce"],
-         "weight_sharing only apply to optimizer=kfac"),
+         "weight_sharing only applies to optimizer=kfac"),
         (["--running_mixup"], "running_mixup needs mixup_alpha > 0"),
         (["--model=autoencoder", "--mixup_alpha=0.2"], "has none"),
         (["--resume"], "resume needs the model_dir"),
@@ -149,7 +116,7 @@ class FlagValidationTest(parameterized.TestCase):
             cwd=ROOT, capture_output=True, text=True, timeout=120,
             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
         self.assertNotEqual(result.returncode, 0)
-        self.assertIn("echo_factor must be >= 1", result.stderr)
+        self.assertIn("`echo_factor` must be a finite number >= 1", result.stderr)
         self.assertNotIn("Traceback", result.stderr)
 
 
@@ -188,8 +155,10 @@ class TrainerRunTest(parameterized.TestCase):
         self.assertEqual(summary["final_metrics"]["val_loss"], float(last["val_loss"]))
 
         state = checkpoints.read_state(model_dir)
-        self.assertEqual(state["checkpoint"], "epoch-2")
-        saved = checkpoint_tensors(os.path.join(model_dir, "checkpoints", "epoch-2"))
+        self.assertEqual(state["counters"]["steps"], 30)
+        self.assertEqual(sorted(os.listdir(os.path.join(model_dir, "checkpoints"))),
+                         ["step-20", "step-30"])
+        saved = step_tensors(model_dir, 30)
         # Factors updated at steps 0, 10 and 20; all K-FAC state is saved with them.
         self.assertEqual(saved[FACTOR_UPDATES_KEY], 3)
         self.assertEqual(saved[ITERATIONS_KEY], 30)
@@ -204,11 +173,11 @@ class TrainerRunTest(parameterized.TestCase):
         resumed = self.create_tempdir().full_path
         expected = self.run_trainer(straight, epochs=2, **settings)
         self.run_trainer(resumed, epochs=1, **settings)
-        after_one = checkpoint_tensors(os.path.join(resumed, "checkpoints", "epoch-1"))
+        after_one = step_tensors(resumed, 20)
         got = self.run_trainer(resumed, epochs=2, resume=True, **settings)
 
-        want = checkpoint_tensors(os.path.join(straight, "checkpoints", "epoch-2"))
-        have = checkpoint_tensors(os.path.join(resumed, "checkpoints", "epoch-2"))
+        want = step_tensors(straight, 40)
+        have = step_tensors(resumed, 40)
         self.assertEqual(sorted(want), sorted(have))
         self.assertEqual(want[FACTOR_UPDATES_KEY], 8)
         for key, value in want.items():

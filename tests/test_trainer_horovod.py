@@ -57,8 +57,11 @@ class TrainerHorovodTest(absltest.TestCase):
             self.assertEqual(summary["fresh_examples"], NUM_RANKS * worker.STEPS * worker.BATCH)
             # TensorBoard names event files by host and process: one writer, rank 0.
             self.assertLen(os.listdir(os.path.join(model_dir, "tensorboard")), 1)
-            self.assertEqual(sorted(os.listdir(os.path.join(model_dir, "checkpoints"))),
-                             ["checkpoint", "epoch-1.data-00000-of-00001", "epoch-1.index"])
+            checkpoint_dir = os.path.join(model_dir, "checkpoints")
+            self.assertEqual(os.listdir(checkpoint_dir), [f"step-{worker.STEPS}"])
+            self.assertEqual(sorted(os.listdir(os.path.join(checkpoint_dir, f"step-{worker.STEPS}"))),
+                             ["trainer_state.json", "variables.data-00000-of-00001",
+                              "variables.index"])
         # One summary line per run, from rank 0 (horovodrun prefixes lines with [rank]).
         summaries = [line for line in self.output.splitlines() if "logs: " in line]
         self.assertLen(summaries, len(worker.OPTIMIZERS), self.output[-4000:])

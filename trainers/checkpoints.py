@@ -1,15 +1,30 @@
-"""Per-epoch checkpoints: model and optimizer variables plus the trainer's own state.
+"""Checkpoints that survive faults: model and optimizer variables plus the trainer's state.
 
-Variables (weights, BatchNorm statistics, the optimizer's slots and K-FAC factors and
-eigenbases, its step counter) go through `tf.train.Checkpoint`, which also restores
-variables an optimizer creates lazily. The trainer's state (epochs done, counters,
-history) is JSON in `trainer_state.json`, written after the variables and naming the
-checkpoint it belongs to, so a crash between the two leaves the previous pair intact.
+Each checkpoint is one directory `<model_dir>/checkpoints/step-<N>` (N = training steps
+done) holding the variables (`tf.train.Checkpoint`: weights, BatchNorm statistics, the
+optimizer's slots and K-FAC factors and decompositions, its step counter) and
+`trainer_state.json` (counters, history, the epoch's running metrics). It is written
+under a temporary name and renamed into place only when complete, so a crash during a
+write never leaves a half-written checkpoint that looks like the newest; leftovers of
+such a write are removed at the next save.
+
+On resume the newest checkpoint that loads is used. One that does not (a truncated or
+missing file, unreadable state) is reported by path with the reason, and the run falls
+back to the next older one with a warning saying how many steps of training are lost;
+if none loads, `CheckpointError` names every checkpoint tried and why. The two newest
+checkpoints are kept.
+
+Runs written before this layout (`checkpoints/epoch-<N>` with `trainer_state.json` in
+the model dir) are still found and resumed.
 """
 
 import json
 import os
+import re
+import shutil
+import signal
 
+from absl import logging
 import tensorflow as tf
 
 from trainers import reporting
@@ -17,28 +32,170 @@ from trainers import reporting
 CHECKPOINT_SUBDIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.json"
+# What each start of the run set differently from config.json (see runner.py).
+RUN_HISTORY_FILE = "run_history.json"
+VARIABLES_PREFIX = "variables"
+_DIR_NAME = re.compile(r"^step-(\d+)$")
+_TEMP_MARK = ".partial-"
+# Test hook: "<point>" or "<point>@<step>" kills this process with SIGKILL at that point
+# of a checkpoint write (points: after_variables, before_rename, after_rename), so tests
+# can check what a crash mid-write leaves behind.
+FAULT_ENV = "TRAINERS_CHECKPOINT_FAULT"
+FAULT_POINTS = ("after_variables", "before_rename", "after_rename")
 
 
-def state_path(model_dir):
-    return os.path.join(model_dir, STATE_FILE)
+class CheckpointError(ValueError):
+    """No checkpoint of a run can be loaded; the message names each one tried and why."""
 
 
-def read_state(model_dir):
-    """The trainer state of the last checkpoint in `model_dir`, or None if there is none."""
-    path = state_path(model_dir)
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+class _Unloadable(Exception):
+    """Why one checkpoint cannot be loaded, naming the file (the message is the reason)."""
 
 
 def read_config(model_dir):
     """The config dict the run in `model_dir` was started with, or None."""
-    path = os.path.join(model_dir, CONFIG_FILE)
+    return _read_json(os.path.join(model_dir, CONFIG_FILE))
+
+
+def read_run_history(model_dir):
+    """The list of the run's starts (see runner.py), or [] before the first."""
+    return _read_json(os.path.join(model_dir, RUN_HISTORY_FILE)) or []
+
+
+def _read_json(path):
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def candidates(model_dir):
+    """`[(step, checkpoint path, state file)]` of every complete checkpoint, newest first.
+
+    The step of a new-layout checkpoint comes from its directory name, so a checkpoint
+    whose state file is damaged is still listed (and reported when it fails to load).
+    """
+    directory = os.path.join(model_dir, CHECKPOINT_SUBDIR)
+    found = []
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            match = _DIR_NAME.match(name)
+            path = os.path.join(directory, name)
+            if match and os.path.isdir(path):
+                found.append((int(match.group(1)), path, os.path.join(path, STATE_FILE)))
+    legacy = _legacy_candidate(model_dir)
+    if legacy and all(step != legacy[0] for step, _, _ in found):
+        found.append(legacy)
+    return sorted(found, key=lambda item: item[0], reverse=True)
+
+
+def _legacy_candidate(model_dir):
+    """The pre-0.2 layout: `trainer_state.json` beside `checkpoints/epoch-<N>`."""
+    state_file = os.path.join(model_dir, STATE_FILE)
+    try:
+        state = _read_json(state_file)
+        prefix = os.path.join(model_dir, CHECKPOINT_SUBDIR, state["checkpoint"])
+        return int(state["counters"]["steps"]), prefix, state_file
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def has_run(model_dir):
+    """Whether `model_dir` holds any checkpoint (loadable or not) of a run."""
+    return bool(candidates(model_dir)) or os.path.exists(os.path.join(model_dir, STATE_FILE))
+
+
+def _prefix(path):
+    """The variables' file prefix of a checkpoint directory (legacy: the path itself)."""
+    return os.path.join(path, VARIABLES_PREFIX) if os.path.isdir(path) else path
+
+
+def _first_line(error):
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _load_state(step, path, state_file):
+    """The checkpoint's trainer state, after reading every saved tensor (their checksums
+    catch truncated or damaged files). Raises with the reason if anything fails."""
+    if not os.path.exists(state_file):
+        raise _Unloadable(f"{state_file} is missing")
+    with open(state_file, encoding="utf-8") as f:
+        try:
+            state = json.load(f)
+        except ValueError as error:
+            raise _Unloadable(f"{state_file} is not valid JSON ({error})") from None
+    saved_step = state.get("counters", {}).get("steps") if isinstance(state, dict) else None
+    if saved_step != step:
+        raise _Unloadable(f"{state_file} is for step {saved_step}, not {step}")
+    prefix = _prefix(path)
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        for key in reader.get_variable_to_shape_map():
+            reader.get_tensor(key)
+    except Exception as error:  # pylint: disable=broad-except
+        files = ", ".join(sorted(tf.io.gfile.glob(prefix + ".*"))) or "no files"
+        raise _Unloadable(f"variables {prefix}.* ({files}) cannot be read: "
+                          f"{_first_line(error)}") from None
+    return state
+
+
+# A damaged file fails in many ways (TensorFlow's reader raises IndexError for a short
+# data file, DataLossError for a bad checksum, ...); any failure marks the checkpoint as
+# not loadable, and its reason is reported.
+_LOAD_ERRORS = (Exception,)
+
+
+def find_loadable(model_dir, try_restore=None):
+    """Returns `(state, path, failures)` of the newest checkpoint that loads, where
+    `failures` lists `(step, path, reason)` of the newer ones that did not; or
+    `(None, None, [])` when the run has no checkpoint. `try_restore(prefix)`, if given,
+    also restores the variables and may raise. Raises `CheckpointError` if none loads."""
+    failures = []
+    for step, path, state_file in candidates(model_dir):
+        try:
+            state = _load_state(step, path, state_file)
+            if try_restore is not None:
+                try_restore(_prefix(path))
+            return state, path, failures
+        except _LOAD_ERRORS as error:
+            failures.append((step, path, str(error) if isinstance(error, _Unloadable)
+                             else _first_line(error)))
+    if failures:
+        raise CheckpointError(
+            f"no checkpoint of the run in {model_dir} can be loaded; tried "
+            + "; ".join(f"{path} ({reason})" for _, path, reason in failures))
+    if os.path.exists(os.path.join(model_dir, STATE_FILE)):
+        raise CheckpointError(f"{os.path.join(model_dir, STATE_FILE)} names no checkpoint "
+                              "that exists; the run cannot be resumed")
+    return None, None, []
+
+
+def read_state(model_dir):
+    """The trainer state of the newest loadable checkpoint in `model_dir`, or None."""
+    return find_loadable(model_dir)[0]
+
+
+def _fault(point, step):
+    wanted = os.environ.get(FAULT_ENV, "")
+    name, _, at_step = wanted.partition("@")
+    if name == point and (not at_step or int(at_step) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_tree(directory):
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name), "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory):
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 class CheckpointStore:
@@ -46,22 +203,66 @@ class CheckpointStore:
 
     def __init__(self, model_dir, model, optimizer, max_to_keep=2):
         self.model_dir = model_dir
+        self.directory = os.path.join(model_dir, CHECKPOINT_SUBDIR)
+        self.max_to_keep = max_to_keep
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-        self._manager = tf.train.CheckpointManager(
-            self._checkpoint, os.path.join(model_dir, CHECKPOINT_SUBDIR),
-            max_to_keep=max_to_keep, checkpoint_name="epoch")
 
-    def save(self, epoch, state):
-        """Checkpoints the variables as `epoch-<epoch>` and records `state` beside them."""
-        prefix = self._manager.save(checkpoint_number=epoch)
-        reporting.write_json(state_path(self.model_dir),
-                             dict(state, checkpoint=os.path.basename(prefix)))
+    def save(self, step, state):
+        """Writes checkpoint `step-<step>` (variables and `state`) atomically: complete
+        under a temporary name first, then renamed; older ones beyond `max_to_keep` go."""
+        os.makedirs(self.directory, exist_ok=True)
+        name = f"step-{step}"
+        temporary = os.path.join(self.directory, f"{_TEMP_MARK}{name}")
+        shutil.rmtree(temporary, ignore_errors=True)
+        os.makedirs(temporary)
+        self._checkpoint.write(os.path.join(temporary, VARIABLES_PREFIX))
+        _fault("after_variables", step)
+        reporting.write_json(os.path.join(temporary, STATE_FILE), state)
+        _fsync_tree(temporary)
+        _fault("before_rename", step)
+        final = os.path.join(self.directory, name)
+        if os.path.exists(final):  # the same step again (a resume with nothing to train)
+            os.rename(final, os.path.join(self.directory, f"{_TEMP_MARK}old-{name}"))
+        os.rename(temporary, final)
+        _fsync_dir(self.directory)
+        _fault("after_rename", step)
+        self._prune(keep=final)
+        return final
 
-    def restore(self):
-        """Restores the last checkpoint's variables; returns its trainer state, or None."""
-        state = read_state(self.model_dir)
-        if state is None:
-            return None
-        prefix = os.path.join(self.model_dir, CHECKPOINT_SUBDIR, state["checkpoint"])
-        self._checkpoint.restore(prefix).assert_existing_objects_matched()
+    def _prune(self, keep):
+        complete = [path for _, path, _ in candidates(self.model_dir)
+                    if os.path.dirname(path) == self.directory and os.path.isdir(path)]
+        for path in complete[self.max_to_keep:]:
+            if path != keep:
+                shutil.rmtree(path, ignore_errors=True)
+        for name in os.listdir(self.directory):
+            if name.startswith(_TEMP_MARK):  # left by a write that did not finish
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def restore(self, report=True):
+        """Restores the newest checkpoint that loads and returns its trainer state (None
+        when the run has none). Newer ones that fail are reported (when `report`) with
+        path, reason and the steps of training lost; `CheckpointError` if none loads."""
+
+        def restore_variables(prefix):
+            self._checkpoint.read(prefix).assert_existing_objects_matched()
+
+        state, path, failures = find_loadable(self.model_dir, restore_variables)
+        unfinished = (sorted(name for name in os.listdir(self.directory)
+                             if name.startswith(_TEMP_MARK))
+                      if os.path.isdir(self.directory) else [])
+        if report and unfinished:
+            logging.warning("ignoring the unfinished checkpoint write %s (the process stopped "
+                            "while writing it); the newest complete checkpoint is %s",
+                            ", ".join(os.path.join(self.directory, n) for n in unfinished),
+                            path)
+        if report and failures:
+            for step, failed, reason in failures:
+                logging.warning("checkpoint %s (step %d) cannot be loaded: %s", failed, step,
+                                reason)
+            newest = failures[0][0]
+            step = state["counters"]["steps"]
+            logging.warning("resuming from the older checkpoint %s (step %d) instead: %d "
+                            "steps of training (steps %d to %d) are lost and will be redone",
+                            path, step, newest - step, step, newest)
         return state

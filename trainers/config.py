@@ -11,6 +11,7 @@ import os
 from typing import Optional, Tuple
 
 import pipelines
+from pipelines.validation import check_number
 from tfkfac import blocks, distributed, optimizer as kfac_optimizer, validation
 from trainers import models
 
@@ -30,10 +31,13 @@ KFAC_ONLY_FIELDS = (
     "damping", "factor_update_freq", "inv_update_freq", "kl_clip", "kfac_method",
     "kfac_placement", "factor_wire_dtype", "decomposition_wire_dtype", "weight_sharing",
 )
-# Fields a resumed run must share with the run that wrote the checkpoint.
-RESUME_INVARIANT_FIELDS = (
-    "model", "dataset", "train_split", "optimizer", "batch_size", "seed", "precision",
-    "echo_mode", "echo_factor",
+# Fields a resumed run may set differently from the run that wrote the checkpoint: the
+# budget (and so a schedule's end), evaluation cadence and target, where the data and
+# the run live, how much is printed. Every other field must stay as it was; a resumed
+# run takes the fields not given from the run's own settings.
+RESUME_MAY_CHANGE_FIELDS = (
+    "steps", "epochs", "eval_every_steps", "target_accuracy", "stop_at_target",
+    "data_dir", "idx_dir", "model_dir", "verbose", "resume", "auto_resume",
 )
 
 
@@ -44,6 +48,7 @@ class TrainConfig:
     model: str = "cnn"
     dataset: str = "fashion_mnist"
     data_dir: Optional[str] = None
+    idx_dir: Optional[str] = None
     train_split: str = "train"
     eval_split: str = "test"
     optimizer: str = "kfac"
@@ -86,6 +91,7 @@ class TrainConfig:
     stop_at_target: bool = False
     model_dir: Optional[str] = None
     resume: bool = False
+    auto_resume: bool = False
     seed: int = 0
     xla: bool = False
     verbose: int = 1
@@ -121,8 +127,7 @@ class TrainConfig:
                              f"{self.eval_every_steps}")
         self._validate_schedule()
         self._validate_kfac(explicitly_set)
-        if self.echo_factor < 1.0:
-            raise ValueError(f"echo_factor must be >= 1 (1 = no echoing), got {self.echo_factor}")
+        check_number("echo_factor", self.echo_factor, low=1)
         if self.echo_factor > 1.0 and self.echo_mode == "none":
             raise ValueError(
                 f"echo_factor={self.echo_factor} needs an echo_mode; choose one of "
@@ -133,12 +138,21 @@ class TrainConfig:
                 raise ValueError(
                     f"target_accuracy applies to classifiers ({', '.join(models.CLASSIFIERS)}),"
                     f" not to model={self.model}")
-            if not 0.0 < self.target_accuracy <= 1.0:
-                raise ValueError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
+            check_number("target_accuracy", self.target_accuracy, 0, 1, low_open=True)
         if self.stop_at_target and self.target_accuracy is None:
             raise ValueError("stop_at_target needs a target_accuracy")
         if self.resume and not self.model_dir:
             raise ValueError("resume needs the model_dir of the run to continue")
+        if self.auto_resume and not self.model_dir:
+            raise ValueError("auto_resume needs a model_dir (the run to continue if it is "
+                             "there, else where to start one)")
+        if self.resume and self.auto_resume:
+            raise ValueError("pass either resume (the run must be there) or auto_resume "
+                             "(continue it if there, else start it), not both")
+        if self.idx_dir is not None and self.dataset not in pipelines.idx_dataset.IDX_DATASETS:
+            raise ValueError(f"idx_dir only applies to the IDX datasets "
+                             f"{', '.join(sorted(pipelines.idx_dataset.IDX_DATASETS))}, "
+                             f"not dataset={self.dataset}")
 
     def _validate_augmentation(self):
         if self.shuffle_buffer < 0:
@@ -146,21 +160,22 @@ class TrainConfig:
                              f"{self.shuffle_buffer}")
         if self.crop_padding < 0:
             raise ValueError(f"crop_padding must be >= 0, got {self.crop_padding}")
-        if not 0.0 <= self.erasing_probability <= 1.0:
-            raise ValueError(f"erasing_probability must be in [0, 1], got "
-                             f"{self.erasing_probability}")
-        if self.mixup_alpha < 0:
-            raise ValueError(f"mixup_alpha must be >= 0 (0 = no mixup), got {self.mixup_alpha}")
+        check_number("erasing_probability", self.erasing_probability, 0, 1)
+        check_number("mixup_alpha", self.mixup_alpha, low=0)
         if self.running_mixup and self.mixup_alpha == 0:
             raise ValueError("running_mixup needs mixup_alpha > 0")
         if self.mixup_alpha > 0 and models.is_autoencoder(self.model):
             raise ValueError(f"mixup mixes class labels; model={self.model} has none")
-        if self.read_latency < 0:
-            raise ValueError(f"read_latency must be >= 0 seconds, got {self.read_latency}")
+        check_number("read_latency", self.read_latency, low=0)
 
     def _validate_schedule(self):
-        if self.warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        # Every float of the schedule is checked, used by this schedule or not.
+        check_number("warmup_epochs", self.warmup_epochs, low=0)
+        for epoch in self.lr_decay_epochs:
+            check_number("lr_decay_epochs", epoch, low=0, low_open=True)
+        check_number("lr_decay_factor", self.lr_decay_factor, 0, 1, low_open=True,
+                     high_open=True)
+        check_number("lr_decay_power", self.lr_decay_power, low=0, low_open=True)
         if self.lr_schedule == "warmup" and self.warmup_epochs == 0:
             raise ValueError("lr_schedule=warmup needs warmup_epochs > 0")
         if self.lr_schedule == "step":
@@ -170,19 +185,16 @@ class TrainConfig:
                     self.lr_decay_epochs) <= 0:
                 raise ValueError(f"lr_decay_epochs must be positive and strictly increasing, "
                                  f"got {list(self.lr_decay_epochs)}")
-            if not 0.0 < self.lr_decay_factor < 1.0:
-                raise ValueError(f"lr_decay_factor must be in (0, 1), got {self.lr_decay_factor}")
         elif self.lr_decay_epochs:
             raise ValueError(f"lr_decay_epochs only applies to lr_schedule=step, "
                              f"not lr_schedule={self.lr_schedule}")
-        if self.lr_schedule == "polynomial":
-            _positive("lr_decay_power", self.lr_decay_power)
 
     def _validate_kfac(self, explicitly_set):
         if self.optimizer != "kfac":
             stray = [name for name in KFAC_ONLY_FIELDS if name in explicitly_set]
             if stray:
-                raise ValueError(f"{', '.join(stray)} only apply to optimizer=kfac, "
+                verb = "applies" if len(stray) == 1 else "apply"
+                raise ValueError(f"{', '.join(stray)} only {verb} to optimizer=kfac, "
                                  f"not optimizer={self.optimizer}")
             return
         validation.validate(damping=self.damping, factor_update_freq=self.factor_update_freq,

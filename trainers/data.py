@@ -14,21 +14,37 @@ from pipelines import idx_dataset
 from trainers import models
 
 
-def dataset_info(name, data_dir=None):
-    """TFDS metadata of `name`; the IDX datasets are prepared offline first if needed."""
+def dataset_info(name, data_dir=None, idx_dir=None):
+    """TFDS metadata of `name`; the IDX datasets are prepared offline first if needed.
+
+    Raises ValueError, saying what is wrong and how to fix it, for an unknown name, a
+    TFDS dataset not prepared in `data_dir`, missing or damaged IDX files, or IDX files
+    that differ from those the prepared copy was made from.
+    """
     if name in idx_dataset.IDX_DATASETS:
-        return idx_dataset.prepare_idx(name, data_dir=data_dir).info
+        try:
+            return idx_dataset.prepare_idx(name, data_dir=data_dir, idx_dir=idx_dir).info
+        except idx_dataset.IdxFilesNotFoundError as error:
+            raise ValueError(str(error)) from error
     try:
-        return tfds.builder(name, data_dir=data_dir).info
+        builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError as error:
         raise ValueError(f"dataset must be one of {', '.join(sorted(idx_dataset.IDX_DATASETS))} "
                          f"or a prepared TFDS dataset name; got {name!r}") from error
+    if not builder.is_prepared():
+        where = data_dir or idx_dataset.default_data_dir()
+        raise ValueError(
+            f"dataset {name} is not prepared in data_dir {where}: prepare it there first "
+            f"(`tfds build {name} --data_dir={where}` where there is network, or copy a "
+            f"prepared {name} directory into it); only {' and '.join(sorted(idx_dataset.IDX_DATASETS))} "
+            "are prepared offline by the trainer itself")
+    return builder.info
 
 
 def split_sizes(config):
     """Returns `(info, train examples, eval examples)` of the config's dataset and splits,
     raising ValueError for an unknown dataset or a split it does not have."""
-    info = dataset_info(config.dataset, config.data_dir)
+    info = dataset_info(config.dataset, config.data_dir, config.idx_dir)
     sizes = []
     for flag in ("train_split", "eval_split"):
         split = getattr(config, flag)
@@ -38,6 +54,19 @@ def split_sizes(config):
             raise ValueError(f"{flag} must be one of {', '.join(sorted(info.splits.keys()))} "
                              f"(or a TFDS slice of one); got {split!r}: {error}") from error
     return (info, *sizes)
+
+
+def steps_per_epoch(config, train_examples, num_ranks):
+    """Training steps per epoch of each rank; ValueError if the batch is larger than a
+    rank's share of the split."""
+    examples_per_rank = train_examples // num_ranks
+    steps = int(examples_per_rank * config.echo_factor) // config.batch_size
+    if steps < 1:
+        raise ValueError(
+            f"batch_size={config.batch_size} is larger than one rank's share "
+            f"({examples_per_rank} examples x echo_factor {config.echo_factor}) of "
+            f"{config.dataset} {config.train_split}")
+    return steps
 
 
 class TrainingData:
@@ -52,32 +81,28 @@ class TrainingData:
         self._counters = None
         self.input_shape = tuple(info.features["image"].shape)
         self.num_classes = info.features["label"].num_classes
-        examples_per_rank = train_examples // num_ranks
         # `Dataset.shard` gives rank r every num_ranks-th example starting at r.
         eval_examples_here = -(-(eval_examples - rank) // num_ranks)
         self._eval_batches = -(-eval_examples_here // config.batch_size)
-        self.steps_per_epoch = int(examples_per_rank * config.echo_factor) // config.batch_size
-        if self.steps_per_epoch < 1:
-            raise ValueError(
-                f"batch_size={config.batch_size} is larger than one rank's share "
-                f"({examples_per_rank} examples x echo_factor {config.echo_factor}) of "
-                f"{config.dataset} {config.train_split}")
+        self.steps_per_epoch = steps_per_epoch(config, train_examples, num_ranks)
         self._autoencoder = models.is_autoencoder(config.model)
         self._one_hot = config.mixup_alpha > 0  # mixup mixes one-hot labels
 
     def _build(self, **kwargs):
         config = self._config
         return pipelines.build(
-            config.dataset, data_dir=config.data_dir, num_shards=self._num_ranks,
+            config.dataset, data_dir=config.data_dir, idx_dir=config.idx_dir,
+            num_shards=self._num_ranks,
             shard_index=self._rank, dtype=self._input_dtype,
             num_classes=self.num_classes if self._one_hot else None, **kwargs)
 
-    def train(self, epoch):
-        """Epoch `epoch`'s training batches (then later epochs' without end)."""
+    def train(self, epoch, skip_batches=0):
+        """Epoch `epoch`'s training batches (then later epochs' without end), from its
+        `skip_batches`-th batch on (a resumed run continuing the epoch there)."""
         config = self._config
         dataset, self._counters = self._build(
             split=config.train_split, batch_size=config.batch_size, seed=config.seed,
-            epoch=epoch, num_epochs=None, echo_mode=config.echo_mode,
+            epoch=epoch, num_epochs=None, skip_batches=skip_batches, echo_mode=config.echo_mode,
             echo_factor=config.echo_factor, shuffle_buffer=config.shuffle_buffer,
             augmentation=self._augmentation(), read_latency=config.read_latency)
         return self._with_targets(dataset)

@@ -111,12 +111,20 @@ class EpochRecorder(StepTimer):
       eval_every_steps: evaluate every this many steps too (0: only at epoch ends).
       target_accuracy: eval accuracy whose first crossing is recorded, or None.
       stop_at_target: ends training once the target is reached.
+      steps_per_epoch: the run's steps per epoch; evaluation points are placed at
+        `steps / steps_per_epoch` epochs (default: within each `fit` call's own steps).
+      epoch_metrics: the model's metric variables (running sums and counts) saved
+        when a checkpoint cut an epoch, added back when a resumed run continues it;
+        `epoch_metrics` holds them again after each `fit` (read before evaluating).
     """
 
     def __init__(self, counters, communicator, scalars_fn, fresh_examples_fn, phase_fn,
                  evaluate_fn=None, eval_every_steps=0, target_accuracy=None,
-                 stop_at_target=False):
+                 stop_at_target=False, steps_per_epoch=None, epoch_metrics=None):
         super().__init__(phase_fn, counters.step_time, first_step=counters.steps)
+        self._steps_per_epoch = steps_per_epoch
+        self._metrics_to_restore = epoch_metrics
+        self.epoch_metrics = None
         self.counters = counters
         self._communicator = communicator
         self._scalars_fn = scalars_fn
@@ -136,7 +144,27 @@ class EpochRecorder(StepTimer):
         self._epoch_steps = 0
         self._start_clock()
 
+    def _add_restored_metrics(self):
+        """Continuing an epoch a checkpoint cut: adds the epoch's running sums and counts
+        from before the cut (every metric here is a mean of sums and counts). Done after
+        the first step, when Keras has built all of the compiled metrics' variables."""
+        variables = self.model.metrics_variables
+        if len(variables) != len(self._metrics_to_restore):
+            raise ValueError(f"the checkpoint holds {len(self._metrics_to_restore)} metric "
+                             f"variables, the model has {len(variables)}")
+        for variable, value in zip(variables, self._metrics_to_restore):
+            variable.assign_add(np.asarray(value, variable.dtype))
+        self._metrics_to_restore = None
+
+    def _epochs_at(self, step_in_fit):
+        """Epochs done (fractional) after `step_in_fit` steps of the current fit."""
+        if self._steps_per_epoch:
+            return self.counters.steps / self._steps_per_epoch
+        return self.counters.epochs + step_in_fit / self.params["steps"]
+
     def on_train_batch_end(self, batch, logs=None):
+        if self._metrics_to_restore is not None:
+            self._add_restored_metrics()
         super().on_train_batch_end(batch, logs)
         self.counters.steps = self.step
         self._epoch_steps += 1
@@ -146,12 +174,15 @@ class EpochRecorder(StepTimer):
             self._stop_clock()
             metrics = self._averaged(self._evaluate_fn())
             fresh = self.counters.fresh_examples + self._global_fresh_examples()
-            self._record_evaluation(metrics, fresh, self.counters.epochs +
-                                    self._epoch_steps / self.params["steps"])
+            self._record_evaluation(metrics, fresh, self._epochs_at(self._epoch_steps))
             self._start_clock()
 
     def on_test_begin(self, logs=None):
         self._stop_clock()  # fit's own evaluation after the epoch's last step
+        # The epoch's running training metrics, before evaluation resets them: a
+        # checkpoint taken mid-epoch stores them for the run that continues it.
+        self.epoch_metrics = [variable.numpy().tolist()
+                              for variable in getattr(self.model, "metrics_variables", [])]
 
     def on_epoch_end(self, epoch, logs=None):
         self._stop_clock()
@@ -164,9 +195,14 @@ class EpochRecorder(StepTimer):
         row = {"epoch": counters.epochs, "steps": counters.steps,
                "train_time_s": counters.train_time_s}
         row.update({key: float(value) for key, value in logs.items()})
-        counters.history.append(row)
+        if counters.history and counters.history[-1]["epoch"] == counters.epochs:
+            counters.history[-1] = row  # the rest of an epoch a checkpoint had cut
+        else:
+            counters.history.append(row)
+        epochs = (counters.steps / self._steps_per_epoch if self._steps_per_epoch
+                  else counters.epochs)
         self._record_evaluation({k: v for k, v in logs.items() if k.startswith("val_")},
-                                counters.fresh_examples, counters.epochs)
+                                counters.fresh_examples, epochs)
 
     def _start_clock(self):
         self._clock_start = time.perf_counter()
@@ -244,9 +280,17 @@ class EpochWriter(keras.callbacks.Callback):
         self._summary_writer.flush()
 
 
+# metrics.csv's first columns; the others follow in alphabetical order, so the columns
+# never depend on the order a dict was built or read back from a checkpoint in.
+LEADING_COLUMNS = ("epoch", "steps", "train_time_s")
+
+
 def write_csv(path, rows):
-    """Writes dict rows with the union of their keys as columns, in first-seen order."""
-    columns = list(dict.fromkeys(key for row in rows for key in row))
+    """Writes dict rows with the union of their keys as columns: `LEADING_COLUMNS`, then
+    the rest sorted."""
+    keys = {key for row in rows for key in row}
+    columns = [key for key in LEADING_COLUMNS if key in keys] + sorted(
+        keys.difference(LEADING_COLUMNS))
     with open(path + ".tmp", "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()

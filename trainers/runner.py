@@ -1,14 +1,28 @@
 """Runs one training job from a `TrainConfig`: the trainer binary and the benchmarks call
 `run`, so both train exactly the same way.
 
-Each epoch is one `model.fit` call over that epoch's data, built from (seed, epoch):
-the data order of epoch e never depends on how many epochs this process ran before, so
-a resumed run sees the same batches as an uninterrupted one.
+Training is counted in steps. Each `fit` call covers (the rest of) one epoch, whose
+data is built from (seed, epoch): the data order of epoch e never depends on how many
+epochs this process ran before. A run resumed from a checkpoint taken mid-epoch starts
+that epoch's stream at the batch where the checkpoint was taken, so a resumed run sees
+the same batches, and ends with the same variables, as an uninterrupted one, and stops
+at exactly the `--steps` (or `--epochs`) asked.
+
+What may change on resume is `config.RESUME_MAY_CHANGE_FIELDS` (the budget, so a
+schedule's end; evaluation cadence and target; paths); every other setting must stay,
+and fields the caller did not give are taken from the run. `config.json` keeps the
+settings the run was started with; each start appends what it changed to
+`run_history.json`.
 """
 
+import dataclasses
+import datetime
+import json
 import math
 import os
+import tempfile
 
+from absl import logging
 import keras
 
 import pipelines
@@ -18,19 +32,114 @@ from trainers import checkpoints, config as config_lib, data as data_lib, data_p
 from trainers import lr_schedules, models, reporting
 
 SUMMARY_FILE = "summary.json"
+# Fields of a config that say how it was started, not what the run is.
+_INVOCATION_FIELDS = ("resume", "auto_resume", "model_dir", "verbose")
 
 
-def check(config, explicitly_set=()):
-    """Raises ValueError for bad settings or a `model_dir` that does not fit them.
+def check(config, explicitly_set=None, num_ranks=1):
+    """Checks everything a user can get wrong before anything is built; returns the
+    config to run. Raises ValueError naming the problem.
 
-    `explicitly_set` names the config fields the user set (see `TrainConfig.validate`).
+    `explicitly_set` names the config fields the user gave (e.g. flags present on the
+    command line); None means all of them (a config built in code). On resume, the
+    fields not given are taken from the run in `model_dir`, and given ones that differ
+    from the run must be in `config.RESUME_MAY_CHANGE_FIELDS`. The returned config has
+    `resume` set exactly when a run is continued (`auto_resume` finds one or `resume`).
     """
-    config.validate(explicitly_set)
-    data_lib.split_sizes(config)
-    _check_model_dir(config.resolved_model_dir(), config)
+    given = set(explicitly_set) if explicitly_set is not None else None
+    config.validate(given or ())
+    model_dir = config.resolved_model_dir()
+    _check_model_dir_usable(model_dir)
+    resuming = _resuming(config, model_dir)
+    if resuming:
+        config = _resumed_config(config, given, model_dir)
+        config.validate(given or ())
+    info, train_examples, _ = data_lib.split_sizes(config)
+    steps_per_epoch = data_lib.steps_per_epoch(config, train_examples, num_ranks)
+    if resuming:
+        state = checkpoints.read_state(model_dir)  # CheckpointError if none loads
+        total = config.steps or config.epochs * steps_per_epoch
+        if state and state["counters"]["steps"] > total:
+            raise ValueError(f"the run in {model_dir} has trained {state['counters']['steps']}"
+                             f" steps already, more than the {total} asked (--steps/--epochs)")
+    return config
 
 
-def run(config, explicitly_set=()):
+def _check_model_dir_usable(model_dir):
+    """A model_dir that is a file, or that cannot be created or written, is an error."""
+    if os.path.exists(model_dir) and not os.path.isdir(model_dir):
+        raise ValueError(f"model_dir {model_dir} is a file, not a directory")
+    existing = model_dir
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"model_dir {model_dir} cannot be created: {existing} is a file")
+    try:  # a real write: permissions, read-only file systems, /proc and the like
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
+    except OSError as error:
+        what = "is" if existing == model_dir else f"cannot be created: {existing} is"
+        raise ValueError(f"model_dir {model_dir} {what} not writable "
+                         f"({error.strerror or error})") from None
+
+
+def _resuming(config, model_dir):
+    """Whether this start continues the run in `model_dir`; refuses to mix two runs."""
+    has_run = checkpoints.has_run(model_dir)
+    if config.auto_resume:
+        return has_run
+    if config.resume:
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"resume: model_dir {model_dir} does not exist, so there is no "
+                             "run to resume (auto_resume starts one when there is none)")
+        if not has_run:
+            raise ValueError(f"resume: model_dir {model_dir} holds no run to resume (no "
+                             f"{checkpoints.CHECKPOINT_SUBDIR}/step-*); auto_resume starts "
+                             "one when there is none")
+        return True
+    if has_run:
+        raise ValueError(f"model_dir {model_dir} already holds a checkpoint; pass --resume to "
+                         "continue that run or choose another --model_dir")
+    return False
+
+
+def saved_settings(model_dir):
+    """The settings the run in `model_dir` last ran with (config.json updated by what
+    run_history.json records as changed), or None if it has no config.json."""
+    saved = checkpoints.read_config(model_dir)
+    history = checkpoints.read_run_history(model_dir)
+    if saved is not None and history:
+        saved.update({name: now for name, (_, now) in history[-1].get("changed", {}).items()})
+    return saved
+
+
+def _resumed_config(config, given, model_dir):
+    saved = saved_settings(model_dir)
+    if saved is None:
+        logging.warning("%s has no %s; resuming without checking the settings match",
+                        model_dir, checkpoints.CONFIG_FILE)
+        return dataclasses.replace(config, resume=True, auto_resume=False)
+    values = {}
+    changed = []
+    for field in dataclasses.fields(config_lib.TrainConfig):
+        name, mine = field.name, getattr(config, field.name)
+        theirs = saved.get(name, field.default)
+        if name in _INVOCATION_FIELDS or given is None or name in given:
+            values[name] = mine
+            if (name not in config_lib.RESUME_MAY_CHANGE_FIELDS
+                    and _jsonable(mine) != theirs):
+                changed.append(f"{name} ({theirs!r} -> {mine!r})")
+        else:
+            values[name] = tuple(theirs) if isinstance(theirs, list) else theirs
+    if changed:
+        raise ValueError(
+            f"resume must keep the settings of the run in {model_dir}; changed: "
+            f"{', '.join(changed)}; only these may change: "
+            f"{', '.join(n for n in config_lib.RESUME_MAY_CHANGE_FIELDS if n not in _INVOCATION_FIELDS)}")
+    values.update(resume=True, auto_resume=False)  # from here on: a plain resume
+    return config_lib.TrainConfig(**values)
+
+
+def run(config, explicitly_set=None):
     """Trains as `config` says and returns the run summary (also in `summary.json`).
 
     Under horovodrun every rank calls this; only rank 0 writes files and prints logs.
@@ -41,16 +150,16 @@ def run(config, explicitly_set=()):
 class Trainer:
     """One run's assembled pieces: data, model, optimizer, checkpoints, counters.
 
-    Building it restores the last checkpoint when `config.resume` is set and gives every
-    rank rank 0's variables; `train()` then runs the remaining epochs. Benchmarks use the
-    pieces (`model`, `data`, ...) to time steps without a second training loop.
+    Building it restores the newest loadable checkpoint when the run is resumed and
+    gives every rank rank 0's variables; `train()` then runs the steps left. Benchmarks
+    use the pieces (`model`, `data`, ...) to time steps without a second training loop.
     """
 
-    def __init__(self, config, explicitly_set=()):
-        check(config, explicitly_set)
-        self.config = config
+    def __init__(self, config, explicitly_set=None):
         self.communicator = distributed.get_communicator()
         self.chief = self.communicator.rank == 0
+        config = check(config, explicitly_set, self.communicator.size)
+        self.config = config
         self.model_dir = config.resolved_model_dir()
 
         input_dtype = pipelines.set_precision(config.precision)
@@ -72,20 +181,38 @@ class Trainer:
 
         self._store = checkpoints.CheckpointStore(self.model_dir, self.model,
                                                   self.model.optimizer)
-        state = self._store.restore() if config.resume else None
+        state = self._store.restore(report=self.chief) if config.resume else None
         self.counters = (reporting.RunCounters.from_dict(state["counters"]) if state
                          else reporting.RunCounters())
+        self._epoch_metrics = state.get("epoch_metrics") if state else None
         # Every rank starts from rank 0's initial (or restored) variables.
         self.communicator.broadcast_variables(self.model.variables +
                                               self.model.optimizer.variables)
 
+    def _record_start(self):
+        """config.json for a new run; for every start, what it changed, in run_history."""
+        config = json.loads(json.dumps(self.config.to_dict()))  # tuples as JSON lists
+        history_path = os.path.join(self.model_dir, checkpoints.RUN_HISTORY_FILE)
+        original = checkpoints.read_config(self.model_dir) if self.config.resume else None
+        if original is None:
+            reporting.write_json(os.path.join(self.model_dir, checkpoints.CONFIG_FILE), config)
+            original, history = config, []
+        else:
+            history = checkpoints.read_run_history(self.model_dir)
+        changed = {name: [original.get(name), value] for name, value in config.items()
+                   if name not in _INVOCATION_FIELDS and original.get(name) != value}
+        history.append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
+                        "from_step": self.counters.steps, "changed": changed})
+        reporting.write_json(history_path, history)
+
     def train(self):
-        """Runs the epochs left, checkpointing after each; returns the run summary."""
+        """Runs the steps left, checkpointing after each epoch (and at the end); returns
+        the run summary."""
         config = self.config
+        steps_per_epoch = self.data.steps_per_epoch
         if self.chief:
             os.makedirs(self.model_dir, exist_ok=True)
-            reporting.write_json(os.path.join(self.model_dir, checkpoints.CONFIG_FILE),
-                                 config.to_dict())
+            self._record_start()
         eval_data = self.data.evaluation()
         recorder = reporting.EpochRecorder(
             self.counters, self.communicator,
@@ -95,23 +222,35 @@ class Trainer:
             evaluate_fn=lambda: self._evaluate_mid_epoch(eval_data),
             eval_every_steps=config.eval_every_steps,
             target_accuracy=config.target_accuracy,
-            stop_at_target=config.stop_at_target)
+            stop_at_target=config.stop_at_target,
+            steps_per_epoch=steps_per_epoch, epoch_metrics=self._epoch_metrics)
         callbacks = [recorder]
         if self.chief:
             callbacks.append(reporting.EpochWriter(self.model_dir, recorder))
             if config.verbose:  # last, so it shows the logs the recorder completed
                 callbacks.append(reporting.RunProgressBar(self.num_epochs))
-        for epoch in range(self.counters.epochs, self.num_epochs):
+        if self.counters.steps >= self.total_steps and self.chief:
+            logging.warning("the run in %s has trained the %d steps asked already; nothing "
+                            "left to train", self.model_dir, self.total_steps)
+        while self.counters.steps < self.total_steps:
             if config.stop_at_target and recorder.target_reached:
                 break
+            epoch, done_in_epoch = divmod(self.counters.steps, steps_per_epoch)
+            before = self.counters.steps
             self.model.fit(
-                self.data.train(epoch), epochs=epoch + 1, initial_epoch=epoch,
-                steps_per_epoch=min(self.data.steps_per_epoch,
+                self.data.train(epoch, skip_batches=done_in_epoch), epochs=epoch + 1,
+                initial_epoch=epoch,
+                steps_per_epoch=min(steps_per_epoch - done_in_epoch,
                                     self.total_steps - self.counters.steps),
                 validation_data=eval_data, callbacks=callbacks, shuffle=False,
                 verbose=config.verbose if self.chief else 0)
+            if self.counters.steps == before:
+                raise RuntimeError(f"fit trained no step at step {before}")
             if self.chief:
-                self._store.save(epoch + 1, {"counters": self.counters.to_dict()})
+                mid_epoch = self.counters.steps % steps_per_epoch != 0
+                self._store.save(self.counters.steps, {
+                    "counters": self.counters.to_dict(),
+                    "epoch_metrics": recorder.epoch_metrics if mid_epoch else None})
 
         summary = self.summary()
         if self.chief:
@@ -147,28 +286,16 @@ class Trainer:
             "target_accuracy": config.target_accuracy,
             "to_target": counters.to_target,
             "mean_step_time_s": counters.mean_step_time_s(),
+            # Steps whose update was not applied: a loss-scale overflow (mixed_float16)
+            # or K-FAC's non-finite-gradient guard. Applied updates are what the
+            # optimizer's (checkpointed) step counter counts.
+            "skipped_steps": counters.steps - int(self.optimizer.iterations.numpy()),
             "history": counters.history,
             "evaluations": counters.evaluations,
         }
         if config.optimizer == "kfac":
             summary["kfac"] = self.optimizer.summary()
         return summary
-
-
-def _check_model_dir(model_dir, config):
-    """Refuses to mix two runs in one directory, and to resume a different run."""
-    has_checkpoint = checkpoints.read_state(model_dir) is not None
-    if has_checkpoint and not config.resume:
-        raise ValueError(f"model_dir {model_dir} already holds a checkpoint; pass --resume to "
-                         "continue that run or choose another --model_dir")
-    saved = checkpoints.read_config(model_dir) if config.resume else None
-    if saved is not None:
-        changed = [f"{name} ({saved.get(name)!r} -> {getattr(config, name)!r})"
-                   for name in config_lib.RESUME_INVARIANT_FIELDS
-                   if saved.get(name) != _jsonable(getattr(config, name))]
-        if changed:
-            raise ValueError(f"resume must keep the settings of the run in {model_dir}; "
-                             f"changed: {', '.join(changed)}")
 
 
 def _jsonable(value):
@@ -239,5 +366,8 @@ def _print_summary(summary):
         print(f"target accuracy {summary['target_accuracy']}: " + (
             f"reached after {reached['time_s']:.1f} s, {reached['steps']} steps, "
             f"{reached['fresh_examples']} fresh examples" if reached else "not reached"))
+    if summary["skipped_steps"]:
+        print(f"{summary['skipped_steps']} of {summary['steps']} steps skipped their update "
+              "(loss-scale overflow or non-finite gradients)")
     print(f"logs: {summary['model_dir']} (metrics.csv, tensorboard/, {SUMMARY_FILE}, "
           f"{checkpoints.CHECKPOINT_SUBDIR}/)")

@@ -7,11 +7,15 @@ writes the logs and checkpoints.
 """
 
 import dataclasses
+import sys
 
 from absl import app, flags, logging
 
-from trainers import config as config_lib
+from trainers import checkpoints, config as config_lib
 from trainers import models, runner
+
+# Printed before a usage error, which is always the last line.
+USAGE_HINT = "usage: python -m trainers.train [--flag=value ...]; --helpshort lists the flags"
 
 _DEFAULTS = config_lib.TrainConfig()
 
@@ -21,6 +25,10 @@ flags.DEFINE_string("dataset", _DEFAULTS.dataset,
                     "TFDS image classification dataset name.")
 flags.DEFINE_string("data_dir", None, "TFDS data directory (default: $TFDS_DATA_DIR or "
                     "~/tensorflow_datasets).")
+flags.DEFINE_string("idx_dir", None,
+                    "fashion_mnist/mnist: directory of the four IDX files to prepare the "
+                    "dataset from (default: Debian's dataset-fashion-mnist files). If the "
+                    "dataset is prepared in --data_dir from other files, that is an error.")
 flags.DEFINE_string("train_split", _DEFAULTS.train_split,
                     "TFDS split to train on, e.g. train or train[:54000].")
 flags.DEFINE_string("eval_split", _DEFAULTS.eval_split,
@@ -103,7 +111,13 @@ flags.DEFINE_bool("stop_at_target", _DEFAULTS.stop_at_target,
 flags.DEFINE_string("model_dir", None, "Where logs and checkpoints go (default: a new "
                     "runs/<model>-<optimizer>-<time> directory).")
 flags.DEFINE_bool("resume", _DEFAULTS.resume,
-                  "Continue the run in --model_dir from its last checkpoint.")
+                  "Continue the run in --model_dir from its newest loadable checkpoint, to "
+                  "exactly --steps/--epochs; an error if there is no run there. Flags not "
+                  "given are the run's own; only the budget, evaluation and target flags "
+                  "and paths may differ.")
+flags.DEFINE_bool("auto_resume", _DEFAULTS.auto_resume,
+                  "Like --resume when --model_dir holds a run, else start a new run there "
+                  "(for job schedulers that restart the same command).")
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of initialization and data order.")
 flags.DEFINE_bool("xla", _DEFAULTS.xla,
                   "Compile with XLA: the whole train step for sgd/adam, K-FAC's local stages "
@@ -134,18 +148,38 @@ def config_from_flags(flag_values):
     return config_lib.TrainConfig(**values), explicitly_set
 
 
+def usage_error(message):
+    """Ends the process with exit code 1: a one-line hint, then the error, last."""
+    sys.stderr.write(f"{USAGE_HINT}\ntrainers.train: error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(1)
+
+
+def parse_flags(argv):
+    """absl's parsing, with a bad flag reported by `usage_error`."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:
+        usage_error(str(error))
+
+
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
+    # Every mistake a user can make is found here, before a model is built.
     try:
         config, explicitly_set = config_from_flags(FLAGS)
-        runner.check(config, explicitly_set)
+        num_ranks = runner.distributed.get_communicator().size
+        config = runner.check(config, explicitly_set, num_ranks)
     except ValueError as error:
-        raise app.UsageError(str(error)) from error
-    runner.run(config, explicitly_set)
+        usage_error(str(error))
+    try:
+        runner.run(config, explicitly_set)
+    except checkpoints.CheckpointError as error:  # checkpoints damaged since the check
+        usage_error(str(error))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

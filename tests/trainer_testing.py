@@ -1,0 +1,76 @@
+"""Helpers of the trainer tests: small real-data settings, running the binary, reading
+what a run wrote (checkpoint tensors, metrics.csv, JSON)."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+from absl import flags
+from absl.testing import flagsaver
+import tensorflow as tf
+
+from trainers import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH = 32
+TRAIN_EXAMPLES = 640  # 20 steps per epoch
+STEPS_PER_EPOCH = TRAIN_EXAMPLES // BATCH
+# Small slices keep each run to seconds; the data is real Fashion-MNIST.
+SMALL = dict(train_split=f"train[:{TRAIN_EXAMPLES}]", eval_split="test[:256]",
+             batch_size=BATCH, verbose=0)
+SMALL_FLAGS = [f"--{name}={value}" for name, value in SMALL.items()]
+
+
+def config_from_argv(*argv):
+    """The TrainConfig (and explicitly set names) that `python -m trainers.train argv` uses."""
+    flag_values = flags.FLAGS
+    with flagsaver.flagsaver():
+        flag_values.unparse_flags()
+        try:
+            flag_values(["train", *argv])
+            return train.config_from_flags(flag_values)
+        finally:
+            flag_values.mark_as_parsed()  # absltest's own flags stay readable afterwards
+
+
+def read_csv(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def checkpoint_tensors(prefix):
+    """Every saved tensor (model and optimizer variables) of a checkpoint, by key."""
+    reader = tf.train.load_checkpoint(prefix)
+    return {key: reader.get_tensor(key) for key in reader.get_variable_to_shape_map()
+            if "OBJECT_GRAPH" not in key}
+
+
+def checkpoint_dir(model_dir, step):
+    return os.path.join(model_dir, "checkpoints", f"step-{step}")
+
+
+def step_tensors(model_dir, step):
+    """The tensors of a run's checkpoint `step-<step>`."""
+    return checkpoint_tensors(os.path.join(checkpoint_dir(model_dir, step), "variables"))
+
+
+def run_binary(*argv, env=None, timeout=300):
+    """Runs `python -m trainers.train argv`; returns the CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, "-m", "trainers.train", *argv], cwd=ROOT, capture_output=True,
+        text=True, timeout=timeout,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {})))
+
+
+def own_lines(stderr):
+    """stderr without the lines TensorFlow's C++ runtime prints at start-up."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and "absl::InitializeLog" not in line
+            and not line.startswith(("I0000", "E0000", "W0000"))]
