@@ -101,12 +101,18 @@ def kron_precondition(A, G, grad, damping):
     return np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
 
 
-def factored_inverse_precondition(A, G, grad, damping):
-    """The inverse method: P = (A + π√λ I)⁻¹ ∇ (G + (√λ/π) I)⁻¹, π of the mean traces."""
-    pi = np.sqrt((np.trace(A) / len(A)) / (np.trace(G) / len(G)))
+def factored_inverses(A, G, damping, use_pi=True):
+    """(A + π√λ I)⁻¹ and (G + (√λ/π) I)⁻¹, π of the mean traces (1 without `use_pi`)."""
+    pi = np.sqrt((np.trace(A) / len(A)) / (np.trace(G) / len(G))) if use_pi else 1.0
     root = np.sqrt(damping)
-    return (np.linalg.inv(A + pi * root * np.eye(len(A))) @ grad
-            @ np.linalg.inv(G + root / pi * np.eye(len(G))))
+    return (np.linalg.inv(A + pi * root * np.eye(len(A))),
+            np.linalg.inv(G + root / pi * np.eye(len(G))))
+
+
+def factored_inverse_precondition(A, G, grad, damping):
+    """The inverse method: P = (A + π√λ I)⁻¹ ∇ (G + (√λ/π) I)⁻¹."""
+    a_inv, g_inv = factored_inverses(A, G, damping)
+    return a_inv @ grad @ g_inv
 
 
 # ------------------------------------------------------------------- one step

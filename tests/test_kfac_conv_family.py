@@ -49,7 +49,8 @@ import tensorflow as tf  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
-from kfac_reference import DAMPING, LR, assert_close, kron_precondition, loop_step  # noqa: E402
+from kfac_reference import (DAMPING, LR, assert_close,  # noqa: E402
+                            factored_inverse_precondition, kron_precondition, loop_step)
 
 N = 4
 UPDATE_RTOL = 1e-3
@@ -205,10 +206,7 @@ class Product:
 def precondition(a, g, grad, method):
     if method == "eigen":
         return kron_precondition(a, g, grad, DAMPING)
-    pi = math.sqrt((np.trace(a) / len(a)) / (np.trace(g) / len(g)))
-    root = math.sqrt(DAMPING)
-    return (np.linalg.inv(a + pi * root * np.eye(len(a))) @ grad
-            @ np.linalg.inv(g + root / pi * np.eye(len(g))))
+    return factored_inverse_precondition(a, g, grad, DAMPING)
 
 
 def weights_of(layer):

@@ -20,15 +20,8 @@ import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
-from kfac_reference import LR, N, assert_close, dense_layers, mlp_reference  # noqa: E402
-
-
-def pi_inverses(A, G, damping, use_pi=True):
-    pi = np.sqrt((np.trace(A) / len(A)) / (np.trace(G) / len(G))) if use_pi else 1.0
-    root = np.sqrt(damping)
-    a_inv = np.linalg.inv(A + pi * root * np.eye(len(A)))
-    g_inv = np.linalg.inv(G + (root / pi) * np.eye(len(G)))
-    return a_inv, g_inv
+from kfac_reference import (LR, N, assert_close, dense_layers,  # noqa: E402
+                            factored_inverses as pi_inverses, mlp_reference)
 
 
 def make_model(use_bias, seed):
