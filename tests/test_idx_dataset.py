@@ -193,6 +193,18 @@ class SmallIdxFilesTest(absltest.TestCase):
                                     f"than those in idx_dir {second}: t10k-images-idx3-ubyte "):
             idx_dataset.prepare_idx("mnist", data_dir=data_dir, idx_dir=second)
 
+    def test_prepare_data_tool_reports_missing_files_in_one_line(self):
+        missing = os.path.join(self.tmp, "no_such_dir")
+        result = subprocess.run(
+            [sys.executable, os.path.join(REPO_ROOT, "tools", "prepare_data.py"), "mnist",
+             f"--idx_dir={missing}", f"--data_dir={self.tmp}"],
+            capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+        self.assertEqual(result.returncode, 1)
+        self.assertNotIn("Traceback", result.stderr)
+        self.assertTrue(result.stderr.strip().splitlines()[-1].startswith(
+            f"prepare_data.py: error: IDX directory {missing} does not exist"), result.stderr)
+
     def test_no_default_files_raises_naming_the_default_locations(self):
         known_dirs = idx_dataset.MnistIdx.KNOWN_DIRS
         if any(os.path.isdir(directory) for directory in known_dirs):

@@ -10,6 +10,7 @@
    line, metrics.csv keeps its columns, data_dir is created only under an existing parent.
 """
 
+import json
 import math
 import os
 import shutil
@@ -214,6 +215,24 @@ class CheckpointFaultTest(parameterized.TestCase):
                          f"tried {tt.checkpoint_dir(model_dir, 40)} \\(.*\\); {older} "
                          f"\\({older}/trainer_state.json is not valid JSON")
         self.assertNotIn("\n", message)
+
+    def test_run_in_the_layout_before_step_checkpoints_resumes(self):
+        # Until this layout, checkpoints were checkpoints/epoch-<N>.* beside a model-dir
+        # trainer_state.json naming the newest; such runs still resume exactly.
+        model_dir = self.damaged_copy(shutil.rmtree)  # keep only step-20
+        step_20 = tt.checkpoint_dir(model_dir, 20)
+        for name in os.listdir(step_20):
+            if name.startswith(checkpoints.VARIABLES_PREFIX):
+                suffix = name[len(checkpoints.VARIABLES_PREFIX):]
+                os.rename(os.path.join(step_20, name),
+                          os.path.join(model_dir, "checkpoints", "epoch-1" + suffix))
+        state = tt.read_json(os.path.join(step_20, checkpoints.STATE_FILE))
+        with open(os.path.join(model_dir, checkpoints.STATE_FILE), "w", encoding="utf-8") as f:
+            json.dump(dict(state, checkpoint="epoch-1"), f)
+        shutil.rmtree(step_20)
+        summary = resume(model_dir, 40)
+        self.assertEqual(summary["steps"], 40)
+        assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
 
     def test_killed_while_writing_a_checkpoint(self):
         model_dir = os.path.join(self.create_tempdir().full_path, "run")

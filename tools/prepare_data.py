@@ -28,7 +28,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     tfds.disable_progress_bar()
     for name in args.names:
-        builder = idx_dataset.prepare_idx(name, data_dir=args.data_dir, idx_dir=args.idx_dir)
+        try:
+            builder = idx_dataset.prepare_idx(name, data_dir=args.data_dir, idx_dir=args.idx_dir)
+        except (idx_dataset.IdxFilesNotFoundError, ValueError) as error:
+            parser.exit(1, f"{parser.prog}: error: {error}\n")  # says which file, and why
         counts = {split: info.num_examples for split, info in builder.info.splits.items()}
         print(f"[data] {builder.name} ready in {builder.data_dir}: {counts}")
 

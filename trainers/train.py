@@ -11,6 +11,7 @@ import sys
 
 from absl import app, flags, logging
 
+from tfkfac import distributed
 from trainers import checkpoints, config as config_lib
 from trainers import models, runner
 
@@ -171,7 +172,7 @@ def main(argv):
     # Every mistake a user can make is found here, before a model is built.
     try:
         config, explicitly_set = config_from_flags(FLAGS)
-        num_ranks = runner.distributed.get_communicator().size
+        num_ranks = distributed.get_communicator().size
         config = runner.check(config, explicitly_set, num_ranks)
     except ValueError as error:
         usage_error(str(error))
