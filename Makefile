@@ -3,7 +3,7 @@ PYTHON := .venv/bin/python
 export TF_CPP_MIN_LOG_LEVEL := 2
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: bootstrap train test data
+.PHONY: bootstrap train test data wheel-check
 
 bootstrap:
 	bash tools/bootstrap.sh
@@ -18,3 +18,8 @@ data: bootstrap
 
 test: data
 	bash tools/bazel_test.sh //...
+
+# The built wheel in fresh venvs with the oldest and the newest supported TensorFlow/Keras,
+# and into an env that already has its TensorFlow (tools/wheel_check.sh; needs PyPI).
+wheel-check: bootstrap
+	bash tools/wheel_check.sh

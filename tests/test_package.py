@@ -1,11 +1,13 @@
-"""The installable package: imports, one consistent source tree, version, no Horovod needed."""
+"""The installable package: imports, one source tree, version, metadata, no Horovod needed."""
 
 import importlib
 import importlib.metadata
 import os
 import subprocess
 import sys
+import tomllib
 
+import setuptools
 from absl.testing import absltest
 
 import pipelines
@@ -13,7 +15,14 @@ import tfkfac
 import trainers
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("tfkfac", "tfkfac.blocks", "tfkfac.distributed", "pipelines", "trainers")
+# In the wheel: tfkfac and its subpackages. pipelines and trainers: repository only.
+PACKAGES = ("tfkfac", "tfkfac.blocks", "tfkfac.distributed")
+REPOSITORY_PACKAGES = ("pipelines", "trainers")
+
+
+def read_pyproject():
+    with open(os.path.realpath(os.path.join(REPO_ROOT, "pyproject.toml")), "rb") as f:
+        return tomllib.load(f)
 
 
 def package_root(module):
@@ -26,20 +35,20 @@ class PackageTest(absltest.TestCase):
     def test_all_packages_import_from_one_source_tree(self):
         # Under Bazel the runfiles tree and the editable install must not mix.
         root = package_root(tfkfac)
-        for name in PACKAGES:
+        for name in PACKAGES + REPOSITORY_PACKAGES:
             module = importlib.import_module(name)
             self.assertTrue(os.path.realpath(module.__file__).startswith(root + os.sep),
                             msg=f"{name} imported from {module.__file__}, not under {root}")
         self.assertEqual(package_root(pipelines), root)
         self.assertEqual(package_root(trainers), root)
 
-    def test_version_is_pep440_and_matches_setup_py_and_installed_metadata(self):
+    def test_version_is_pep440_and_matches_installed_metadata(self):
         self.assertRegex(tfkfac.__version__, r"^\d+\.\d+\.\d+([ab]|rc|\.dev)?\d*$")
-        setup_py = os.path.join(REPO_ROOT, "setup.py")
-        result = subprocess.run([sys.executable, setup_py, "--version"], capture_output=True,
-                                text=True, cwd=os.path.dirname(os.path.realpath(setup_py)),
-                                timeout=60, check=True)
-        self.assertEqual(result.stdout.strip().splitlines()[-1], tfkfac.__version__)
+        project = read_pyproject()
+        # The one version string is tfkfac.__version__, read by the build backend.
+        self.assertEqual(project["project"]["dynamic"], ["version"])
+        self.assertEqual(project["tool"]["setuptools"]["dynamic"]["version"],
+                         {"attr": "tfkfac.__version__"})
         self.assertEqual(importlib.metadata.version("tfkfac"), tfkfac.__version__)
 
     def test_tfkfac_imports_without_horovod(self):
@@ -61,24 +70,37 @@ class PackageTest(absltest.TestCase):
         self.assertEqual(result.returncode, 0, msg=result.stderr[-3000:])
         self.assertEqual(result.stdout.split(), ["ok", tfkfac.__version__])
 
-    def test_setup_py_metadata_lists_packages_and_requirements(self):
-        setup_py = os.path.realpath(os.path.join(REPO_ROOT, "setup.py"))
-        egg_base = self.create_tempdir().full_path
-        subprocess.run([sys.executable, setup_py, "-q", "egg_info", "--egg-base", egg_base],
-                       capture_output=True, text=True, cwd=os.path.dirname(setup_py),
-                       timeout=60, check=True)
-        egg_info = os.path.join(egg_base, "tfkfac.egg-info")
-        with open(os.path.join(egg_info, "SOURCES.txt"), encoding="utf-8") as f:
-            sources = f.read().split()
-        for name in PACKAGES:
-            self.assertIn(name.replace(".", "/") + "/__init__.py", sources)
-        with open(os.path.join(egg_info, "requires.txt"), encoding="utf-8") as f:
-            requires = f.read()
-        self.assertRegex(requires, r"tensorflow-cpu(<2\.22,>=2\.16|>=2\.16,<2\.22)")
-        self.assertRegex(requires, r"keras>=3")
-        self.assertIn("[horovod]\nhorovod==0.28.1", requires)
-        with open(os.path.join(egg_info, "PKG-INFO"), encoding="utf-8") as f:
-            self.assertIn("Requires-Python: >=3.10", f.read())
+    def test_installed_metadata_leaves_tensorflow_to_the_user(self):
+        # The editable install's metadata, built from pyproject.toml by tools/bootstrap.sh.
+        metadata = importlib.metadata.metadata("tfkfac")
+        requires = metadata.get_all("Requires-Dist")
+        unconditional = [r for r in requires if "extra ==" not in r]
+        self.assertFalse([r for r in unconditional if r.lower().startswith("tensorflow")],
+                         msg=requires)
+        self.assertIn("keras<4,>=3.14", unconditional)
+        self.assertIn('tensorflow-cpu<2.22,>=2.16; extra == "cpu"', requires)
+        self.assertIn('tensorflow[and-cuda]<2.22,>=2.16; extra == "gpu"', requires)
+        self.assertIn('horovod==0.28.1; extra == "horovod"', requires)
+        self.assertEqual(sorted(metadata.get_all("Provides-Extra")), ["cpu", "gpu", "horovod"])
+        self.assertEqual(metadata["Requires-Python"], ">=3.11")
+        self.assertEqual(metadata["License-Expression"], "Apache-2.0")
+        self.assertEqual(metadata.get_all("License-File"), ["LICENSE"])
+        self.assertIn("Programming Language :: Python :: 3.11", metadata.get_all("Classifier"))
+
+    def test_wheel_ships_every_tfkfac_subpackage_and_nothing_else(self):
+        # pipelines/ and trainers/ stay in the repository (README, "Repository layout"); a
+        # tfkfac directory of modules without __init__.py would silently miss the wheel.
+        find = read_pyproject()["tool"]["setuptools"]["packages"]["find"]
+        root = package_root(tfkfac)
+        shipped = set(setuptools.find_packages(where=root, **find))
+        with_modules = {os.path.relpath(directory, root).replace(os.sep, ".")
+                        for directory, _, files in os.walk(os.path.join(root, "tfkfac"))
+                        if "__pycache__" not in directory and any(
+                            f.endswith(".py") for f in files)}
+        self.assertEqual(shipped, with_modules)
+        self.assertLessEqual(set(PACKAGES), shipped)
+        self.assertFalse(shipped & set(REPOSITORY_PACKAGES))
+
 
 if __name__ == "__main__":
     absltest.main()

@@ -7,6 +7,11 @@
 
 __version__ = "0.1.0"
 
+# A missing or unsupported TensorFlow/Keras fails here, with one message (tfkfac/_compat.py).
+from tfkfac import _compat  # noqa: E402
+
+_compat.require_supported(__version__)
+
 from tfkfac.optimizer import KFAC  # noqa: E402
 from tfkfac.schedules import OsawaInterval, WarmupDamping  # noqa: E402
 

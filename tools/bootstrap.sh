@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent environment bootstrap: Debian packages, .venv with pinned TensorFlow/TFDS,
-# Horovod built from source against that TensorFlow, then the project itself (editable).
+# Horovod built from source against that TensorFlow, then the project itself (editable
+# tfkfac, plus the checkout on sys.path for this repository's pipelines/ and trainers/).
 # Safe to run again: finished steps are detected and skipped (a no-op run takes ~1 s).
 # Non-interactive, so it runs unattended in CI (no stdin, CI=true).
 set -euo pipefail
@@ -22,6 +23,7 @@ PIP_PACKAGES=(
   "matplotlib"
   "setuptools"
   "wheel"
+  "build"
 )
 PIP_STAMP="$VENV/.tfkfac-pip-stamp"
 PROJECT_STAMP="$VENV/.tfkfac-project-stamp"
@@ -40,6 +42,7 @@ pip_quiet() {
                                       -e "Please be careful with folders" \
                                       -e "name as your package as they may take precedence" \
                                       -e "warnings.warn(msg, InformationOnly)" \
+                                      -e "with strategy, WheelFile" -e '^ *!!$' -e '^ *[*]\{20,\}$' \
                                       -e '^ *$' || true; }
 }
 
@@ -115,12 +118,19 @@ else
   step "horovod: built and verified (gloo_built() and mpi_built() are True)"
 fi
 
-# 4. The project itself, editable. Re-installed when setup.py, the version or the checkout
-#    path changes (a venv reused from another clone would otherwise import that clone).
-project="$({ cat "$ROOT/setup.py"; grep "^__version__" "$ROOT/tfkfac/__init__.py"; } | sha1sum | cut -c1-12) $ROOT"
-if [ "$(cat "$PROJECT_STAMP" 2>/dev/null)" != "$project" ]; then
-  step "pip: installing the project (pip install -e $ROOT)"
-  pip_quiet install -q --no-build-isolation --no-deps -e "$ROOT"
+# 4. The project itself, editable. Re-installed when pyproject.toml, the version or the
+#    checkout path changes (a venv reused from another clone would otherwise import that
+#    clone). The pinned packages above are its [cpu] extra, so --no-deps. The build runs
+#    isolated: pyproject.toml needs setuptools >= 77, while .venv keeps the setuptools
+#    that Horovod was built with. The wheel ships tfkfac only; a .pth puts the checkout on
+#    sys.path so that pipelines/ and trainers/ (and tests' helpers) import from any
+#    directory, as they did when they were part of the package.
+project="$({ cat "$ROOT/pyproject.toml"; grep "^__version__" "$ROOT/tfkfac/__init__.py"; } | sha1sum | cut -c1-12) $ROOT"
+checkout_pth="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tfkfac-checkout.pth"
+if [ "$(cat "$PROJECT_STAMP" 2>/dev/null)" != "$project" ] || [ "$(cat "$checkout_pth" 2>/dev/null)" != "$ROOT" ]; then
+  step "pip: installing the project (pip install -e $ROOT[cpu]; $checkout_pth)"
+  echo "$ROOT" > "$checkout_pth"
+  pip_quiet install -q --no-deps -e "$ROOT[cpu]"
   echo "$project" > "$PROJECT_STAMP"
 else
   step "pip: project installed (editable, $ROOT)"
