@@ -251,11 +251,12 @@ def _ratio(a, b):
 
 def _lpt_shares(dims, size):
     """Share of the total dim^3 cost each rank owns under the LPT assignment (replicated)."""
+    import numpy as np
     from tfkfac import distributed
 
     costs = [distributed.eigen_cost(n) for n in dims]
-    loads = distributed.rank_loads(costs, distributed.lpt_assignment(costs, size), size)
-    return [load / sum(costs) for load in loads]
+    loads = np.bincount(distributed.lpt_assignment(costs, size), weights=costs, minlength=size)
+    return [float(load) / sum(costs) for load in loads]
 
 
 def _step_bytes(warmup_bytes, step):

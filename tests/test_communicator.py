@@ -188,7 +188,7 @@ class TwoRankJobTest(absltest.TestCase):
             self.assertEqual(self.both_ranks(f"factor_{wire}_calls"), 1)
 
     def test_owners_decompose_and_every_rank_gets_every_result(self):
-        owners = distributed.assign_owners(worker.EIGEN_DIMS, 2)
+        owners = worker.lpt_owners(worker.EIGEN_DIMS, 2)
         np.testing.assert_array_equal(self.both_ranks("eigen_owners"), owners)
         self.assertEqual(sorted(set(owners)), [0, 1])
         for i, matrix in enumerate(worker.shared_eigen_inputs()):
@@ -204,7 +204,7 @@ class TwoRankJobTest(absltest.TestCase):
         np.testing.assert_array_equal(self.both_ranks("idle_rank_gather"), np.full(4, 3.5))
 
     def test_lpt_assignment_identical_on_every_rank(self):
-        expected = distributed.assign_owners(resnet50_factor_dims(), 2)
+        expected = worker.lpt_owners(resnet50_factor_dims(), 2)
         np.testing.assert_array_equal(self.both_ranks("resnet50_owners"), expected)
 
     def test_broadcast_variables_and_tensors_from_root(self):
