@@ -10,6 +10,10 @@ Side by side in one run, alternating A and B repetitions so machine drift hits b
   the CNN's largest factor Gram in float32 vs bfloat16, the reduced precision K-FAC
   does not use (see docs/benchmarks.md).
 Every kernel runs inside a `tf.function`, as in training; reported: median ms.
+It also measures this machine's rates (`rates()`, which bench/step_floor.py imports):
+the best float32 matmul FLOP/s over square sizes, the streaming bandwidth of an
+elementwise op, and the LAPACK eigh and Cholesky-inverse FLOP/s at the nominal counts
+of bench/floor_model.py.
 
 Run (~2 min on 2 idle cores):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/linalg_benchmark.py
@@ -25,6 +29,7 @@ import matplotlib
 import numpy as np
 import tensorflow as tf
 
+import floor_model
 import outputs
 from tfkfac import linalg
 from tfkfac.blocks import ConvBlock
@@ -33,8 +38,13 @@ matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("repeats", 7, "Timed repetitions of each kernel (alternating A/B).")
-flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where linalg.json/.png go.")
+
+
+def define_flags():
+    """This script's flags, defined when it runs (other benchmarks import `rates`)."""
+    flags.DEFINE_integer("repeats", 7, "Timed repetitions of each kernel (alternating A/B).")
+    flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where linalg.json/.png go.")
+
 
 FACTOR_SIZES = (577, 1001, 1601)
 # (name, conv input (N, H, W, C), kernel, padding) of the models' convolutions.
@@ -62,6 +72,58 @@ def compare(name, baseline, candidate, *args):
     print(f"{name:45s} {base:9.2f} ms -> {cand:9.2f} ms  (x{base / cand:.2f} faster)",
           flush=True)
     return {"name": name, "baseline_ms": base, "candidate_ms": cand, "speedup": base / cand}
+
+
+def best_seconds(function, *args, repeats):
+    """Fastest wall seconds of `function(*args)` traced in a `tf.function`, after a warm-up
+    call (on CPU the call returns when its outputs exist): what this machine can do."""
+    function = tf.function(function)
+    function(*args)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function(*args)
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def rates(repeats, matmul_sizes=(512, 1024, 2048), stream_elements=(2 ** 20, 2 ** 24),
+          decomposition_size=1024):
+    """This machine's throughputs, the rates of bench/floor_model.py's `Kernel.seconds`,
+    each from the fastest of `repeats` calls.
+
+    matmul: float32 FLOP/s (2n³ per product), the best of square sizes; bandwidth:
+    bytes/s of `x * 2` (x read, the result written), the best of the working sets (the
+    smaller one fits in the L3 cache here, the larger one does not); eigh and
+    cholesky_inverse: FLOP/s of `tfkfac.linalg`'s LAPACK decompositions (as training
+    calls them) at the nominal 9n³ and n³ of bench/floor_model.py.
+    """
+    measured = {"matmul_by_size": {}, "bandwidth_by_elements": {}}
+    for n in matmul_sizes:
+        a = tf.random.normal((n, n))
+        seconds = best_seconds(lambda x, y: tf.linalg.matmul(x, y), a, a, repeats=repeats)
+        measured["matmul_by_size"][n] = 2.0 * n ** 3 / seconds
+    for elements in stream_elements:
+        x = tf.random.normal((elements,))
+        seconds = best_seconds(lambda t: t * 2.0, x, repeats=repeats)
+        measured["bandwidth_by_elements"][elements] = 2 * 4 * elements / seconds
+    a = factor(decomposition_size)
+    for kind, method, decompose in (
+            ("eigh", "eigen", lambda m: linalg.symmetric_eigh(m, "lapack")),
+            ("cholesky_inverse", "inverse", lambda m: linalg.damped_inverse(m, 0.01, "lapack"))):
+        seconds = best_seconds(decompose, a, repeats=repeats)
+        measured[kind] = floor_model.decomposition(decomposition_size, 1, method).flops / seconds
+    measured["matmul"] = max(measured["matmul_by_size"].values())
+    measured["bandwidth"] = max(measured["bandwidth_by_elements"].values())
+    measured["decomposition_size"] = decomposition_size
+    return measured
+
+
+def print_rates(measured):
+    print(f"rates: matmul {measured['matmul'] / 1e9:.0f} GFLOP/s, bandwidth "
+          f"{measured['bandwidth'] / 1e9:.1f} GB/s, LAPACK n={measured['decomposition_size']} "
+          f"eigh {measured['eigh'] / 1e9:.1f} GFLOP/s (9n³), Cholesky inverse "
+          f"{measured['cholesky_inverse'] / 1e9:.1f} GFLOP/s (n³)", flush=True)
 
 
 def decompositions():
@@ -136,8 +198,11 @@ def main(argv):
     del argv
     report = {"machine": outputs.machine(), "repeats": FLAGS.repeats}
     report["results"] = decompositions() + im2col() + reduced_precision()
+    report["rates"] = rates(FLAGS.repeats)
+    print_rates(report["rates"])
     outputs.write(report, FLAGS.output_dir, "linalg", plot)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -140,9 +140,13 @@ class Timed:
         return result
 
 
-def time_model(model):
+def time_model(model, configurations=None):
+    """Mean step times of `configurations` (default CONFIGURATIONS, one named "sgd") in
+    interleaved blocks, with K-FAC's phase clocks and each one's ratio to "sgd"."""
+    configurations = configurations or CONFIGURATIONS
     with tempfile.TemporaryDirectory() as model_dir:
-        timed = [Timed(name, model, os.path.join(model_dir, name)) for name in CONFIGURATIONS]
+        timed = [Timed(name, model, os.path.join(model_dir, name), configurations)
+                 for name in configurations]
         for entry in timed:
             entry.warm_up()
         started = time.time()

@@ -1,0 +1,138 @@
+"""bench/floor_model.py: the FLOPs and bytes of a step, counted from layer shapes.
+
+The floor that bench/step_floor.py sets against measured step times is only as good as
+its counts. Here a Dense and a Conv2D layer, recorded in a real forward pass, get their
+factor statistics, decompositions, preconditioning and forward/backward counted by the
+model and by hand (docs/design.md §2: A = ĀᵀĀ over the im2col rows with a ones column
+for the bias, G = ḡᵀḡ; eigen: Q_Aᵀ ∇ Q_G, a division, Q_A (.) Q_Gᵀ; inverse: A⁻¹ ∇ G⁻¹).
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+from absl.testing import absltest, parameterized  # noqa: E402
+
+from bench import floor_model  # noqa: E402
+
+BYTES = 4  # float32
+
+
+def geometry(layer, input_shape, batch_size):
+    """The single block geometry of a one-layer model on `input_shape` (no batch)."""
+    inputs = keras.Input(input_shape)
+    model = keras.Model(inputs, layer(inputs))
+    geometries, attention, skipped = floor_model.record_geometries(model, batch_size)
+    assert not skipped and not attention
+    (block,) = geometries.values()
+    return block
+
+
+def flops(kernels):
+    return floor_model.total(kernels)[0]
+
+
+class DenseCountTest(absltest.TestCase):
+    """Dense(30) with bias on 20 inputs, batch 8: a = 21, g = 30, 8 rows."""
+
+    def setUp(self):
+        super().setUp()
+        self.block = geometry(keras.layers.Dense(30), (20,), batch_size=8)
+
+    def test_geometry(self):
+        self.assertEqual((self.block.product_rows, self.block.statistics_rows), (8, 8))
+        self.assertEqual((self.block.a_dim, self.block.out_dim, self.block.groups),
+                         (21, 30, 1))
+        self.assertEqual(self.block.patch_input, 0)  # rows are the input itself
+
+    def test_factor_statistics(self):
+        grams = 2 * 8 * 21 * 21 + 2 * 8 * 30 * 30
+        average = 3 * (21 * 21 + 30 * 30)  # ξF + (1 − ξ)F_batch per entry
+        kernels = self.block.statistics_kernels()
+        self.assertEqual(flops(kernels), grams + average)
+        gram_bytes = BYTES * (8 * 21 + 21 * 21) + BYTES * (8 * 30 + 30 * 30)
+        average_bytes = BYTES * 3 * (21 * 21 + 30 * 30)
+        self.assertEqual(floor_model.total(kernels)[1], gram_bytes + average_bytes)
+
+    def test_preconditioning(self):
+        left, right = 2 * 21 * 21 * 30, 2 * 21 * 30 * 30  # (21x21)(21x30), (21x30)(30x30)
+        self.assertEqual(flops(self.block.precondition_kernels("inverse")), left + right)
+        self.assertEqual(flops(self.block.precondition_kernels("eigen")),
+                         2 * (left + right) + 3 * 21 * 30)
+
+    def test_decompositions(self):
+        self.assertEqual(flops(self.block.decomposition_kernels("eigen")),
+                         9 * (21 ** 3 + 30 ** 3))
+        self.assertEqual(flops(self.block.decomposition_kernels("inverse")),
+                         21 ** 3 + 30 ** 3)
+
+    def test_forward_backward(self):
+        self.assertEqual(flops(self.block.forward_kernels()), 3 * 2 * 8 * 20 * 30)
+
+    def test_schedule_and_communication(self):
+        parameters = 21 * 30
+        floor = floor_model.model_floor({"dense": self.block}, [], parameters, "inverse",
+                                        factor_update_freq=10, inv_update_freq=100, ranks=2)
+        rates = {"matmul": 1e9, "bandwidth": 1e9, "eigh": 1e9, "cholesky_inverse": 1e9}
+        summary = floor_model.phase_summary(floor, rates)
+        self.assertEqual(summary["factors"]["flops_per_step"],
+                         flops(self.block.statistics_kernels()) / 10)
+        self.assertEqual(summary["decomposition"]["flops_per_step"], (21 ** 3 + 30 ** 3) / 100)
+        # KL clip: Σ<P, ∇> (2 FLOPs) and the scaling (1) per managed parameter.
+        self.assertEqual(summary["precondition"]["flops_per_step"],
+                         flops(self.block.precondition_kernels("inverse")) + 3 * parameters)
+        self.assertEqual(summary["update"]["flops_per_step"], 4 * parameters)
+        communication = floor["communication"]
+        packed = 21 * 22 // 2 + 30 * 31 // 2  # upper triangles on the wire
+        self.assertEqual(communication["factor_payload_bytes_per_factor_step"], BYTES * packed)
+        # Ring allreduce over 2 ranks: each sends 2 (p − 1) / p = 1 payload.
+        self.assertEqual(communication["factor_bytes_sent_per_rank_per_factor_step"],
+                         BYTES * packed)
+        # A⁻¹ (21²) is owned by one rank and G⁻¹ (30²) by the other (greedy LPT on n³).
+        self.assertEqual(
+            communication["decomposition_bytes_received_per_rank_per_decomposition_step"],
+            BYTES * 30 * 30)
+
+
+class Conv2DCountTest(parameterized.TestCase):
+    """Conv2D(4, 3x3) with bias on 6x6x3 inputs, batch 2: a = 3·3·3 + 1 = 28, g = 4."""
+
+    @parameterized.named_parameters(
+        ("valid", dict(padding="valid"), 4 * 4),  # 6 - 3 + 1 = 4 per axis
+        ("same_strided", dict(padding="same", strides=2), 3 * 3))  # ceil(6 / 2) = 3
+    def test_factor_statistics_and_preconditioning(self, options, positions):
+        block = geometry(keras.layers.Conv2D(4, 3, **options), (6, 6, 3), batch_size=2)
+        rows = 2 * positions
+        self.assertEqual((block.product_rows, block.in_dim, block.a_dim, block.out_dim),
+                         (rows, 27, 28, 4))
+        self.assertEqual(block.patch_input, 2 * 6 * 6 * 3)
+        kernels = block.statistics_kernels()
+        grams = 2 * rows * 28 * 28 + 2 * rows * 4 * 4
+        average = 3 * (28 * 28 + 4 * 4)
+        self.assertEqual(flops(kernels), grams + average)  # im2col moves bytes only
+        im2col_bytes = BYTES * (2 * 6 * 6 * 3 + rows * 27)
+        gram_bytes = BYTES * (rows * 28 + 28 * 28) + BYTES * (rows * 4 + 4 * 4)
+        self.assertEqual(floor_model.total(kernels)[1],
+                         im2col_bytes + gram_bytes + BYTES * 3 * (28 * 28 + 4 * 4))
+        left, right = 2 * 28 * 28 * 4, 2 * 28 * 4 * 4
+        self.assertEqual(flops(block.precondition_kernels("inverse")), left + right)
+        self.assertEqual(flops(block.precondition_kernels("eigen")),
+                         2 * (left + right) + 3 * 28 * 4)
+        self.assertEqual(flops(block.forward_kernels()), 3 * 2 * rows * 27 * 4)
+
+
+class KernelTimeTest(absltest.TestCase):
+
+    def test_roofline_and_lapack_rates(self):
+        rates = {"matmul": 100.0, "bandwidth": 10.0, "eigh": 50.0, "cholesky_inverse": 5.0}
+        self.assertEqual(floor_model.Kernel("matmul", 1000.0, 50.0).seconds(rates), 10.0)
+        self.assertEqual(floor_model.Kernel("memory", 100.0, 500.0).seconds(rates), 50.0)
+        self.assertEqual(floor_model.decomposition(10, 2, "eigen").seconds(rates),
+                         9 * 2 * 1000 / 50.0)
+        self.assertEqual(floor_model.decomposition(10, 1, "inverse").seconds(rates),
+                         1000 / 5.0)
+
+
+if __name__ == "__main__":
+    absltest.main()
