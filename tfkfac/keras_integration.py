@@ -24,6 +24,12 @@ def name_scope(optimizer):
     return keras.src.backend.name_scope(optimizer.name, caller=optimizer)
 
 
+def slot_index(optimizer, variable):
+    """Index of `variable` in the optimizer's per-variable slots. Keras's own optimizers
+    call this protected method from `update_step`; there is no public equivalent."""
+    return optimizer._get_variable_index(variable)
+
+
 def leaf_layers(model):
     """{path: layer} for every layer inside `model` that has no sublayers.
 

@@ -274,7 +274,7 @@ class KFAC(keras.optimizers.Optimizer):
         if self._momenta is None:
             self.assign_sub(variable, lr * gradient)
             return
-        momentum = self._momenta[self._get_variable_index(variable)]
+        momentum = self._momenta[keras_integration.slot_index(self, variable)]
         self.assign(momentum, self.momentum * momentum - lr * gradient)
         self.assign_add(variable, momentum)
 
