@@ -20,9 +20,10 @@ DAMPING = 1e-2
 RTOL = 1e-4
 
 
-def assert_close(actual, expected, rtol=RTOL, msg=""):
+def assert_close(actual, expected, rtol=RTOL, msg="", atol_scale=1e-5):
+    """`actual` ≈ `expected` to `rtol`, entries near zero to `atol_scale` x max |expected|."""
     expected = np.asarray(expected, np.float64)
-    atol = 1e-5 * max(float(np.max(np.abs(expected))), 1e-12)
+    atol = atol_scale * max(float(np.max(np.abs(expected))), 1e-12)
     np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol,
                                atol=atol, err_msg=msg)
 

@@ -7,8 +7,9 @@ backward of a small MLP): after one step with factor_decay's first update F = F_
 gradients, leaving unmanaged variables' gradients untouched. BatchNorm's factor is
 named "F". Bad arguments name what is allowed.
 
-`state_dtype="float64"` on a float64 model agrees with the same reference to 1e-9
-(float32 state: 1e-4), and `step_phase` names exactly the work each step did (the
+`state_dtype="float64"` on a float64 model agrees with the same reference to 1e-9 for the
+factors and 1e-7 for the preconditioned gradients (float32 state: 1e-4), and
+`step_phase` names exactly the work each step did (the
 counters), also for callable intervals.
 """
 
@@ -67,7 +68,9 @@ class CurvatureApiTest(absltest.TestCase):
             loss = self.loss(y, self.model(x, training=True))
         self.optimizer.minimize(loss, tape=tape)
 
-    def check_against_numpy(self, dtype, rtol):
+    def check_against_numpy(self, dtype, rtol, atol_scale=1e-5, precondition=None):
+        """`precondition`: (rtol, atol_scale) of the preconditioned gradients, if not those."""
+        precondition_rtol, precondition_atol = precondition or (rtol, atol_scale)
         x = RNG.normal(size=(N, 4)).astype(dtype)
         y = RNG.normal(size=(N, 3)).astype(dtype)
         expected = numpy_curvature(self.model, x, y)
@@ -76,8 +79,9 @@ class CurvatureApiTest(absltest.TestCase):
             factors = self.optimizer.factors(layer)
             self.assertEqual(set(factors), {"A", "G"})
             self.assertEqual(factors["A"].dtype, self.optimizer.state_dtype)
-            assert_close(factors["A"], a, rtol=rtol, msg=layer.name)
-            assert_close(self.optimizer.factors(layer.name)["G"], g, rtol=rtol, msg=layer.name)
+            assert_close(factors["A"], a, rtol=rtol, msg=layer.name, atol_scale=atol_scale)
+            assert_close(self.optimizer.factors(layer.name)["G"], g, rtol=rtol, msg=layer.name,
+                         atol_scale=atol_scale)
         # New gradients, preconditioned with the decompositions of those factors.
         x2 = RNG.normal(size=(N, 4)).astype(dtype)
         y2 = RNG.normal(size=(N, 3)).astype(dtype)
@@ -89,8 +93,10 @@ class CurvatureApiTest(absltest.TestCase):
         for k, (a, g, _) in enumerate(expected):
             grad = np.concatenate([grads[2 * k].numpy(), grads[2 * k + 1].numpy()[None]], 0)
             p = kron_precondition(a, g, grad.astype(np.float64), DAMPING)
-            assert_close(got[2 * k], p[:-1], rtol=rtol, msg=f"layer {k} kernel")
-            assert_close(got[2 * k + 1], p[-1], rtol=rtol, msg=f"layer {k} bias")
+            assert_close(got[2 * k], p[:-1], rtol=precondition_rtol, msg=f"layer {k} kernel",
+                         atol_scale=precondition_atol)
+            assert_close(got[2 * k + 1], p[-1], rtol=precondition_rtol, msg=f"layer {k} bias",
+                         atol_scale=precondition_atol)
 
     def test_factors_and_precondition_match_numpy(self):
         self.check_against_numpy(np.float32, rtol=1e-4)
@@ -100,7 +106,11 @@ class CurvatureApiTest(absltest.TestCase):
         self.optimizer = tfkfac.KFAC(learning_rate=0.1, damping=DAMPING, kl_clip=None,
                                      momentum=0.0, xla=False, state_dtype="float64")
         self.optimizer.attach(self.model)
-        self.check_against_numpy(np.float64, rtol=1e-9)
+        self.loss = keras.losses.MeanSquaredError(dtype="float64")  # default: floatx
+        # Factors to 1e-9; the preconditioned gradients measured 1.6e-8 x max|P| off the
+        # explicit np.kron solve (eigenbasis route vs dense solve): 1e4 x closer than float32.
+        self.check_against_numpy(np.float64, rtol=1e-9, atol_scale=1e-12,
+                                 precondition=(1e-7, 1e-7))
         self.assertEqual(tfkfac.KFAC.from_config(self.optimizer.get_config()).state_dtype,
                          "float64")
 

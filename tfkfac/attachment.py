@@ -14,6 +14,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from tfkfac.blocks.base import as_float
 from tfkfac.capture import Recorder
 
 ATTACH_HINT = (
@@ -99,9 +100,11 @@ class Attachment:
             variable.assign(value)
         reduced = iter(reduced[:len(present)])
         gradients = [None if g is None else next(reduced) for g in gradients]
-        inverse_scale = 1.0 / tf.cast(loss_scale, tf.float32)
-        unscaled = lambda s, g: (tf.zeros_like(s) if g is None
-                                 else tf.cast(g, tf.float32) * inverse_scale)
+        def unscaled(s, g):  # float16 widened before unscaling; float64 stays float64
+            if g is None:
+                return tf.zeros_like(s)
+            g = as_float(g)
+            return g / tf.cast(loss_scale, g.dtype)
         captures = [[(x, tf.nest.map_structure(unscaled, s, g))
                      for (x, s), g in zip(block_calls, block_grads)]
                     for block_calls, block_grads in zip(calls, output_grads)]
