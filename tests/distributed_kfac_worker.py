@@ -13,6 +13,10 @@ saves what this rank holds to `$DISTRIBUTED_KFAC_OUT_DIR/<scenario>.rank<r>.npz`
 - `modern_<placement>_<method>`: the equivalence run with tests/modern_net.py (one layer
   of every block kind added for modern architectures: batched per-group pairs, diagonal
   vectors, EinsumDense, Embedding), factors every 5 steps in one grouped call.
+- `late_logs`: `steps_per_execution` = 4 with a metric whose value reaches rank 1's
+  logs SLOW_METRIC_SECONDS late (a non-stateful op, as Keras metrics are): the next
+  step may not reissue the averaged-logs collective while the last one is in flight
+  (Horovod refuses a name in flight). Saves the logs after every execution.
 - `owner_restore`: "owner" placement across a checkpoint: rank 0 saves after
   RESTORE_STEPS steps, every rank restores that file into a fresh model and optimizer
   and trains RESTORE_STEPS more (`run_owner_restore`; also the 1-process reference).
@@ -51,6 +55,7 @@ EQUIVALENCE_CASES = [("replicated", "eigen", 1, False), ("owner", "eigen", 1, Fa
                      ("replicated", "inverse", 4, False), ("owner", "inverse", 3, True)]
 EQUIVALENCE_STEPS, EQUIVALENCE_BATCH, EQUIVALENCE_FREQ = 6, 16, 5
 MODERN_CASES = [("replicated", "eigen"), ("owner", "inverse")]
+LATE_LOGS_STEPS, LATE_LOGS_STEPS_PER_EXECUTION, SLOW_METRIC_SECONDS = 8, 4, 0.3
 # Steps before and after the restore; decompositions every RESTORE_INV_FREQ steps.
 RESTORE_STEPS, RESTORE_INV_FREQ = 6, 4
 
@@ -166,6 +171,43 @@ def run_modern(comm, placement, method):
     return run_equivalence(comm, placement, method, build=lambda: modern_net(seed=7))
 
 
+class LateOnRank1(keras.metrics.SparseCategoricalAccuracy):
+    """Accuracy whose result reaches rank 1's logs late, through a non-stateful op."""
+
+    def __init__(self, rank):
+        super().__init__(name="late_accuracy")
+        self.rank = rank
+
+    def result(self):
+        value = super().result()
+        if self.rank != 1:
+            return value
+        return tf.numpy_function(lambda v: (time.sleep(SLOW_METRIC_SECONDS), v)[1], [value],
+                                 value.dtype, stateful=False)
+
+
+def run_late_logs(comm):
+    """Per-execution fit logs (averaged over ranks) while rank 1's metric arrives late.
+
+    (The epoch-end logs in `History` are Keras's recomputation from this rank's own
+    metric objects, not the averaged ones.)
+    """
+    model = small_cnn(seed=7, batch_norm=False)
+    optimizer = tfkfac.KFAC(communicator=comm, **KFAC_ARGS).attach(model)
+    model.compile(optimizer=optimizer, loss=LOSS, metrics=[LateOnRank1(comm.rank)],
+                  steps_per_execution=LATE_LOGS_STEPS_PER_EXECUTION)
+    global_batch = comm.size * EQUIVALENCE_BATCH
+    x, y = (rank_part(a, global_batch, comm.rank, comm.size)
+            for a in fixed_examples(LATE_LOGS_STEPS * global_batch))
+    executions = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: executions.append(logs))
+    model.fit(x, y, batch_size=EQUIVALENCE_BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[record])
+    return {name: np.asarray([float(logs[name]) for logs in executions])
+            for name in executions[0]}
+
+
 def run_owner_restore(comm, directory):
     """Owner placement: RESTORE_STEPS steps, rank 0 saves, all ranks restore, RESTORE_STEPS more.
 
@@ -249,6 +291,7 @@ def main(out_dir):
             steps_per_execution, xla)
     for placement, method in MODERN_CASES:
         run(f"modern_{placement}_{method}", run_modern, comm, placement, method)
+    run("late_logs", run_late_logs, comm)
     run("owner_restore", run_owner_restore, comm, out_dir)
     np.savez(os.path.join(out_dir, f"timings.rank{comm.rank}.npz"), **timings)
     # Both ranks have saved everything before one of them fails.

@@ -15,6 +15,8 @@ with `model.fit`; each rank saves what it holds. The checks:
 - the same with a model of every block kind added for modern architectures
   (tests/modern_net.py): batched per-group factors and diagonal vectors travel in the one
   grouped factor call, and 2 ranks equal 1 process for both placements;
+- fit logs averaged over ranks inside Keras's `steps_per_execution` loop, with one rank's
+  metric arriving late, finish on both ranks with identical values;
 - "owner" placement holds only the decompositions of the layers a rank owns, and a
   checkpoint written by rank 0 restores on both ranks (decompositions recomputed);
 - a rank that raises inside `model.fit` ends the whole job within 60 s, error visible.
@@ -97,7 +99,7 @@ class DistributedKfacTest(absltest.TestCase):
         cls.exit_time = time.time()
         logging.info("2-rank job exited %d after %.1f s", cls.returncode,
                      cls.exit_time - start)
-        names = ["sync", "sync_float16", "owner_restore", "timings"] + [
+        names = ["sync", "sync_float16", "late_logs", "owner_restore", "timings"] + [
             f"equivalence_{p}_{m}" for p, m, *_ in worker.EQUIVALENCE_CASES] + [
             f"modern_{p}_{m}" for p, m in worker.MODERN_CASES]
         cls.saved = {}
@@ -259,6 +261,15 @@ class DistributedKfacTest(absltest.TestCase):
         first, second = (saved[key][:, column(category)] for saved in self.saved[name])
         np.testing.assert_array_equal(first, second, err_msg=f"{name}: {key} {category}")
         return first
+
+    def test_late_metric_does_not_collide_with_next_steps_collectives(self):
+        # The scenario finishing at all is the regression check (it failed with Horovod's
+        # "same name as another tensor that is currently being processed").
+        for key in ("loss", "late_accuracy"):
+            values = self.both_ranks("late_logs", key)
+            executions = 2 * worker.LATE_LOGS_STEPS // worker.LATE_LOGS_STEPS_PER_EXECUTION
+            self.assertEqual(values.shape, (executions,))
+            self.assertTrue(np.all(np.isfinite(values)), values)
 
     def test_factor_bytes_match_packed_triangle_formula(self):
         # With BatchNorm every step is a factor step: packed triangles and the BatchNorm

@@ -40,23 +40,24 @@ class Communicator:
 
     def grouped_allreduce_mean(self, tensors, category="gradients"):
         """Average each tensor across ranks in one fused call (one per dtype)."""
-        tensors = [tf.convert_to_tensor(t) for t in tensors]
-        self._record(category, tensors)
-        return self._grouped_allreduce_mean(tensors) if tensors else []
+        tensors = self._checked(category, tensors)
+        if not tensors:
+            return []
+        return self._counted(category, tensors, self._grouped_allreduce_mean(tensors))
 
     def broadcast(self, tensors, root_rank=0, category="broadcast"):
         """Return each tensor as held by `root_rank`."""
         if not 0 <= root_rank < self.size:
             raise ValueError(f"root_rank must be in [0, {self.size}), got {root_rank}")
-        tensors = [tf.convert_to_tensor(t) for t in tensors]
-        self._record(category, tensors)
-        return self._broadcast(tensors, root_rank) if tensors else []
+        tensors = self._checked(category, tensors)
+        if not tensors:
+            return []
+        return self._counted(category, tensors, self._broadcast(tensors, root_rank))
 
     def allgather(self, tensor, category="allgather"):
         """Concatenate `tensor` from every rank along axis 0 (sizes may differ)."""
-        tensor = tf.convert_to_tensor(tensor)
-        self._record(category, [tensor])
-        return self._allgather(tensor)
+        (tensor,) = self._checked(category, [tensor])
+        return self._counted(category, [tensor], [self._allgather(tensor)])[0]
 
     def broadcast_variables(self, variables, root_rank=0):
         """Overwrite every variable (tf or Keras) with its value on `root_rank`."""
@@ -80,14 +81,29 @@ class Communicator:
         for counter in (*self._bytes.values(), *self._calls.values()):
             counter.assign(0)
 
-    def _record(self, category, tensors):
+    @staticmethod
+    def _checked(category, tensors):
         if category not in CATEGORIES:
             raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
-        if self.size == 1 or not tensors:
-            return
-        nbytes = tf.add_n([tf.size(t, out_type=tf.int64) * t.dtype.size for t in tensors])
-        self._bytes[category].assign_add(nbytes)
-        self._calls[category].assign_add(1)
+        return [tf.convert_to_tensor(t) for t in tensors]
+
+    def _counted(self, category, sent, received):
+        """Count a collective once it has completed; returns `received`.
+
+        The counters' updates wait for the results, which makes every collective part of
+        the stateful work a `tf.function` (or one iteration of Keras's
+        `steps_per_execution` loop) finishes before the next one starts. Horovod ops
+        are not stateful: without this, a collective whose result only feeds `fit`'s
+        logs could still be in flight when the next step issues the same op, and
+        Horovod rejects a name that is in flight.
+        """
+        if self.size == 1:
+            return received
+        with tf.control_dependencies(received):
+            nbytes = tf.add_n([tf.size(t, out_type=tf.int64) * t.dtype.size for t in sent])
+            self._bytes[category].assign_add(nbytes)
+            self._calls[category].assign_add(1)
+        return received
 
     def _grouped_allreduce_mean(self, tensors):
         raise NotImplementedError
