@@ -10,10 +10,13 @@ named "F". Bad arguments name what is allowed.
 `state_dtype="float64"` on a float64 model agrees with the same reference to 1e-9 for the
 factors and 1e-7 for the preconditioned gradients (float32 state: 1e-4), and
 `step_phase` names exactly the work each step did (the
-counters), also for callable intervals.
+counters), also for callable intervals. Inside `model.fit`, `summary()["phase_seconds"]`
+charges each phase's work to its own clock (an update made slow on purpose shows in
+"update" only).
 """
 
 import os
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -146,6 +149,31 @@ class CurvatureApiTest(absltest.TestCase):
                              (False, False): "stale"}[factors, decompositions])
             self.assertEqual([optimizer.step_phase(s) for s in range(14)], done)
             self.assertIn("stale", done)
+
+    def test_phase_clocks_charge_each_phase_its_own_work(self):
+        # The clocks are tf.timestamp ops, stateful like the variable writes, and a
+        # tf.function runs stateful ops in program order: a phase's end stamp waits for
+        # its writes even though the update returns no tensor that depends on them.
+        sleep_seconds, steps = 0.05, 3
+
+        class SleepingSGD(keras.optimizers.SGD):
+            """SGD whose every variable update waits `sleep_seconds` before writing."""
+
+            def update_step(self, gradient, variable, learning_rate):
+                slept = tf.py_function(lambda: (time.sleep(sleep_seconds), 0.0)[1], [],
+                                       gradient.dtype)
+                super().update_step(gradient + slept, variable, learning_rate)
+
+        model = mlp()
+        optimizer = tfkfac.KFAC(inner_optimizer=SleepingSGD(0.1), xla=False).attach(model)
+        model.compile(optimizer=optimizer, loss="mse")
+        x = RNG.normal(size=(steps * N, 4)).astype(np.float32)
+        model.fit(x, x[:, :3], batch_size=N, epochs=1, verbose=0)
+        seconds = optimizer.summary()["phase_seconds"]
+        slept = steps * len(model.trainable_variables) * sleep_seconds
+        self.assertGreaterEqual(seconds["update"], slept, seconds)
+        for phase in ("factors", "decomposition", "precondition"):
+            self.assertLess(seconds[phase], slept, (phase, seconds))
 
     def test_unmanaged_variables_keep_their_gradient(self):
         optimizer = tfkfac.KFAC(skip_layers=["hidden"], xla=False)
