@@ -42,7 +42,6 @@ The ViT (its own targets, BUDGETS; the autoencoder skipped, the other models kep
 """
 
 import json
-import math
 import os
 import statistics
 
@@ -50,7 +49,8 @@ from absl import app, flags, logging
 import matplotlib
 
 import outputs
-from trainers import checkpoints, config as config_lib, runner
+import trials
+from trials import GRIDS, OPTIMIZERS, TUNE_SPLIT, VALIDATION_SPLIT
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -79,50 +79,7 @@ flags.DEFINE_string("work_dir", "/tmp/tfkfac_time_to_accuracy",
                     "Where the trials' runs (checkpoints, logs) go.")
 flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where the JSON and PNG go.")
 
-TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
-# Benchmark entry -> the trainer settings that make it.
-OPTIMIZERS = {
-    "kfac": dict(optimizer="kfac", kfac_method="eigen"),
-    "kfac_inverse": dict(optimizer="kfac", kfac_method="inverse"),
-    "sgd": dict(optimizer="sgd"),
-    "adam": dict(optimizer="adam"),
-    "kfac_reduce": dict(optimizer="kfac", kfac_method="eigen", weight_sharing="reduce"),
-    "adamw": dict(optimizer="adamw"),
-}
 FIRST_ORDER = ("sgd", "adam", "adamw")
-# Tuning grids: the same number of trials for every optimizer. Where the best setting
-# sat at a grid's edge, the grid moved one step past it: the CNN's K-FAC grid started
-# at 1e-3..3e-2, then 3e-3..0.1 (best 0.1, the edge again), now 1e-2..0.3 (best 0.1);
-# ResNet-20's K-FAC grid was 3e-3..0.1 (best 3e-3, the lower edge), now 1e-3..3e-2;
-# its SGD grid was 0.01..0.3 and its Adam grid 3e-4..1e-2 (best at the lower edges).
-def learning_rate_grid(*learning_rates):
-    return [dict(learning_rate=lr) for lr in learning_rates]
-
-
-def kfac_grids(*dampings, entries=("kfac", "kfac_inverse")):
-    """The K-FAC entries tune damping over the same values."""
-    grid = [dict(damping=d) for d in dampings]
-    return {entry: grid for entry in entries}
-
-
-GRIDS = {
-    "cnn": dict(sgd=learning_rate_grid(0.01, 0.03, 0.1, 0.3),
-                adam=learning_rate_grid(3e-4, 1e-3, 3e-3, 1e-2),
-                **kfac_grids(1e-2, 3e-2, 1e-1, 3e-1)),
-    "resnet20": dict(sgd=learning_rate_grid(1e-3, 3e-3, 0.01, 0.03),
-                     adam=learning_rate_grid(1e-4, 3e-4, 1e-3, 3e-3),
-                     **kfac_grids(1e-3, 3e-3, 1e-2, 3e-2)),
-    # ViT: AdamW at its default decoupled weight decay (0.004). Adam-family rates around
-    # 1e-3 are the usual ViT choice; K-FAC's damping brackets the CNN's (0.1) and
-    # ResNet-20's (3e-3) picks. SGD's grid started at 0.01..0.3 (best 0.01, the edge),
-    # then 3e-3..0.1 (best 3e-3, the edge again); the K-FAC grid started at 3e-3..0.1
-    # (kfac's best 0.1, the edge; kfac_reduce's 3e-2).
-    "vit": dict(sgd=learning_rate_grid(1e-3, 3e-3, 0.01, 0.03),
-                adam=learning_rate_grid(3e-4, 1e-3, 3e-3, 1e-2),
-                adamw=learning_rate_grid(3e-4, 1e-3, 3e-3, 1e-2),
-                **kfac_grids(1e-2, 3e-2, 1e-1, 3e-1,
-                             entries=("kfac", "kfac_reduce", "kfac_inverse"))),
-}
 # The ViT's targets, from a probe of AdamW at its tuned learning rate (1e-3), seed 0, on
 # the full train split: test accuracy 0.838 / 0.845 / 0.852 / 0.867 after 3 / 4 / 5 / 9
 # epochs (0.866 after 10), so the first-order optimizers reach them within 10 epochs.
@@ -151,45 +108,16 @@ AUTOENCODER_SETTINGS = {
 AUTOENCODER_EVAL_SPLIT = "train[:10000]"
 
 
-def slug(setting):
-    """A directory-name form of a setting, e.g. "damping=0.03"."""
-    return ",".join(f"{key}={value}" for key, value in sorted(setting.items()))
-
-
 def trial(name, **settings):
-    """Runs (or reads back) one trainer run in `work_dir/name`; returns its summary.
-
-    `name` must say everything that differs between trials (settings included), since
-    a finished trial is read back by name.
-    """
-    model_dir = os.path.join(FLAGS.work_dir, name)
-    summary_path = os.path.join(model_dir, runner.SUMMARY_FILE)
-    if os.path.exists(summary_path):
-        with open(summary_path, encoding="utf-8") as f:
-            summary = json.load(f)
-        if finished(summary, settings["epochs"]):
-            return summary
-    config = config_lib.TrainConfig(
-        model_dir=model_dir, batch_size=FLAGS.batch_size, verbose=2,
-        resume=checkpoints.read_state(model_dir) is not None, **settings)
-    print(f"--- {name}: {json.dumps(settings, sort_keys=True)}", flush=True)
-    return runner.run(config)
-
-
-def finished(summary, epochs):
-    """Whether a run is done: it stopped at its target or ran `epochs` or more. A run that
-    ran out of a smaller epoch budget (the budget grew since) resumes from its last
-    checkpoint, which ends as an uninterrupted run of the new length would."""
-    config = summary["config"]
-    stopped_at_target = config["stop_at_target"] and summary["to_target"] is not None
-    return stopped_at_target or config["epochs"] >= epochs
+    """One trainer run of this benchmark (see bench/trials.py)."""
+    return trials.run(FLAGS.work_dir, name, batch_size=FLAGS.batch_size, **settings)
 
 
 def tune(model, optimizer):
     """The grid setting with the best validation accuracy after the model's tuning epochs."""
     scores = []
     for setting in GRIDS[model][optimizer]:
-        summary = trial(f"{model}-{optimizer}-tune-{slug(setting)}", model=model,
+        summary = trial(f"{model}-{optimizer}-tune-{trials.slug(setting)}", model=model,
                         **OPTIMIZERS[optimizer], train_split=TUNE_SPLIT,
                         eval_split=VALIDATION_SPLIT, epochs=BUDGETS[model]["tune_epochs"],
                         **setting)
@@ -202,17 +130,17 @@ def tune(model, optimizer):
 def measure(model, optimizer, setting):
     runs = []
     for seed in range(FLAGS.seeds):
-        summary = trial(f"{model}-{optimizer}-seed{seed}-{slug(setting)}", model=model,
+        summary = trial(f"{model}-{optimizer}-seed{seed}-{trials.slug(setting)}", model=model,
                         **OPTIMIZERS[optimizer], seed=seed, epochs=BUDGETS[model]["max_epochs"],
                         eval_every_steps=BUDGETS[model]["eval_every_steps"],
                         target_accuracy=max(targets(model)), stop_at_target=True, **setting)
         runs.append({"seed": seed,
                      "mean_step_time_s": summary["mean_step_time_s"]["all"],
-                     "curve": [(p["train_time_s"], p["steps"], p["val_accuracy"])
-                               for p in summary["evaluations"]]})
+                     "curve": trials.curve(summary)})
     return {"setting": setting, "runs": runs,
             "median_step_time_s": statistics.median(r["mean_step_time_s"] for r in runs),
-            "to_target": {str(target): to_target(runs, target) for target in targets(model)}}
+            "to_target": {str(target): trials.to_target(runs, target)
+                          for target in targets(model)}}
 
 
 def targets(model):
@@ -221,31 +149,9 @@ def targets(model):
                   (FLAGS.target_accuracies or BUDGETS[model]["target_accuracies"]))
 
 
-def to_target(runs, target):
-    """First evaluation at or above `target` per seed, and the medians over the seeds.
-
-    A run stops at the highest target, so it has crossed every lower one before. A seed
-    that never reaches `target` counts as infinite; a median that is infinite (fewer
-    than half the seeds reached it) is None, and `median_above` holds what it exceeds:
-    more than half the seeds are beyond their whole run, so the median is beyond the
-    shortest of those runs.
-    """
-    firsts = [next(({"time_s": time_s, "steps": steps} for time_s, steps, accuracy
-                    in run["curve"] if accuracy >= target), None) for run in runs]
-    result = {"per_seed": firsts, "reached": sum(f is not None for f in firsts)}
-    for key in ("time_s", "steps"):
-        median = statistics.median(math.inf if f is None else f[key] for f in firsts)
-        result[f"median_{key}"] = None if math.isinf(median) else median
-    if result["median_time_s"] is None:
-        ends = [run["curve"][-1] for run, first in zip(runs, firsts) if first is None]
-        result["median_above"] = {"time_s": min(time_s for time_s, _, _ in ends),
-                                  "steps": min(steps for _, steps, _ in ends)}
-    return result
-
-
 def autoencoder(optimizer):
     setting = AUTOENCODER_SETTINGS[optimizer]
-    summary = trial(f"autoencoder-{optimizer}-{slug(setting)}", model="autoencoder",
+    summary = trial(f"autoencoder-{optimizer}-{trials.slug(setting)}", model="autoencoder",
                     **OPTIMIZERS[optimizer],
                     eval_split=AUTOENCODER_EVAL_SPLIT, epochs=FLAGS.autoencoder_epochs,
                     eval_every_steps=AUTOENCODER_EVAL_EVERY_STEPS, **setting)
@@ -402,7 +308,7 @@ def main(argv):
                       f"{reached['median_time_s']} s, {reached['median_steps']} steps",
                       flush=True)
         for optimizer, setting in fixed:
-            results[f"{optimizer}@{slug(setting)}"] = measure(model, optimizer, setting)
+            results[f"{optimizer}@{trials.slug(setting)}"] = measure(model, optimizer, setting)
         pairs = comparisons(results)
         report["models"][model] = {
             "optimizers": results,

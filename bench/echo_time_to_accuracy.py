@@ -1,0 +1,249 @@
+"""Wall time to a target accuracy with data echoing under a slow input pipeline, for SGD
+with momentum and for K-FAC, on real Fashion-MNIST.
+
+Choi et al. echo data to buy wall time when the input pipeline, not the training step,
+is the bottleneck: with R = t_upstream / t_downstream, echoing each batch e times
+raises steps/s by about min(e, R), at the price of the extra steps repeated data needs.
+This benchmark measures what that buys in time to accuracy. Every trial is one run of
+the trainer (bench/trials.py), the CNN with random crops (2-pixel padding) and
+horizontal flips, so that echoing before and after augmentation differ. Protocol:
+
+1. Tuning at e = 1 without read latency (scored by accuracy, not time, as in
+   bench/time_to_accuracy.py): each entry over the CNN grid both scripts share
+   (bench/trials.py), `tune_epochs` on train[:54000], scored on train[54000:]; the
+   best setting is kept for every e.
+2. Calibration: t_down is the mean step time of a short SGD run with no read latency
+   (the input overlapped by prefetching); for each R in `--ratios` the read latency per
+   example that makes one plain batch of the trainer's own pipeline take R x t_down
+   (sleeping overshoots: corrected until within 5%). One latency serves every
+   entry, as one storage system would; each entry's own R (t_up over its own step
+   time) is reported. Stored in `work_dir/calibration.json` and reused, so a restarted
+   benchmark keeps its latencies (delete the file to recalibrate).
+3. Measurement: per R, entry, echo factor e and variant (e = 1: no echo stage),
+   `--seeds` seeds on the full train split with that latency, test accuracy every
+   `eval_every_steps` steps, stopping at the target or after `max_epochs` passes over
+   the fresh data. Reported: medians over the seeds of wall time (evaluation
+   excluded), steps and fresh examples to the target; per entry and R the best
+   (e, variant) and its time ratio to e = 1, next to Choi's prediction for it:
+   (steps_e / steps_1) / min(e, R_entry).
+
+Run (hours on 2 cores, resumable; on an otherwise idle machine):
+  cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/echo_time_to_accuracy.py \
+      > /tmp/echo_time_to_accuracy.log 2>&1 &
+`--tune_only` runs the tuning (a busy machine is fine for it) and stops.
+Writes bench/results/echo_time_to_accuracy.json and .png and prints the ratios.
+"""
+
+import json
+import os
+import statistics
+import time
+
+from absl import app, flags, logging
+import matplotlib
+import tensorflow as tf
+
+import outputs
+import pipelines
+import trials
+from trainers import config as config_lib
+from trainers.data import TrainingData
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("ratios", ["2", "4"], "Target R = t_upstream / t_downstream (SGD's step).")
+flags.DEFINE_list("entries", ["sgd", "kfac_inverse"], "Optimizer entries (ENTRIES).")
+flags.DEFINE_list("echo_factors", ["2", "3", "4"], "Echo factors e > 1 measured beside e = 1.")
+flags.DEFINE_list("variants", list(pipelines.ECHO_MODES[1:]), "Echo modes measured.")
+flags.DEFINE_integer("seeds", 3, "Seeds per configuration.")
+flags.DEFINE_float("target_accuracy", 0.88, "Test accuracy the runs stop at.")
+flags.DEFINE_integer("max_epochs", 8, "Passes over the fresh data before a run gives up.")
+flags.DEFINE_integer("tune_epochs", 2, "Epochs of each tuning trial.")
+flags.DEFINE_integer("eval_every_steps", 100, "Test accuracy every this many steps.")
+flags.DEFINE_integer("calibration_steps", 300, "Steps of the run that measures t_down.")
+flags.DEFINE_bool("tune_only", False, "Run only the tuning trials and stop.")
+flags.DEFINE_string("work_dir", "/tmp/tfkfac_echo_time_to_accuracy",
+                    "Where the trials' runs and the calibration go.")
+flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where the JSON and PNG go.")
+
+MODEL, BATCH_SIZE = "cnn", 128
+AUGMENTATION = dict(crop_padding=2, flip=True)
+ENTRIES = {name: trials.OPTIMIZERS[name] for name in ("sgd", "kfac_inverse", "kfac")}
+NAME = "echo_time_to_accuracy"
+# Sleeping overshoots by a factor that depends on the latency: correct until t_up is
+# within the tolerance of R x t_down, at most this many measurements.
+CALIBRATION_ROUNDS, CALIBRATION_TOLERANCE = 4, 0.05
+
+
+def trial(name, **settings):
+    return trials.run(FLAGS.work_dir, name, model=MODEL, batch_size=BATCH_SIZE,
+                      **AUGMENTATION, **settings)
+
+
+def tune(entry):
+    """The CNN grid setting (bench/trials.py) with the best validation accuracy."""
+    scores = []
+    for setting in trials.GRIDS[MODEL][entry]:
+        summary = trial(f"{entry}-tune-{trials.slug(setting)}", **ENTRIES[entry],
+                        train_split=trials.TUNE_SPLIT,
+                        eval_split=trials.VALIDATION_SPLIT,
+                        epochs=FLAGS.tune_epochs, **setting)
+        scores.append({"setting": setting,
+                       "validation_accuracy": summary["final_eval_accuracy"]})
+    return {"trials": scores,
+            "best": max(scores, key=lambda s: s["validation_accuracy"])["setting"]}
+
+
+def step_seconds(entry, setting):
+    """Mean step time of a short run of `entry` with the input in memory (no latency)."""
+    summary = trial(f"{entry}-calibration-{trials.slug(setting)}", **ENTRIES[entry],
+                    steps=FLAGS.calibration_steps, epochs=1, **setting)
+    return summary["mean_step_time_s"]["all"]
+
+
+def upstream_seconds(read_latency, batches=40):
+    """Seconds per batch of the trainer's own training pipeline alone at `read_latency`."""
+    config = config_lib.TrainConfig(model=MODEL, batch_size=BATCH_SIZE,
+                                    read_latency=read_latency, **AUGMENTATION)
+    iterator = iter(TrainingData(config, 0, 1, tf.float32).train(0))
+    for _ in range(2):
+        next(iterator)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    return (time.perf_counter() - start) / batches
+
+
+def calibrate(tunings):
+    """{R: read latency} and every entry's step time; read back from work_dir if there."""
+    path = os.path.join(FLAGS.work_dir, "calibration.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    t_down = {entry: step_seconds(entry, tunings[entry]["best"]) for entry in FLAGS.entries}
+    latencies = {}
+    for ratio in FLAGS.ratios:
+        wanted = float(ratio) * t_down["sgd"]
+        latency, t_up = wanted / BATCH_SIZE, None
+        for _ in range(CALIBRATION_ROUNDS):
+            if t_up is not None:
+                latency *= wanted / t_up
+            t_up = upstream_seconds(latency)
+            if abs(t_up / wanted - 1) < CALIBRATION_TOLERANCE:
+                break
+        latencies[ratio] = {"read_latency_s": latency, "t_upstream_s": t_up,
+                            "ratio_by_entry": {e: t_up / t for e, t in t_down.items()}}
+        print(f"R {ratio}: read latency {1e6 * latency:.0f} us/example, t_up "
+              f"{1e3 * t_up:.1f} ms/batch, R by entry {latencies[ratio]['ratio_by_entry']}",
+              flush=True)
+    calibration = {"t_downstream_s": t_down, "ratios": latencies}
+    os.makedirs(FLAGS.work_dir, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(calibration, f, indent=2)
+    return calibration
+
+
+def configurations():
+    """(echo_mode, echo_factor) pairs: e = 1 without an echo stage, then each variant."""
+    return [("none", 1.0)] + [(mode, float(e)) for mode in FLAGS.variants
+                              for e in FLAGS.echo_factors]
+
+
+def measure(entry, setting, ratio, read_latency):
+    results = []
+    for mode, factor in configurations():
+        runs = []
+        for seed in range(FLAGS.seeds):
+            summary = trial(f"{entry}-R{ratio}-{mode}-e{factor:g}-seed{seed}-"
+                            f"{trials.slug(setting)}", **ENTRIES[entry], seed=seed,
+                            read_latency=read_latency, echo_mode=mode, echo_factor=factor,
+                            epochs=FLAGS.max_epochs, eval_every_steps=FLAGS.eval_every_steps,
+                            target_accuracy=FLAGS.target_accuracy, stop_at_target=True,
+                            **setting)
+            runs.append({"seed": seed, "mean_step_time_s": summary["mean_step_time_s"]["all"],
+                         "curve": trials.curve(summary, fresh_examples=True)})
+        reached = trials.to_target(runs, FLAGS.target_accuracy)
+        results.append({"echo_mode": mode, "echo_factor": factor, "runs": runs,
+                        "median_step_time_s": statistics.median(
+                            r["mean_step_time_s"] for r in runs),
+                        "to_target": reached})
+        print(f"{entry} R={ratio} {mode} e={factor:g}: {reached['reached']}/{FLAGS.seeds} "
+              f"seeds, median {reached['median_time_s']} s, {reached['median_steps']} steps, "
+              f"{reached.get('median_fresh_examples')} fresh examples", flush=True)
+    return results
+
+
+def best_against_e1(results, ratio_entry):
+    """The fastest configuration to the target, its time ratio to e = 1 and Choi's
+    prediction (steps_e / steps_1) / min(e, R); None where e = 1 or nothing reached it."""
+    base = results[0]["to_target"]
+    reached = [r for r in results[1:] if r["to_target"]["median_time_s"] is not None]
+    if base["median_time_s"] is None or not reached:
+        return None
+    best = min(reached, key=lambda r: r["to_target"]["median_time_s"])
+    steps_ratio = best["to_target"]["median_steps"] / base["median_steps"]
+    return {"echo_mode": best["echo_mode"], "echo_factor": best["echo_factor"],
+            "time_ratio": best["to_target"]["median_time_s"] / base["median_time_s"],
+            "steps_ratio": steps_ratio,
+            "fresh_examples_ratio": (best["to_target"]["median_fresh_examples"]
+                                     / base["median_fresh_examples"]),
+            "predicted_time_ratio": steps_ratio / min(best["echo_factor"], ratio_entry)}
+
+
+def plot(report, path):
+    ratios, entries = list(report["results"]), FLAGS.entries
+    figure, axes = plt.subplots(len(ratios), len(entries), squeeze=False,
+                                figsize=(6 * len(entries), 3.8 * len(ratios)))
+    for row, ratio in zip(axes, ratios):
+        for axis, entry in zip(row, entries):
+            results = report["results"][ratio][entry]["configurations"]
+            labels = [f"{r['echo_mode'].replace('example_', 'ex_')}\ne={r['echo_factor']:g}"
+                      for r in results]
+            times = [r["to_target"]["median_time_s"] or 0.0 for r in results]
+            colors = ["gray"] + [f"C{FLAGS.variants.index(r['echo_mode'])}"
+                                 for r in results[1:]]
+            axis.bar(range(len(results)), times, color=colors)
+            axis.axhline(times[0], color="gray", linestyle="--", linewidth=0.8)
+            axis.set_xticks(range(len(results)), labels, fontsize=6)
+            axis.set_ylabel(f"median s to {FLAGS.target_accuracy} (0: not reached)")
+            own_ratio = report["calibration"]["ratios"][ratio]["ratio_by_entry"][entry]
+            axis.set_title(f"{entry}, R = {own_ratio:.2f}")
+    figure.suptitle(f"Data echoing: wall time to test accuracy {FLAGS.target_accuracy}, "
+                    f"Fashion-MNIST CNN, {FLAGS.seeds} seeds")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
+    unknown = sorted(set(FLAGS.entries) - set(ENTRIES))
+    if unknown or "sgd" not in FLAGS.entries:
+        raise ValueError(f"entries must be among {', '.join(ENTRIES)} and include sgd (R is "
+                         f"set by its step); got {FLAGS.entries}")
+    report = {"model": MODEL, "batch_size": BATCH_SIZE, "augmentation": AUGMENTATION,
+              "target_accuracy": FLAGS.target_accuracy, "seeds": FLAGS.seeds,
+              "max_epochs": FLAGS.max_epochs, "machine": outputs.machine(),
+              "library_commit": outputs.library_commit()}
+    tunings = {entry: tune(entry) for entry in FLAGS.entries}
+    if FLAGS.tune_only:
+        print("tuned: " + json.dumps({e: t["best"] for e, t in tunings.items()}), flush=True)
+        return
+    report["tuning"] = tunings
+    report["calibration"] = calibrate(tunings)
+    report["results"] = {}
+    for ratio, calibrated in report["calibration"]["ratios"].items():
+        report["results"][ratio] = {}
+        for entry in FLAGS.entries:
+            results = measure(entry, tunings[entry]["best"], ratio,
+                              calibrated["read_latency_s"])
+            best = best_against_e1(results, calibrated["ratio_by_entry"][entry])
+            report["results"][ratio][entry] = {"configurations": results, "best": best}
+            print(f"{entry} R={ratio} best: {json.dumps(best)}", flush=True)
+    outputs.write(report, FLAGS.output_dir, NAME, plot)
+
+
+if __name__ == "__main__":
+    app.run(main)
