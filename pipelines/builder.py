@@ -65,7 +65,7 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
           echo_factor=1.0, shuffle_buffer=10_000, augmentation=Augmentation(),
           num_classes=None, mean=None, stddev=None, seed=0, epoch=0, num_epochs=1,
           num_shards=1, shard_index=0, dtype=tf.float32, cache=False, read_latency=0.0,
-          drop_remainder=True, skip_batches=0, idx_dir=None):
+          drop_remainder=True, skip_batches=0, idx_dir=None, fresh_flags=False):
     """Returns `(dataset, counters)`: batched, prefetched `(image, label)` pairs for
     `model.fit`, and the `EchoCounters` of fresh and trained examples.
 
@@ -94,6 +94,9 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
         continue mid-epoch.
       idx_dir: directory of the IDX files of "fashion_mnist"/"mnist" (see
         `pipelines.idx_dataset.prepare_idx`); only for those sources.
+      fresh_flags: yield `(image, label, fresh)`: each example's fresh flag (1 on the
+        first copy of a source example, 0 on echoed repeats) in the sample-weight slot,
+        for `tfkfac.KFAC(factor_examples="fresh")`.
 
     Example:
       >>> dataset, counters = build("fashion_mnist", batch_size=128,
@@ -109,6 +112,8 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
     _check_moments(mean, stddev)
     if not isinstance(skip_batches, int) or skip_batches < 0:
         raise ValueError(f"`skip_batches` must be an int >= 0; received {skip_batches!r}")
+    if not isinstance(fresh_flags, bool):
+        raise ValueError(f"`fresh_flags` must be True or False; received {fresh_flags!r}")
     examples = sources.load(source, split, data_dir, num_shards=num_shards,
                             shard_index=shard_index, idx_dir=idx_dir)
     examples = (examples.apply(sources.simulate_read_latency(read_latency))
@@ -145,7 +150,7 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
         batches = batches.skip(skip_batches)  # before counting: skipped ones were trained
     batches = batches.prefetch(tf.data.AUTOTUNE)
     echo_counters = counters.EchoCounters()
-    return echo_counters.count(batches), echo_counters
+    return echo_counters.count(batches, fresh_flags), echo_counters
 
 
 def _check_args(batch_size, echo_mode, echo_factor, shuffle_buffer, augmentation,

@@ -25,10 +25,13 @@ class EchoCounters:
         self.fresh = tf.Variable(0, dtype=tf.int64, trainable=False, name="fresh_examples")
         self.trained = tf.Variable(0, dtype=tf.int64, trainable=False, name="trained_examples")
 
-    def count(self, dataset):
+    def count(self, dataset, fresh_flags=False):
         """Returns `dataset` of batched dicts as `(image, label)` pairs, adding each
         batch's size and fresh flags to the counters as the batch is taken. Apply it
-        after `prefetch`, so it runs when the consumer asks for the batch."""
+        after `prefetch`, so it runs when the consumer asks for the batch.
+
+        With `fresh_flags` the elements are `(image, label, fresh)`, the flags where
+        Keras has sample weights (what `tfkfac.KFAC(factor_examples="fresh")` reads)."""
 
         def take(batch):
             flags = tf.cast(batch[FRESH_KEY], tf.int64)
@@ -36,7 +39,10 @@ class EchoCounters:
                 self.fresh.assign_add(tf.reduce_sum(flags)),
                 self.trained.assign_add(tf.size(flags, out_type=tf.int64)),
             ]):
-                return tf.identity(batch["image"]), tf.identity(batch["label"])
+                element = (batch["image"], batch["label"])
+                if fresh_flags:
+                    element += (batch[FRESH_KEY],)
+                return tuple(tf.identity(t) for t in element)
 
         # tf.data's autotuner would inject a prefetch after this map, which would run
         # it ahead of the consumer; the counts must follow what training has taken.

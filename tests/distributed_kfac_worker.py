@@ -58,6 +58,13 @@ MODERN_CASES = [("replicated", "eigen"), ("owner", "inverse")]
 LATE_LOGS_STEPS, LATE_LOGS_STEPS_PER_EXECUTION, SLOW_METRIC_SECONDS = 8, 4, 0.3
 # Steps before and after the restore; decompositions every RESTORE_INV_FREQ steps.
 RESTORE_STEPS, RESTORE_INV_FREQ = 6, 4
+# factor_examples="fresh": per step of EQUIVALENCE_STEPS, which examples of the global batch
+# (rank 0's half, then rank 1's) are fresh. Step 0 has fresh examples on rank 0 only,
+# steps 1 and 4 repeat the batch before them (batch echoing: stale steps), step 5 has
+# fresh examples on rank 1 only. The inverse method: 2 ranks measured 4.6e-6 x max|w| from
+# one process (the eigen method 7.0e-5, too near EQUIVALENCE_RTOL to tell bugs from noise).
+FRESH_PATTERNS = ("rank0", "none", "mixed", "all", "none", "rank1")
+FRESH_SETTINGS = dict(factor_update_freq=1, inv_update_freq=2, method="inverse")
 
 
 def small_cnn(seed, batch_norm):
@@ -186,6 +193,56 @@ class LateOnRank1(keras.metrics.SparseCategoricalAccuracy):
                                  value.dtype, stateful=False)
 
 
+def echoed_examples():
+    """(x, y, fresh) of the echo-aware scenario, global batches of 2B in order.
+
+    A repeat is a copy of an example seen before: its batch's fresh copy (example
+    echoing) or the whole previous batch (batch echoing).
+    """
+    global_batch, half = 2 * EQUIVALENCE_BATCH, EQUIVALENCE_BATCH
+    x, y = fixed_examples(EQUIVALENCE_STEPS * global_batch)
+    rng = np.random.default_rng(3)
+    flags = np.zeros((EQUIVALENCE_STEPS, global_batch), np.float32)
+    for step, pattern in enumerate(FRESH_PATTERNS):
+        rows = slice(step * global_batch, (step + 1) * global_batch)
+        if pattern == "none":
+            previous = slice(rows.start - global_batch, rows.start)
+            x[rows], y[rows] = x[previous], y[previous]
+            continue
+        fresh = {"all": np.ones(global_batch, bool),
+                 "mixed": rng.random(global_batch) < 0.5,
+                 "rank0": np.arange(global_batch) < half // 2,
+                 "rank1": np.arange(global_batch) >= global_batch - 3}[pattern]
+        sources = rng.choice(np.flatnonzero(fresh), global_batch)
+        x[rows] = np.where(fresh[:, None, None, None], x[rows], x[rows][sources])
+        y[rows] = np.where(fresh, y[rows], y[rows][sources])
+        flags[step] = fresh
+    return x, y, flags.reshape(-1)
+
+
+def run_echo_aware(comm):
+    """factor_examples="fresh" on this rank's part of `echoed_examples()` (with
+    `comm.size == 1`: the single-process reference with batch 2B)."""
+    global_batch = 2 * EQUIVALENCE_BATCH
+    x, y, fresh = (rank_part(a, global_batch, comm.rank, comm.size) for a in echoed_examples())
+    model = small_cnn(seed=7, batch_norm=False)
+    optimizer = compiled(model, comm, factor_examples="fresh", **FRESH_SETTINGS)
+    log = CounterLog(comm, optimizer)
+    model.fit(x, y, sample_weight=fresh, batch_size=global_batch // comm.size, epochs=1,
+              shuffle=False, verbose=0, callbacks=[log])
+    return dict(log.results(), **final_state(model, optimizer))
+
+
+def first_step_fresh_alone(comm):
+    """Plain K-FAC's factors after one step on the fresh examples of the first batch."""
+    x, y, fresh = (a[: 2 * EQUIVALENCE_BATCH] for a in echoed_examples())
+    x, y = x[fresh == 1], y[fresh == 1]
+    model = small_cnn(seed=7, batch_norm=False)
+    log = CounterLog(comm, compiled(model, comm, **FRESH_SETTINGS))
+    model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0, callbacks=[log])
+    return log.results()
+
+
 def run_late_logs(comm):
     """Per-execution fit logs (averaged over ranks) while rank 1's metric arrives late.
 
@@ -292,6 +349,7 @@ def main(out_dir):
     for placement, method in MODERN_CASES:
         run(f"modern_{placement}_{method}", run_modern, comm, placement, method)
     run("late_logs", run_late_logs, comm)
+    run("echo_aware", run_echo_aware, comm)
     run("owner_restore", run_owner_restore, comm, out_dir)
     np.savez(os.path.join(out_dir, f"timings.rank{comm.rank}.npz"), **timings)
     # Both ranks have saved everything before one of them fails.

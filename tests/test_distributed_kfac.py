@@ -19,6 +19,11 @@ with `model.fit`; each rank saves what it holds. The checks:
   metric arriving late, finish on both ranks with identical values;
 - "owner" placement holds only the decompositions of the layers a rank owns, and a
   checkpoint written by rank 0 restores on both ranks (decompositions recomputed);
+- factor_examples="fresh" (data echoing): with fresh examples on one rank only, on both,
+  or on none (batch-echo repeats), 2 ranks equal 1 process on the concatenated batches;
+  the first factors equal plain K-FAC's on the fresh examples alone (the other rank has
+  none: no NaN); steps without fresh examples send no factors, and the fresh count rides
+  in the gradient allreduce;
 - a rank that raises inside `model.fit` ends the whole job within 60 s, error visible.
 """
 
@@ -99,7 +104,8 @@ class DistributedKfacTest(absltest.TestCase):
         cls.exit_time = time.time()
         logging.info("2-rank job exited %d after %.1f s", cls.returncode,
                      cls.exit_time - start)
-        names = ["sync", "sync_float16", "late_logs", "owner_restore", "timings"] + [
+        names = ["sync", "sync_float16", "late_logs", "echo_aware", "owner_restore",
+                 "timings"] + [
             f"equivalence_{p}_{m}" for p, m, *_ in worker.EQUIVALENCE_CASES] + [
             f"modern_{p}_{m}" for p, m in worker.MODERN_CASES]
         cls.saved = {}
@@ -123,6 +129,8 @@ class DistributedKfacTest(absltest.TestCase):
                                  for _, m in worker.MODERN_CASES}
         with tempfile.TemporaryDirectory() as directory:
             cls.restore_reference = worker.run_owner_restore(comm, directory)
+        cls.echo_reference = worker.run_echo_aware(comm)
+        cls.fresh_alone = worker.first_step_fresh_alone(comm)
 
     def both_ranks(self, name, key):
         """`key` of scenario `name`, asserted bit-identical on both ranks."""
@@ -261,6 +269,31 @@ class DistributedKfacTest(absltest.TestCase):
         first, second = (saved[key][:, column(category)] for saved in self.saved[name])
         np.testing.assert_array_equal(first, second, err_msg=f"{name}: {key} {category}")
         return first
+
+    def test_fresh_only_factors_two_ranks_match_one_process(self):
+        name = "echo_aware"
+        fresh = [pattern != "none" for pattern in worker.FRESH_PATTERNS]
+        decompositions, due = 0, 0  # due work waits for a step with fresh examples
+        for step in np.flatnonzero(fresh):
+            if step >= due:
+                decompositions, due = decompositions + 1, step + worker.FRESH_SETTINGS[
+                    "inv_update_freq"]
+        self.assert_weights_match(name, self.echo_reference,
+                                  [STEPS, sum(fresh), decompositions])
+        # Stale steps send no factors; the fresh count rides with the gradients.
+        np.testing.assert_array_equal(per_step(self.shared_counts(name, "calls", "factors")),
+                                      np.asarray(fresh, int))
+        np.testing.assert_array_equal(per_step(self.shared_counts(name, "bytes", "gradients")),
+                                      (PARAMS + 1) * FLOAT32)
+        # Step 0 had fresh examples on rank 0 only: the factors are those of plain K-FAC
+        # on them alone.
+        self.assertEqual(worker.FRESH_PATTERNS[0], "rank0")
+        for i in range(len(SYMMETRIC_DIMS)):
+            key = f"first_factor{i}"
+            expected = self.fresh_alone[key]
+            np.testing.assert_allclose(self.both_ranks(name, key), expected, rtol=0,
+                                       atol=EQUIVALENCE_RTOL * np.max(np.abs(expected)),
+                                       err_msg=key)
 
     def test_late_metric_does_not_collide_with_next_steps_collectives(self):
         # The scenario finishing at all is the regression check (it failed with Horovod's

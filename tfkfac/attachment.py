@@ -9,6 +9,7 @@ cannot be an argument of `apply`: under mixed precision Keras wraps the optimize
 """
 
 import contextlib
+import typing
 import weakref
 
 import keras
@@ -22,16 +23,39 @@ ATTACH_HINT = (
     "to the model before training with `optimizer.attach(model)` (or "
     "`tfkfac.KFAC(..., model=model)`), or in a custom loop compute gradients with "
     "`optimizer.record()` and `optimizer.minimize(loss, tape)`.")
+FRESH_HINT = (
+    "KFAC(factor_examples='fresh') takes each example's fresh flag (1 on the first copy "
+    "of a source example, 0 on an echoed repeat) from the third element of every "
+    "training batch, (x, y, fresh), where Keras has sample weights (e.g. "
+    "`pipelines.build(..., fresh_flags=True)`), or from `minimize(..., fresh=flags)`.")
+
+
+class Captures(typing.NamedTuple):
+    """What one step gives the optimizer's `apply` (docs/design.md §7).
+
+    `calls`: per block, the (inputs, unscaled output gradients) of every call.
+    `weights`: per-example weights of the factor statistics, mean 1 over the examples of
+    all ranks, or None (every example counts once). `ready`: whether any rank has a
+    fresh example (always True without fresh flags).
+    """
+
+    calls: list
+    weights: typing.Any = None
+    ready: typing.Any = True
 
 
 class Attachment:
-    """The recorder, rank averaging and train step of the one model K-FAC manages."""
+    """The recorder, rank averaging and train step of the one model K-FAC manages.
 
-    def __init__(self, model, layers, blocks, communicator):
+    With `fresh_only`, each step needs the batch's fresh flags (`FRESH_HINT`).
+    """
+
+    def __init__(self, model, layers, blocks, communicator, fresh_only=False):
         self._model = weakref.ref(model)
         self._recorder = Recorder(blocks)
         self._comm = communicator
         self._captures = None
+        self.fresh_only = fresh_only
         # BatchNorm moving statistics are updated from each rank's own batch: averaged
         # with the gradients every step so that every rank holds the same model.
         self._running_statistics = [
@@ -49,10 +73,15 @@ class Attachment:
         with tf.GradientTape() as tape, self._recorder.recording():
             yield tape
 
-    def step(self, tape, loss, variables, apply, loss_scale=1.0):
+    def step(self, tape, loss, variables, apply, loss_scale=1.0, fresh=None):
         """Gradients of `loss` (recorded by `tape`), then `apply(gradients, variables)`
-        with this step's captures provided to the optimizer."""
-        gradients, captures = self._gradients(tape, loss, variables, loss_scale)
+        with this step's `Captures` provided to the optimizer. `fresh`: the batch's
+        fresh flags (N,), needed exactly when `fresh_only`."""
+        if self.fresh_only != (fresh is not None):
+            raise ValueError(FRESH_HINT if self.fresh_only else
+                             "`fresh` flags are used only with KFAC(factor_examples="
+                             "'fresh'); this optimizer counts every example")
+        gradients, captures = self._gradients(tape, loss, variables, loss_scale, fresh)
         self._captures = captures
         try:
             apply(gradients, variables)
@@ -60,18 +89,18 @@ class Attachment:
             self._captures = None
 
     def captures(self):
-        """Per block, the (inputs, unscaled output gradients) of every call this step."""
+        """This step's `Captures`."""
         if self._captures is None:
             raise RuntimeError(ATTACH_HINT)
         return self._captures
 
-    def train_step(self, forward):
+    def train_step(self, forward, fresh=None):
         """Keras's train step with K-FAC's tape: `forward()` gives (scaled loss, y_pred)."""
         model = self.model
         with self.record() as tape:
             scaled_loss, y_pred = forward()
         self.step(tape, scaled_loss, model.trainable_variables, model.optimizer.apply,
-                  loss_scale=model.optimizer.scale_loss(1.0))
+                  loss_scale=model.optimizer.scale_loss(1.0), fresh=fresh)
         return y_pred
 
     def averaged_over_ranks(self, logs):
@@ -81,8 +110,9 @@ class Attachment:
             [tf.cast(logs[name], tf.float32) for name in names], category="metrics")
         return {**logs, **dict(zip(names, values))}
 
-    def _gradients(self, tape, loss, variables, loss_scale):
-        """(weight gradients averaged over ranks, captures with unscaled output gradients).
+    def _gradients(self, tape, loss, variables, loss_scale, fresh):
+        """(weight gradients averaged over ranks, `Captures` with unscaled output
+        gradients).
 
         `loss_scale` is the factor `loss` was multiplied by (mixed precision).
         """
@@ -91,13 +121,22 @@ class Attachment:
         gradients, output_grads = tape.gradient(loss, (list(variables), outputs))
         # Averaged here, before any loss-scale finiteness check, so that every rank takes
         # the same branch and issues the same collectives. BatchNorm moving statistics
-        # (updated by this step's forward pass) ride in the same call.
+        # (updated by this step's forward pass) and the count of fresh examples ride in
+        # the same call.
         present = [g for g in gradients if g is not None]
         statistics = self._running_statistics
+        flags = None if fresh is None else tf.cast(tf.reshape(fresh, (-1,)), tf.float32)
+        if flags is not None and calls:
+            tf.debugging.assert_equal(
+                tf.size(flags), tf.shape(tf.nest.flatten(calls[0][0][0])[0])[0],
+                message="`fresh` must hold one flag per example of the batch")
+        fresh_count = [] if flags is None else [tf.reduce_sum(flags)]
         reduced = self._comm.grouped_allreduce_mean(
-            present + [tf.convert_to_tensor(v) for v in statistics], category="gradients")
+            present + [tf.convert_to_tensor(v) for v in statistics] + fresh_count,
+            category="gradients")
         for variable, value in zip(statistics, reduced[len(present):]):
             variable.assign(value)
+        weights, ready = (None, True) if flags is None else _fresh_weights(flags, reduced[-1])
         reduced = iter(reduced[:len(present)])
         gradients = [None if g is None else next(reduced) for g in gradients]
         def unscaled(s, g):  # float16 widened before unscaling; float64 stays float64
@@ -108,4 +147,19 @@ class Attachment:
         captures = [[(x, tf.nest.map_structure(unscaled, s, g))
                      for (x, s), g in zip(block_calls, block_grads)]
                     for block_calls, block_grads in zip(calls, output_grads)]
-        return gradients, captures
+        return gradients, Captures(captures, weights, ready)
+
+
+def _fresh_weights(flags, mean_fresh_count):
+    """(weights, ready) from this rank's fresh flags and the mean count over ranks.
+
+    With equal batches of N per rank, w_i = flags_i · N / mean_r(n_r) has mean 1 over all
+    ranks' examples, so each rank's (1/N) Σ_i w_i (...) averaged over ranks is the sum over
+    every fresh example divided by their number (docs/design.md §7). Counts are whole
+    numbers, exact in float32; the ratio is taken in float64 for float64 state. A rank
+    without fresh examples contributes zeros; with none anywhere nothing is divided.
+    """
+    flags = tf.cast(flags, tf.float64)
+    batch = tf.cast(tf.size(flags), tf.float64)
+    mean_fresh_count = tf.cast(mean_fresh_count, tf.float64)
+    return (tf.math.divide_no_nan(flags * batch, mean_fresh_count), mean_fresh_count > 0)

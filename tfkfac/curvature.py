@@ -113,16 +113,22 @@ class Curvature:
                 for name, v in zip(block.factor_names(), state.factors)}
 
     # --------------------------------------------------------------- factors
-    def _batch_statistics(self, calls):
+    def _batch_statistics(self, calls, weights):
         calls = tf.nest.map_structure(
             lambda t: tf.cast(t, self.dtype) if t.dtype.is_floating else t, calls)
+        if weights is not None:
+            weights = tf.cast(weights, self.dtype)
         return [block.batch_statistics(
-                    block_calls, tf.shape(tf.nest.flatten(block_calls[0][0])[0])[0])
+                    block_calls, tf.shape(tf.nest.flatten(block_calls[0][0])[0])[0], weights)
                 for block, block_calls in zip(self.blocks, calls)]
 
-    def update_factors(self, calls):
-        """Fold this batch's statistics into the running factors; False if not finite."""
-        statistics = self._statistics_fn(calls)
+    def update_factors(self, calls, weights=None):
+        """Fold this batch's statistics into the running factors; False if not finite.
+
+        `weights` (N,): per-example weights of the statistics, mean 1 over the examples
+        of all ranks (docs/design.md §7); None counts every example once.
+        """
+        statistics = self._statistics_fn(calls, weights)
         flat = distributed.allreduce_symmetric(
             self.comm, [s for block_stats in statistics for s in block_stats],
             self.factor_wire_dtype, "factors")
@@ -139,14 +145,18 @@ class Curvature:
                 "KFAC warning: non-finite factor statistics; factor update skipped")
         return finite
 
-    def update_factors_if_due(self, step, calls, interval):
-        """`update_factors` at a due step (`interval(step)` steps after the last one)."""
+    def update_factors_if_due(self, step, calls, interval, weights=None, ready=True):
+        """`update_factors` at a due step (`interval(step)` steps after the last one).
+
+        A step that is not `ready` (no fresh example on any rank, docs/design.md §7)
+        updates nothing; due work waits for the next ready step.
+        """
         def update():
-            updated = self.update_factors(calls)
+            updated = self.update_factors(calls, weights)
             self.counters.next_factor_step.assign(step + interval(step))
             return updated
 
-        due = step >= self.counters.next_factor_step
+        due = tf.logical_and(step >= self.counters.next_factor_step, ready)
         return tf.cond(due, update, lambda: tf.constant(False))
 
     # -------------------------------------------------------- decompositions
@@ -175,8 +185,9 @@ class Curvature:
         self.decompositions_current.assign(True)
         return failed
 
-    def update_decompositions_if_due(self, step, damping, interval):
-        """`update_decompositions` at a due step, or when a restore left none ("owner")."""
+    def update_decompositions_if_due(self, step, damping, interval, ready=True):
+        """`update_decompositions` at a due and `ready` step (as for factors), or when a
+        restore left none ("owner")."""
         def update():
             failed = self.update_decompositions(damping)
             # A recomputation after a restore keeps the saved schedule.
@@ -184,7 +195,7 @@ class Curvature:
                 due, step + interval(step), self.counters.next_decomposition_step))
             return failed
 
-        due = step >= self.counters.next_decomposition_step
+        due = tf.logical_and(step >= self.counters.next_decomposition_step, ready)
         needed = tf.logical_or(due, tf.logical_not(self.decompositions_current))
         return tf.cond(needed, update, lambda: tf.constant(0, tf.int64))
 

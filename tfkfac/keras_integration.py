@@ -53,17 +53,22 @@ def leaf_layers(model):
             if not list(layer._flatten_layers(include_self=False, recursive=False))}
 
 
-def install_train_step(model, step_with_tape, reduce_logs):
+def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weight=False):
     """Replace this model's train step by Keras's, with K-FAC's tape and update.
 
-    `step_with_tape(forward)` runs `forward()` (returning the scaled loss and y_pred)
-    under K-FAC's recording tape, applies the update and returns y_pred; `reduce_logs`
-    averages the step's logs over ranks. The loss and metrics bookkeeping is the
-    TensorFlow backend's own `train_step`, which calls these private helpers; only
-    `model` is changed.
+    `step_with_tape(forward, fresh)` runs `forward()` (returning the scaled loss and
+    y_pred) under K-FAC's recording tape, applies the update and returns y_pred;
+    `reduce_logs` averages the step's logs over ranks. With `fresh_in_sample_weight`
+    the batch's sample-weight slot holds the fresh flags: they go to `step_with_tape`
+    (None otherwise), and the loss and metrics get no sample weights. The loss and
+    metrics bookkeeping is the TensorFlow backend's own `train_step`, which calls these
+    private helpers; only `model` is changed.
     """
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        fresh = None
+        if fresh_in_sample_weight:
+            fresh, sample_weight = sample_weight, None
 
         def forward():
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
@@ -75,7 +80,7 @@ def install_train_step(model, step_with_tape, reduce_logs):
                 sample_weight=batch)
             return model.optimizer.scale_loss(loss), y_pred
 
-        y_pred = step_with_tape(forward)
+        y_pred = step_with_tape(forward, fresh)
         return reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
 
     # K-FAC compiles its own local stages with XLA and communicates between them, so

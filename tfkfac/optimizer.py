@@ -30,7 +30,7 @@ PLACEMENTS = placement_lib.PLACEMENTS
 SETTINGS = ("damping", "momentum", "factor_decay", "kl_clip", "factor_update_freq",
             "inv_update_freq", "method", "bn_damping_multiplier", "weight_sharing",
             "skip_layers", "xla", "placement", "factor_wire_dtype",
-            "decomposition_wire_dtype", "state_dtype")
+            "decomposition_wire_dtype", "state_dtype", "factor_examples")
 
 
 @keras.saving.register_keras_serializable(package="tfkfac")
@@ -73,6 +73,14 @@ class KFAC(keras.optimizers.Optimizer):
         accepted with a DeprecationWarning.
       state_dtype: dtype of the factors, decompositions and preconditioning: "float32",
         or "float64" to check results against a float64 reference (slower).
+      factor_examples: which examples the factor statistics count: "all" (default), or
+        "fresh" for data echoing: each source example once, so echoed repeats do not make
+        the curvature look more certain than it is. Every training batch then carries
+        its examples' fresh flags, (x, y, fresh) in `fit` (in place of sample weights;
+        `pipelines.build(..., fresh_flags=True)`) or `minimize(..., fresh=flags)`; a
+        step without a fresh example on any rank (a batch-echo repeat) is a stale step.
+        The loss and gradients still use every example. Its effect on time to accuracy
+        is not measured yet. See docs/design.md §7.
       communicator: a `tfkfac.distributed` communicator; default
         `tfkfac.distributed.get_communicator("auto")` (Horovod under horovodrun).
       model: if given, `attach(model)` is called.
@@ -84,7 +92,7 @@ class KFAC(keras.optimizers.Optimizer):
                  weight_decay=None, xla="auto", placement="replicated",
                  factor_wire_dtype="float32", decomposition_wire_dtype="float32",
                  communicator=None, model=None, weight_sharing="expand",
-                 state_dtype="float32", name="kfac", **kwargs):
+                 state_dtype="float32", factor_examples="all", name="kfac", **kwargs):
         if "eigen_wire_dtype" in kwargs:  # the name before 0.2; old saves' configs hold it
             warnings.warn("KFAC: `eigen_wire_dtype` is deprecated, use "
                           "`decomposition_wire_dtype` (it also carries inverses and "
@@ -96,7 +104,8 @@ class KFAC(keras.optimizers.Optimizer):
             method=method, bn_damping_multiplier=bn_damping_multiplier,
             weight_sharing=weight_sharing, skip_layers=skip_layers, xla=xla,
             placement=placement, factor_wire_dtype=factor_wire_dtype,
-            decomposition_wire_dtype=decomposition_wire_dtype, state_dtype=state_dtype)
+            decomposition_wire_dtype=decomposition_wire_dtype, state_dtype=state_dtype,
+            factor_examples=factor_examples)
         validation.validate(learning_rate=learning_rate, inner_optimizer=inner_optimizer,
                             weight_decay=weight_decay, **settings)
         super().__init__(learning_rate=schedules.as_learning_rate(learning_rate),
@@ -142,9 +151,11 @@ class KFAC(keras.optimizers.Optimizer):
             self._comm, self.method, self.factor_decay, self.factor_wire_dtype,
             self.decomposition_wire_dtype, self.xla, self.state_dtype)
         self._comm.broadcast_variables(model.variables, root_rank=0)
-        self._attachment = Attachment(model, list(layers.values()), blocks, self._comm)
+        self._attachment = Attachment(model, list(layers.values()), blocks, self._comm,
+                                      fresh_only=self.factor_examples == "fresh")
         keras_integration.install_train_step(model, self._attachment.train_step,
-                                             self._attachment.averaged_over_ranks)
+                                             self._attachment.averaged_over_ranks,
+                                             self._attachment.fresh_only)
         blocks_lib.warn_unsupported(self._skipped)
         if self.built:
             self._create_kfac_state()
@@ -159,15 +170,18 @@ class KFAC(keras.optimizers.Optimizer):
         """Custom loop: a `tf.GradientTape` that also records the managed layers' calls."""
         return self._attached().record()
 
-    def minimize(self, loss, var_list=None, tape=None):
-        """Custom loop: gradients from `tape` (opened by `record()`), then the update."""
+    def minimize(self, loss, var_list=None, tape=None, fresh=None):
+        """Custom loop: gradients from `tape` (opened by `record()`), then the update.
+
+        `fresh`: the batch's fresh flags (N,), given exactly when factor_examples="fresh".
+        """
         if tape is None:
             raise ValueError(
                 "KFAC.minimize needs the `tape` returned by `optimizer.record()`.")
         attachment = self._attached()
         if var_list is None:
             var_list = attachment.model.trainable_variables
-        attachment.step(tape, loss, list(var_list), self.apply)
+        attachment.step(tape, loss, list(var_list), self.apply, fresh=fresh)
 
     # ---------------------------------------------------------------- state
     def build(self, var_list):
@@ -213,7 +227,7 @@ class KFAC(keras.optimizers.Optimizer):
 
     # ---------------------------------------------------------------- update
     def apply(self, grads, trainable_variables=None):
-        calls = self._attached().captures()
+        captures = self._attached().captures()
         if trainable_variables is None:
             trainable_variables = self._attachment.model.trainable_variables
         variables = list(trainable_variables)
@@ -232,9 +246,10 @@ class KFAC(keras.optimizers.Optimizer):
             branch_grads = [None if g is None else tf.identity(g) for g in grads]
             curvature = self._curvature
             self._clocks.timed("factors", lambda: curvature.update_factors_if_due(
-                step, calls, self._interval(self.factor_update_freq)))
+                step, captures.calls, self._interval(self.factor_update_freq),
+                captures.weights, captures.ready))
             self._clocks.timed("decomposition", lambda: curvature.update_decompositions_if_due(
-                step, damping, self._interval(self.inv_update_freq)))
+                step, damping, self._interval(self.inv_update_freq), captures.ready))
             optimizer = self.inner_optimizer or self
             clip = (None if self.kl_clip is None else
                     curvature_lib.kl_clip_scale(optimizer.learning_rate, self.kl_clip))
@@ -322,7 +337,11 @@ class KFAC(keras.optimizers.Optimizer):
 
     def step_phase(self, step):
         """The K-FAC work of training step `step` (0-based) by this optimizer's schedule:
-        "factors_and_decompositions", "decompositions", "factors" or "stale"."""
+        "factors_and_decompositions", "decompositions", "factors" or "stale".
+
+        The schedule only: with factor_examples="fresh", steps without fresh examples
+        are stale and defer due work, which this does not know.
+        """
         if self._due is None:
             keras_integration.set_untracked(self, "_due", (
                 schedules.DueSteps(self.factor_update_freq),

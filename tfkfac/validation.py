@@ -15,6 +15,7 @@ from tfkfac.distributed import packing
 
 METHODS = ("eigen", "inverse")
 STATE_DTYPES = ("float32", "float64")
+FACTOR_EXAMPLES = ("all", "fresh")
 XLA_CHOICES = (True, False, "auto")
 
 
@@ -94,6 +95,7 @@ RULES = {
     "factor_wire_dtype": _one_of(tuple(packing.WIRE_DTYPES)),
     "decomposition_wire_dtype": _one_of(tuple(packing.WIRE_DTYPES)),
     "state_dtype": _one_of(STATE_DTYPES),
+    "factor_examples": _one_of(FACTOR_EXAMPLES),
     "xla": _one_of(XLA_CHOICES),
     "inner_optimizer": _inner_optimizer,
     "skip_layers": _patterns,

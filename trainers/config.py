@@ -21,6 +21,7 @@ LR_SCHEDULES = ("constant", "warmup", "step", "polynomial")
 KFAC_METHODS = kfac_optimizer.METHODS
 KFAC_PLACEMENTS = kfac_optimizer.PLACEMENTS
 WEIGHT_SHARING = blocks.WEIGHT_SHARING
+FACTOR_EXAMPLES = validation.FACTOR_EXAMPLES
 WIRE_DTYPES = tuple(distributed.packing.WIRE_DTYPES)
 ECHO_MODES = pipelines.ECHO_MODES
 PRECISIONS = tuple(pipelines.PRECISIONS)
@@ -30,6 +31,7 @@ VERBOSITIES = (0, 1, 2)
 KFAC_ONLY_FIELDS = (
     "damping", "factor_update_freq", "inv_update_freq", "kl_clip", "kfac_method",
     "kfac_placement", "factor_wire_dtype", "decomposition_wire_dtype", "weight_sharing",
+    "factor_examples",
 )
 # Fields a resumed run may set differently from the run that wrote the checkpoint: the
 # budget (and so a schedule's end), evaluation cadence and target, where the data and
@@ -73,6 +75,8 @@ class TrainConfig:
     factor_wire_dtype: str = "float32"
     decomposition_wire_dtype: str = "float32"
     weight_sharing: str = "expand"
+    # "fresh": K-FAC's factors count each source example once under data echoing.
+    factor_examples: str = "all"
     batch_size: int = 128
     epochs: int = 2
     steps: Optional[int] = None
@@ -110,6 +114,7 @@ class TrainConfig:
         _one_of("factor_wire_dtype", self.factor_wire_dtype, WIRE_DTYPES)
         _one_of("decomposition_wire_dtype", self.decomposition_wire_dtype, WIRE_DTYPES)
         _one_of("weight_sharing", self.weight_sharing, WEIGHT_SHARING)
+        _one_of("factor_examples", self.factor_examples, FACTOR_EXAMPLES)
         _one_of("echo_mode", self.echo_mode, ECHO_MODES)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("verbose", self.verbose, VERBOSITIES)

@@ -86,6 +86,8 @@ class TrainingData:
         self._eval_batches = -(-eval_examples_here // config.batch_size)
         self.steps_per_epoch = steps_per_epoch(config, train_examples, num_ranks)
         self._autoencoder = models.is_autoencoder(config.model)
+        # K-FAC's factor_examples="fresh" reads the flags from the sample-weight slot.
+        self._fresh_flags = config.optimizer == "kfac" and config.factor_examples == "fresh"
         self._one_hot = config.mixup_alpha > 0  # mixup mixes one-hot labels
 
     def _build(self, **kwargs):
@@ -104,7 +106,8 @@ class TrainingData:
             split=config.train_split, batch_size=config.batch_size, seed=config.seed,
             epoch=epoch, num_epochs=None, skip_batches=skip_batches, echo_mode=config.echo_mode,
             echo_factor=config.echo_factor, shuffle_buffer=config.shuffle_buffer,
-            augmentation=self._augmentation(), read_latency=config.read_latency)
+            augmentation=self._augmentation(), read_latency=config.read_latency,
+            fresh_flags=self._fresh_flags)
         return self._with_targets(dataset)
 
     def evaluation(self):
@@ -137,6 +140,6 @@ class TrainingData:
         options = tf.data.Options()
         options.experimental_optimization.map_parallelization = False
         return dataset.map(
-            lambda image, label: (image, tf.reshape(tf.cast(image, tf.float32),
-                                                    [tf.shape(image)[0], -1]))
+            lambda image, label, *fresh: (image, tf.reshape(tf.cast(image, tf.float32),
+                                                            [tf.shape(image)[0], -1]), *fresh)
         ).with_options(options)

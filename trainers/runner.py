@@ -320,7 +320,8 @@ def _build_optimizer(config, steps_per_epoch, total_steps, communicator):
             xla=config.xla, placement=config.kfac_placement,
             factor_wire_dtype=config.factor_wire_dtype,
             decomposition_wire_dtype=config.decomposition_wire_dtype,
-            weight_sharing=config.weight_sharing, communicator=communicator, **options)
+            weight_sharing=config.weight_sharing, factor_examples=config.factor_examples,
+            communicator=communicator, **options)
     if config.optimizer == "sgd":
         options["momentum"] = config.momentum
     return data_parallel.averaging(_KERAS_OPTIMIZERS[config.optimizer], communicator)(

@@ -79,6 +79,10 @@ flags.DEFINE_enum("weight_sharing", _DEFAULTS.weight_sharing, config_lib.WEIGHT_
                   "K-FAC rule for weights used at several positions per example: expand "
                   "(every position counts like an example) or reduce (summed per example "
                   "first; cheaper factors).")
+flags.DEFINE_enum("factor_examples", _DEFAULTS.factor_examples, config_lib.FACTOR_EXAMPLES,
+                  "K-FAC factor statistics from all examples, or with data echoing from "
+                  "fresh ones only: each source example counted once, steps on echoed "
+                  "batches stale. Effect on time to accuracy not measured yet.")
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Examples per step on each rank.")
 flags.DEFINE_integer("epochs", _DEFAULTS.epochs, "Epochs to train (ignored with --steps).")
 flags.DEFINE_integer("steps", None, "If set, train exactly this many steps (overrides "

@@ -48,11 +48,13 @@ class Block:
         output = call(*args, **kwargs)
         return (layer_input(args, kwargs), output), output
 
-    def batch_statistics(self, calls, batch_size):
+    def batch_statistics(self, calls, batch_size, weights=None):
         """Factor statistics of one batch from `calls`, a list of (inputs, out_grads).
 
         `out_grads` is dL/ds for the mean loss L of the batch, already unscaled, in the
-        structure of the recorded pre-activations.
+        structure of the recorded pre-activations. `weights` (N,), if given, weighs each
+        example's terms (all its positions): every (1/N) Σ_i becomes (1/N) Σ_i w_i
+        (docs/design.md §7). None counts every example once, at no extra cost.
         """
         raise NotImplementedError
 
@@ -77,6 +79,11 @@ class Block:
 def layer_input(args, kwargs):
     """The first argument of a layer call."""
     return args[0] if args else kwargs["inputs"]
+
+
+def per_row(weights, rows):
+    """`weights` (N,) repeated over `rows` (..., N·T, d), whose rows are example-major."""
+    return tf.repeat(weights, tf.shape(rows)[-2] // tf.shape(weights)[0])
 
 
 def as_float(tensor):

@@ -210,10 +210,11 @@ class SeparableConvBlock(Block):
         output = layer.activation(s) if layer.activation is not None else s
         return ((x, d), (d, s)), output
 
-    def batch_statistics(self, calls, batch_size):
+    def batch_statistics(self, calls, batch_size, weights=None):
         return [statistic for i, part in enumerate(self.parts)
                 for statistic in part.batch_statistics(
-                    [(inputs[i], out_grads[i]) for inputs, out_grads in calls], batch_size)]
+                    [(inputs[i], out_grads[i]) for inputs, out_grads in calls], batch_size,
+                    weights)]
 
     def decomposition_shapes(self, method):
         return [shapes for part in self.parts for shapes in part.decomposition_shapes(method)]

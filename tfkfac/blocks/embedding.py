@@ -10,7 +10,7 @@ method: (A + π√λ)⁻¹ ∇ (G + (√λ/π) I)⁻¹ with tr(A)/dim A = Σ_v a
 import tensorflow as tf
 
 from tfkfac import linalg
-from tfkfac.blocks.base import Block, as_float
+from tfkfac.blocks.base import Block, as_float, per_row
 
 
 class EmbeddingBlock(Block):
@@ -23,15 +23,20 @@ class EmbeddingBlock(Block):
     def factor_shapes(self):
         return [(self.vocabulary,), (self.width, self.width)]
 
-    def batch_statistics(self, calls, batch_size):
+    def batch_statistics(self, calls, batch_size, weights=None):
         tokens = tf.concat([tf.reshape(tf.cast(x, tf.int32), (-1,)) for x, _ in calls], 0)
         g_rows = tf.concat([tf.reshape(as_float(g), (-1, self.width)) for _, g in calls], 0)
         n = tf.cast(batch_size, g_rows.dtype)
-        counts = tf.math.unsorted_segment_sum(tf.ones_like(tokens, g_rows.dtype), tokens,
-                                              self.vocabulary)
+        if weights is None:
+            token_weights, weighted_rows = tf.ones_like(tokens, g_rows.dtype), g_rows
+        else:  # each call's tokens and rows are example-major
+            token_weights = tf.concat([per_row(weights, tf.reshape(g, (-1, self.width)))
+                                       for _, g in calls], 0)
+            weighted_rows = g_rows * token_weights[:, None]
+        counts = tf.math.unsorted_segment_sum(token_weights, tokens, self.vocabulary)
         positions = tf.cast(tf.shape(g_rows)[0], g_rows.dtype) / n
         # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ
-        g = tf.linalg.matmul(g_rows, g_rows, transpose_a=True) * (n / positions)
+        g = tf.linalg.matmul(weighted_rows, g_rows, transpose_a=True) * (n / positions)
         return [counts / n, g]
 
     def decomposition_shapes(self, method):

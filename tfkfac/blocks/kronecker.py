@@ -22,7 +22,7 @@ pairs (a block-diagonal layer such as a grouped convolution), all computed batch
 import tensorflow as tf
 
 from tfkfac import linalg
-from tfkfac.blocks.base import Block, as_float, layer_input
+from tfkfac.blocks.base import Block, as_float, layer_input, per_row
 
 
 class KroneckerBlock(Block):
@@ -67,8 +67,8 @@ class KroneckerBlock(Block):
         """(rows, out_dim) matrix of dL/ds, rows aligned with `input_rows`."""
         return tf.reshape(out_grads, (-1, self.out_dim))
 
-    def batch_statistics(self, calls, batch_size):
-        a_rows, g_rows = [], []
+    def batch_statistics(self, calls, batch_size, weights=None):
+        a_rows, g_rows, row_weights = [], [], []
         for inputs, out_grads in calls:
             a_call = self.input_rows(as_float(inputs))
             g_call = self.output_rows(as_float(out_grads))
@@ -77,15 +77,18 @@ class KroneckerBlock(Block):
                 g_call = tf.reduce_sum(_per_example(g_call, batch_size), axis=-2)
             a_rows.append(a_call)
             g_rows.append(g_call)
+            if weights is not None:  # a call's A and G rows are the same positions
+                row_weights.append(per_row(weights, a_call))
         a_rows = tf.concat(a_rows, axis=-2)
         g_rows = tf.concat(g_rows, axis=-2)
         if self.has_bias:
             a_rows = tf.concat([a_rows, tf.ones_like(a_rows[..., :1])], axis=-1)
+        row_weights = tf.concat(row_weights, axis=0) if weights is not None else None
         n = tf.cast(batch_size, g_rows.dtype)
         positions = tf.cast(tf.shape(g_rows)[-2], g_rows.dtype) / n
-        a = tf.linalg.matmul(a_rows, a_rows, transpose_a=True) / n
+        a = _gram(a_rows, row_weights) / n
         # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ = (N / T) Σ dL/ds dL/dsᵀ
-        g = tf.linalg.matmul(g_rows, g_rows, transpose_a=True) * (n / positions)
+        g = _gram(g_rows, row_weights) * (n / positions)
         return [a, g]
 
     def grad_matrix(self, grads):
@@ -132,6 +135,12 @@ class DenseBlock(KroneckerBlock):
 
     def input_rows(self, inputs):
         return tf.reshape(inputs, (-1, self.in_dim))
+
+
+def _gram(rows, row_weights):
+    """rowsᵀ diag(row_weights) rows (rowsᵀ rows when `row_weights` is None)."""
+    weighted = rows if row_weights is None else rows * row_weights[:, None]
+    return tf.linalg.matmul(weighted, rows, transpose_a=True)
 
 
 def _per_example(rows, batch_size):

@@ -80,10 +80,13 @@ class NormalizationBlock(Block):
             grads.append(per_example(scaled))
         return tf.concat(grads, axis=1)
 
-    def batch_statistics(self, calls, batch_size):
+    def batch_statistics(self, calls, batch_size, weights=None):
         # The per-example gradient of a layer used several times sums over its uses.
         per_example = tf.add_n([self._per_example_grads(x, g, batch_size) for x, g in calls])
-        return [tf.reduce_mean(tf.square(per_example), axis=0)]
+        squares = tf.square(per_example)
+        if weights is not None:
+            squares = squares * weights[:, None]
+        return [tf.reduce_mean(squares, axis=0)]
 
     def decomposition_shapes(self, method):
         return []
