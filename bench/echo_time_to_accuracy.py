@@ -6,7 +6,10 @@ is the bottleneck: with R = t_upstream / t_downstream, echoing each batch e time
 raises steps/s by about min(e, R), at the price of the extra steps repeated data needs.
 This benchmark measures what that buys in time to accuracy. Every trial is one run of
 the trainer (bench/trials.py), the CNN with random crops (2-pixel padding) and
-horizontal flips, so that echoing before and after augmentation differ. Protocol:
+horizontal flips, so that echoing before and after augmentation differ. Entries: SGD,
+K-FAC (inverse method) and echo-aware K-FAC (`factor_examples="fresh"`: factor
+statistics count each source example once; at e = 1 it is plain K-FAC, whose tuning,
+step time and e = 1 runs it shares). Protocol:
 
 1. Tuning at e = 1 without read latency (scored by accuracy, not time, as in
    bench/time_to_accuracy.py): each entry over the CNN grid both scripts share
@@ -54,7 +57,8 @@ from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ratios", ["2", "4"], "Target R = t_upstream / t_downstream (SGD's step).")
-flags.DEFINE_list("entries", ["sgd", "kfac_inverse"], "Optimizer entries (ENTRIES).")
+flags.DEFINE_list("entries", ["sgd", "kfac_inverse", "kfac_inverse_fresh"],
+                  "Optimizer entries (ENTRIES).")
 flags.DEFINE_list("echo_factors", ["2", "3", "4"], "Echo factors e > 1 measured beside e = 1.")
 flags.DEFINE_list("variants", list(pipelines.ECHO_MODES[1:]), "Echo modes measured.")
 flags.DEFINE_integer("seeds", 3, "Seeds per configuration.")
@@ -71,6 +75,11 @@ flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where the JSON and PNG g
 MODEL, BATCH_SIZE = "cnn", 128
 AUGMENTATION = dict(crop_padding=2, flip=True)
 ENTRIES = {name: trials.OPTIMIZERS[name] for name in ("sgd", "kfac_inverse", "kfac")}
+# Echo-aware K-FAC (factor statistics over each source example once). With every example
+# fresh (e = 1) it is bit-identical to plain K-FAC (tests/test_kfac_fresh_examples.py),
+# so it shares that entry's tuning, step time and e = 1 runs.
+ENTRIES["kfac_inverse_fresh"] = dict(ENTRIES["kfac_inverse"], factor_examples="fresh")
+SAME_AT_E1 = {"kfac_inverse_fresh": "kfac_inverse"}
 NAME = "echo_time_to_accuracy"
 # Sleeping overshoots by a factor that depends on the latency: correct until t_up is
 # within the tolerance of R x t_down, at most this many measurements.
@@ -84,6 +93,7 @@ def trial(name, **settings):
 
 def tune(entry):
     """The CNN grid setting (bench/trials.py) with the best validation accuracy."""
+    entry = SAME_AT_E1.get(entry, entry)
     scores = []
     for setting in trials.GRIDS[MODEL][entry]:
         summary = trial(f"{entry}-tune-{trials.slug(setting)}", **ENTRIES[entry],
@@ -98,6 +108,7 @@ def tune(entry):
 
 def step_seconds(entry, setting):
     """Mean step time of a short run of `entry` with the input in memory (no latency)."""
+    entry = SAME_AT_E1.get(entry, entry)
     summary = trial(f"{entry}-calibration-{trials.slug(setting)}", **ENTRIES[entry],
                     steps=FLAGS.calibration_steps, epochs=1, **setting)
     return summary["mean_step_time_s"]["all"]
@@ -155,9 +166,10 @@ def measure(entry, setting, ratio, read_latency):
     results = []
     for mode, factor in configurations():
         runs = []
+        measured_as = SAME_AT_E1.get(entry, entry) if mode == "none" else entry
         for seed in range(FLAGS.seeds):
-            summary = trial(f"{entry}-R{ratio}-{mode}-e{factor:g}-seed{seed}-"
-                            f"{trials.slug(setting)}", **ENTRIES[entry], seed=seed,
+            summary = trial(f"{measured_as}-R{ratio}-{mode}-e{factor:g}-seed{seed}-"
+                            f"{trials.slug(setting)}", **ENTRIES[measured_as], seed=seed,
                             read_latency=read_latency, echo_mode=mode, echo_factor=factor,
                             epochs=FLAGS.max_epochs, eval_every_steps=FLAGS.eval_every_steps,
                             target_accuracy=FLAGS.target_accuracy, stop_at_target=True,
