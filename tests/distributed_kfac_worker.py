@@ -87,9 +87,10 @@ def small_cnn(seed, batch_norm):
     return keras.Sequential(layers, name="small_cnn")
 
 
-def compiled(model, comm, steps_per_execution=1, **kfac_args):
+def compiled(model, comm, steps_per_execution=1, metrics=None, **kfac_args):
     optimizer = tfkfac.KFAC(communicator=comm, **dict(KFAC_ARGS, **kfac_args)).attach(model)
-    model.compile(optimizer=optimizer, loss=LOSS, steps_per_execution=steps_per_execution)
+    model.compile(optimizer=optimizer, loss=LOSS, metrics=metrics,
+                  steps_per_execution=steps_per_execution)
     return optimizer
 
 
@@ -250,9 +251,7 @@ def run_late_logs(comm):
     metric objects, not the averaged ones.)
     """
     model = small_cnn(seed=7, batch_norm=False)
-    optimizer = tfkfac.KFAC(communicator=comm, **KFAC_ARGS).attach(model)
-    model.compile(optimizer=optimizer, loss=LOSS, metrics=[LateOnRank1(comm.rank)],
-                  steps_per_execution=LATE_LOGS_STEPS_PER_EXECUTION)
+    compiled(model, comm, LATE_LOGS_STEPS_PER_EXECUTION, metrics=[LateOnRank1(comm.rank)])
     global_batch = comm.size * EQUIVALENCE_BATCH
     x, y = (rank_part(a, global_batch, comm.rank, comm.size)
             for a in fixed_examples(LATE_LOGS_STEPS * global_batch))
