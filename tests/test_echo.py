@@ -1,12 +1,15 @@
 """The echo stage: exact repeat counts, the fractional factor's distribution and
 determinism, fresh flags on repeats, and shuffling after echo (Choi et al.)."""
 
+import math
+from unittest import mock
+
 from absl.testing import absltest
 import numpy as np
 import tensorflow as tf
 
 import pipelines
-from pipelines import counters
+from pipelines import counters, echoing, seeds
 
 
 def ids_dataset(num):
@@ -111,6 +114,64 @@ class FreshFlagTest(absltest.TestCase):
         flags = np.array([e[counters.FRESH_KEY] for e in echoed])
         first_copy = np.concatenate([[True], firsts[1:] != firsts[:-1]])
         np.testing.assert_array_equal(flags, np.repeat(first_copy[:, None], 8, axis=1).astype(np.int32))
+
+
+def reference_counts(factor, seed, num):
+    """The documented per-element rule, computed without the echo stage: floor(e)
+    copies, one more where the element's uniform draw is below e - floor(e). The draws
+    come in blocks of 64 consecutive elements, each block keyed by its first position
+    (the stream of every earlier version of the stage)."""
+    whole = math.floor(factor)
+    if factor == whole:
+        return np.full(num, whole)
+    count_key = seeds.derive(seeds.derive(seed), 0)
+    draws = np.concatenate([
+        tf.random.stateless_uniform([64], seeds.derive(count_key, start)).numpy()
+        for start in range(0, num, 64)])[:num]
+    return whole + (draws < factor - whole).astype(int)
+
+
+class ChunkedPathMatchesReferenceTest(absltest.TestCase):
+    """Small elements are echoed a chunk at a time; the result must be the per-element
+    rule whatever the chunk size, across chunk and draw-block boundaries (700 and 275
+    elements: several chunks, neither a multiple of 64)."""
+
+    def test_examples_match_the_per_element_rule(self):
+        num = 700
+        ids = np.arange(num)
+        examples = tf.data.Dataset.from_tensor_slices(
+            {"image": np.tile(ids.astype(np.float32)[:, None, None], (1, 7, 7)), "id": ids}
+        ).map(counters.mark_fresh)
+        for factor in (1, 2, 3, 1.5, 2.7):
+            counts = reference_counts(factor, 9, num)
+            if factor % 1:
+                self.assertEqual(set(counts), {math.floor(factor), math.ceil(factor)})
+            want_ids = np.repeat(ids, counts)
+            want_flags = np.concatenate([[1] + [0] * (c - 1) for c in counts])
+            for max_chunk in (64, 256):
+                with self.subTest(factor=factor, max_chunk=max_chunk), \
+                        mock.patch.object(echoing, "_MAX_CHUNK", max_chunk):
+                    echoed = examples.apply(pipelines.echo(factor, seed=9))
+                    self.assertEqual(echoed.element_spec, examples.element_spec)
+                    got = [b for b in echoed.batch(4096).as_numpy_iterator()]
+                    got = {k: np.concatenate([b[k] for b in got]) for k in got[0]}
+                    np.testing.assert_array_equal(got["id"], want_ids)
+                    np.testing.assert_array_equal(
+                        got["image"], np.tile(want_ids.astype(np.float32)[:, None, None], (1, 7, 7)))
+                    np.testing.assert_array_equal(got[counters.FRESH_KEY], want_flags)
+
+    def test_small_batches_match_the_per_element_rule(self):
+        # Batch echo of small static-size batches (chunked; flags of shape (4,)).
+        batches = (tf.data.Dataset.from_tensor_slices({"id": np.arange(1100)})
+                   .map(counters.mark_fresh).batch(4, drop_remainder=True))
+        for factor in (2, 1.4):
+            counts = reference_counts(factor, 4, 275)
+            echoed = list(batches.apply(pipelines.echo(factor, seed=4)).as_numpy_iterator())
+            want_firsts = np.repeat(np.arange(275) * 4, counts)
+            np.testing.assert_array_equal([e["id"][0] for e in echoed], want_firsts)
+            want_flags = np.concatenate([[1] + [0] * (c - 1) for c in counts])
+            np.testing.assert_array_equal([e[counters.FRESH_KEY] for e in echoed],
+                                          np.repeat(want_flags[:, None], 4, axis=1))
 
 
 class ShuffleAfterEchoTest(absltest.TestCase):
