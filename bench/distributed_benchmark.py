@@ -118,7 +118,8 @@ def worker_main(out_path):
             learning_rate=0.02, damping=1e-2, placement=placement,
             factor_wire_dtype=factor_wire, decomposition_wire_dtype=eigen_wire,
             factor_update_freq=FLAGS.factor_update_freq,
-            inv_update_freq=FLAGS.inv_update_freq, communicator=comm).attach(model)
+            inv_update_freq=FLAGS.inv_update_freq, phase_clocks=True,
+            communicator=comm).attach(model)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         probe = Probe(optimizer, FLAGS.warmup_steps)

@@ -12,8 +12,9 @@ all four) is not timed.
 Each step is timed from asking for its batch to its finished update
 (`trainers.reporting.StepTimer`); a warm-up block first runs every kind of step once
 (tracing). Amortized K-FAC runs whole multiples of inv_update_freq, so its mean holds
-stale, factor and eigendecomposition steps at their true proportions. K-FAC's own
-per-phase clocks (factors, decomposition, preconditioning, update) give the breakdown.
+stale, factor and eigendecomposition steps at their true proportions. K-FAC runs as
+users run it, without its phase clocks (`phase_clocks=False`); the per-phase breakdown
+against each phase's floor is bench/step_floor.py's.
 
 `--compare=weight_sharing` measures instead what `weight_sharing="reduce"` saves against
 "expand" in the factor phase: two K-FAC trainers (the trainer's defaults, factors every
@@ -84,7 +85,7 @@ CONFIGURATIONS = {
 # in the warm-up), so every timed step is a factor step and nothing else differs.
 WEIGHT_SHARING_INV_UPDATE_FREQ = 1_000_000
 WEIGHT_SHARING_CONFIGURATIONS = {
-    rule: dict(optimizer="kfac", factor_update_freq=1,
+    rule: dict(optimizer="kfac", factor_update_freq=1, phase_clocks=True,
                inv_update_freq=WEIGHT_SHARING_INV_UPDATE_FREQ, weight_sharing=rule)
     for rule in ("expand", "reduce")
 }
@@ -142,7 +143,8 @@ class Timed:
 
 def time_model(model, configurations=None):
     """Mean step times of `configurations` (default CONFIGURATIONS, one named "sgd") in
-    interleaved blocks, with K-FAC's phase clocks and each one's ratio to "sgd"."""
+    interleaved blocks, with K-FAC's phase clocks where a configuration has them on and
+    each one's ratio to "sgd"."""
     configurations = configurations or CONFIGURATIONS
     with tempfile.TemporaryDirectory() as model_dir:
         timed = [Timed(name, model, os.path.join(model_dir, name), configurations)
@@ -230,7 +232,7 @@ def plot_weight_sharing(report, path):
 def plot(report, path):
     names = list(CONFIGURATIONS)
     model_names = list(report["models"])
-    figure, (times, breakdown) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, times = plt.subplots(figsize=(7, 4.5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         values = [report["models"][m]["configurations"][name]["mean_step_s"] * 1e3
@@ -248,27 +250,6 @@ def plot(report, path):
     times.set_ylabel("ms per step (log)")
     times.set_title(f"Step time, batch {report['batch_size']} (ratio to SGD on bars)")
     times.legend()
-    phases = ("factors", "decomposition", "precondition", "update")
-    amortized = [name for name in names if name.startswith("kfac_amortized")]
-    width = 0.8 / len(amortized)
-    for i, name in enumerate(amortized):
-        positions = [x + (i - (len(amortized) - 1) / 2) * width
-                     for x in range(len(model_names))]
-        bottoms = [0.0] * len(model_names)
-        for j, phase in enumerate(phases):
-            values = [report["models"][m]["configurations"][name]
-                      ["kfac_phase_s_per_step"][phase] * 1e3 for m in model_names]
-            breakdown.bar(positions, values, width * 0.9, bottom=bottoms, color=f"C{j}",
-                          hatch="//" if i else None, label=phase if i == 0 else None)
-            bottoms = [b + v for b, v in zip(bottoms, values)]
-    sgd = [report["models"][m]["configurations"]["sgd"]["mean_step_s"] * 1e3
-           for m in model_names]
-    breakdown.scatter(range(len(model_names)), sgd, color="black", marker="_", s=600,
-                      label="SGD step", zorder=3)
-    breakdown.set_xticks(range(len(model_names)), model_names)
-    breakdown.set_ylabel("ms per step")
-    breakdown.set_title("Amortized K-FAC (10/100) phases: eigen | inverse (hatched)")
-    breakdown.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

@@ -133,10 +133,7 @@ class CounterLog(keras.callbacks.Callback):
                                   for v in s.factors]
 
     def results(self):
-        saved = {"calls": np.asarray(self.calls), "bytes": np.asarray(self.bytes),
-                 "phase_seconds": np.asarray(
-                     [self.optimizer.summary()["phase_seconds"][p] for p in
-                      ("factors", "decomposition", "precondition", "update")])}
+        saved = {"calls": np.asarray(self.calls), "bytes": np.asarray(self.bytes)}
         for i, factor in enumerate(self.first_factors):
             saved[f"first_factor{i}"] = factor
         return saved

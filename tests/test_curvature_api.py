@@ -165,7 +165,8 @@ class CurvatureApiTest(absltest.TestCase):
                 super().update_step(gradient + slept, variable, learning_rate)
 
         model = mlp()
-        optimizer = tfkfac.KFAC(inner_optimizer=SleepingSGD(0.1), xla=False).attach(model)
+        optimizer = tfkfac.KFAC(inner_optimizer=SleepingSGD(0.1), xla=False,
+                                phase_clocks=True).attach(model)
         model.compile(optimizer=optimizer, loss="mse")
         x = RNG.normal(size=(steps * N, 4)).astype(np.float32)
         model.fit(x, x[:, :3], batch_size=N, epochs=1, verbose=0)
@@ -174,6 +175,17 @@ class CurvatureApiTest(absltest.TestCase):
         self.assertGreaterEqual(seconds["update"], slept, seconds)
         for phase in ("factors", "decomposition", "precondition"):
             self.assertLess(seconds[phase], slept, (phase, seconds))
+
+    def test_phase_clocks_are_off_unless_asked_for(self):
+        model = mlp()
+        optimizer = tfkfac.KFAC(xla=False).attach(model)
+        model.compile(optimizer=optimizer, loss="mse")
+        x = RNG.normal(size=(2 * N, 4)).astype(np.float32)
+        model.fit(x, x[:, :3], batch_size=N, epochs=1, verbose=0)
+        self.assertEqual(optimizer.summary()["phase_seconds"], {})
+        self.assertEqual(optimizer.summary()["counters"]["factor_updates"], 2)
+        with self.assertRaisesRegex(ValueError, "`phase_clocks` must be True or False"):
+            tfkfac.KFAC(phase_clocks="yes")
 
     def test_unmanaged_variables_keep_their_gradient(self):
         optimizer = tfkfac.KFAC(skip_layers=["hidden"], xla=False)

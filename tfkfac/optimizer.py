@@ -30,7 +30,7 @@ PLACEMENTS = placement_lib.PLACEMENTS
 SETTINGS = ("damping", "momentum", "factor_decay", "kl_clip", "factor_update_freq",
             "inv_update_freq", "method", "bn_damping_multiplier", "weight_sharing",
             "skip_layers", "xla", "placement", "factor_wire_dtype",
-            "decomposition_wire_dtype", "state_dtype", "factor_examples")
+            "decomposition_wire_dtype", "state_dtype", "factor_examples", "phase_clocks")
 
 
 @keras.saving.register_keras_serializable(package="tfkfac")
@@ -81,6 +81,9 @@ class KFAC(keras.optimizers.Optimizer):
         step without a fresh example on any rank (a batch-echo repeat) is a stale step.
         The loss and gradients still use every example. Its effect on time to accuracy
         is not measured yet. See docs/design.md §7.
+      phase_clocks: time each phase (factors, decomposition, precondition, update) into
+        `summary()["phase_seconds"]`; off by default, the timestamps cost 0.2-0.6 ms a
+        step (docs/benchmarks.md).
       communicator: a `tfkfac.distributed` communicator; default
         `tfkfac.distributed.get_communicator("auto")` (Horovod under horovodrun).
       model: if given, `attach(model)` is called.
@@ -92,7 +95,8 @@ class KFAC(keras.optimizers.Optimizer):
                  weight_decay=None, xla="auto", placement="replicated",
                  factor_wire_dtype="float32", decomposition_wire_dtype="float32",
                  communicator=None, model=None, weight_sharing="expand",
-                 state_dtype="float32", factor_examples="all", name="kfac", **kwargs):
+                 state_dtype="float32", factor_examples="all", phase_clocks=False,
+                 name="kfac", **kwargs):
         if "eigen_wire_dtype" in kwargs:  # the name before 0.2; old saves' configs hold it
             warnings.warn("KFAC: `eigen_wire_dtype` is deprecated, use "
                           "`decomposition_wire_dtype` (it also carries inverses and "
@@ -105,7 +109,7 @@ class KFAC(keras.optimizers.Optimizer):
             weight_sharing=weight_sharing, skip_layers=skip_layers, xla=xla,
             placement=placement, factor_wire_dtype=factor_wire_dtype,
             decomposition_wire_dtype=decomposition_wire_dtype, state_dtype=state_dtype,
-            factor_examples=factor_examples)
+            factor_examples=factor_examples, phase_clocks=phase_clocks)
         validation.validate(learning_rate=learning_rate, inner_optimizer=inner_optimizer,
                             weight_decay=weight_decay, **settings)
         super().__init__(learning_rate=schedules.as_learning_rate(learning_rate),
@@ -126,7 +130,7 @@ class KFAC(keras.optimizers.Optimizer):
         self._stashed_state = None
         self._attachment = None
         self._due = None
-        self._clocks = state_lib.PhaseClocks()
+        self._clocks = state_lib.PhaseClocks(self.phase_clocks)
 
     # ------------------------------------------------------------------ attach
     @keras_integration.no_tracking

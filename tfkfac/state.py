@@ -53,16 +53,22 @@ class Counters:
 
 
 class PhaseClocks:
-    """Seconds spent in each phase of the K-FAC steps so far (not saved: per process)."""
+    """Seconds spent in each phase of the K-FAC steps so far (not saved: per process).
+
+    Only when `enabled`: the timestamps order the phases and cost 0.2-0.6 ms per step
+    (docs/benchmarks.md).
+    """
 
     PHASES = ("factors", "decomposition", "precondition", "update")
 
-    def __init__(self):
-        self.seconds = {phase: tf.Variable(0.0, dtype=tf.float64, trainable=False)
-                        for phase in self.PHASES}
+    def __init__(self, enabled):
+        self.seconds = ({phase: tf.Variable(0.0, dtype=tf.float64, trainable=False)
+                         for phase in self.PHASES} if enabled else {})
 
     def timed(self, phase, function):
         """`function()`, its wall time (until its outputs exist) added to `phase`."""
+        if not self.seconds:
+            return function()
         start = tf.timestamp()
         with tf.control_dependencies([start]):
             result = function()

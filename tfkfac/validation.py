@@ -57,6 +57,11 @@ def _kl_clip(name, value):
                          f"received {value!r}")
 
 
+def _bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; received {value!r}")
+
+
 def _inner_optimizer(name, value):
     if value is not None and not isinstance(value, keras.optimizers.Optimizer):
         raise ValueError(f"`{name}` must be a keras.optimizers.Optimizer or None; "
@@ -97,6 +102,7 @@ RULES = {
     "state_dtype": _one_of(STATE_DTYPES),
     "factor_examples": _one_of(FACTOR_EXAMPLES),
     "xla": _one_of(XLA_CHOICES),
+    "phase_clocks": _bool,
     "inner_optimizer": _inner_optimizer,
     "skip_layers": _patterns,
     "weight_decay": _weight_decay,

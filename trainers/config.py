@@ -31,7 +31,7 @@ VERBOSITIES = (0, 1, 2)
 KFAC_ONLY_FIELDS = (
     "damping", "factor_update_freq", "inv_update_freq", "kl_clip", "kfac_method",
     "kfac_placement", "factor_wire_dtype", "decomposition_wire_dtype", "weight_sharing",
-    "factor_examples",
+    "factor_examples", "phase_clocks",
 )
 # Fields a resumed run may set differently from the run that wrote the checkpoint: the
 # budget (and so a schedule's end), evaluation cadence and target, where the data and
@@ -39,7 +39,7 @@ KFAC_ONLY_FIELDS = (
 # run takes the fields not given from the run's own settings.
 RESUME_MAY_CHANGE_FIELDS = (
     "steps", "epochs", "eval_every_steps", "target_accuracy", "stop_at_target",
-    "data_dir", "idx_dir", "model_dir", "verbose", "resume", "auto_resume",
+    "data_dir", "idx_dir", "model_dir", "verbose", "resume", "auto_resume", "phase_clocks",
 )
 
 
@@ -77,6 +77,8 @@ class TrainConfig:
     weight_sharing: str = "expand"
     # "fresh": K-FAC's factors count each source example once under data echoing.
     factor_examples: str = "all"
+    # K-FAC's per-phase clocks in summary.json (benchmarks); they cost 0.2-0.6 ms a step.
+    phase_clocks: bool = False
     batch_size: int = 128
     epochs: int = 2
     steps: Optional[int] = None

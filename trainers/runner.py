@@ -321,7 +321,7 @@ def _build_optimizer(config, steps_per_epoch, total_steps, communicator):
             factor_wire_dtype=config.factor_wire_dtype,
             decomposition_wire_dtype=config.decomposition_wire_dtype,
             weight_sharing=config.weight_sharing, factor_examples=config.factor_examples,
-            communicator=communicator, **options)
+            phase_clocks=config.phase_clocks, communicator=communicator, **options)
     if config.optimizer == "sgd":
         options["momentum"] = config.momentum
     return data_parallel.averaging(_KERAS_OPTIMIZERS[config.optimizer], communicator)(
