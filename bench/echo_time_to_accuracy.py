@@ -21,7 +21,8 @@ step time and e = 1 runs it shares). Protocol:
    (sleeping overshoots: corrected until within 5%). One latency serves every
    entry, as one storage system would; each entry's own R (t_up over its own step
    time) is reported. Stored in `work_dir/calibration.json` and reused, so a restarted
-   benchmark keeps its latencies (delete the file to recalibrate).
+   benchmark keeps its latencies and a new R in `--ratios` is added beside them
+   (delete the file to recalibrate).
 3. Measurement: per R, entry, echo factor e and variant (e = 1: no echo stage),
    `--seeds` seeds on the full train split with that latency, test accuracy every
    `eval_every_steps` steps, stopping at the target or after `max_epochs` passes over
@@ -128,32 +129,44 @@ def upstream_seconds(read_latency, batches=40):
 
 
 def calibrate(tunings):
-    """{R: read latency} and every entry's step time; read back from work_dir if there."""
+    """{R: read latency} and every entry's step time, for the R in `--ratios`. Both are
+    kept in work_dir/calibration.json: a restarted benchmark reuses them, and an R not
+    yet there is calibrated and added beside the others."""
     path = os.path.join(FLAGS.work_dir, "calibration.json")
+    calibration = {"t_downstream_s": {}, "ratios": {}}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    t_down = {entry: step_seconds(entry, tunings[entry]["best"]) for entry in FLAGS.entries}
-    latencies = {}
+            calibration = json.load(f)
+    t_down = calibration["t_downstream_s"]
+    for entry in FLAGS.entries:
+        if entry not in t_down:
+            t_down[entry] = step_seconds(entry, tunings[entry]["best"])
     for ratio in FLAGS.ratios:
-        wanted = float(ratio) * t_down["sgd"]
-        latency, t_up = wanted / BATCH_SIZE, None
-        for _ in range(CALIBRATION_ROUNDS):
-            if t_up is not None:
-                latency *= wanted / t_up
-            t_up = upstream_seconds(latency)
-            if abs(t_up / wanted - 1) < CALIBRATION_TOLERANCE:
-                break
-        latencies[ratio] = {"read_latency_s": latency, "t_upstream_s": t_up,
-                            "ratio_by_entry": {e: t_up / t for e, t in t_down.items()}}
-        print(f"R {ratio}: read latency {1e6 * latency:.0f} us/example, t_up "
-              f"{1e3 * t_up:.1f} ms/batch, R by entry {latencies[ratio]['ratio_by_entry']}",
-              flush=True)
-    calibration = {"t_downstream_s": t_down, "ratios": latencies}
+        if ratio not in calibration["ratios"]:
+            calibration["ratios"][ratio] = read_latency_for(float(ratio) * t_down["sgd"])
+        latency = calibration["ratios"][ratio]
+        latency["ratio_by_entry"] = {e: latency["t_upstream_s"] / t_down[e]
+                                     for e in FLAGS.entries}
+        print(f"R {ratio}: read latency {1e6 * latency['read_latency_s']:.0f} us/example, "
+              f"t_up {1e3 * latency['t_upstream_s']:.1f} ms/batch, R by entry "
+              f"{latency['ratio_by_entry']}", flush=True)
     os.makedirs(FLAGS.work_dir, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(calibration, f, indent=2)
     return calibration
+
+
+def read_latency_for(wanted):
+    """The read latency per example that makes one batch take `wanted` seconds upstream
+    (sleeping overshoots: corrected until within the tolerance)."""
+    latency, t_up = wanted / BATCH_SIZE, None
+    for _ in range(CALIBRATION_ROUNDS):
+        if t_up is not None:
+            latency *= wanted / t_up
+        t_up = upstream_seconds(latency)
+        if abs(t_up / wanted - 1) < CALIBRATION_TOLERANCE:
+            break
+    return {"read_latency_s": latency, "t_upstream_s": t_up}
 
 
 def configurations():
@@ -246,7 +259,8 @@ def main(argv):
     report["tuning"] = tunings
     report["calibration"] = calibrate(tunings)
     report["results"] = {}
-    for ratio, calibrated in report["calibration"]["ratios"].items():
+    for ratio in FLAGS.ratios:
+        calibrated = report["calibration"]["ratios"][ratio]
         report["results"][ratio] = {}
         for entry in FLAGS.entries:
             results = measure(entry, tunings[entry]["best"], ratio,
