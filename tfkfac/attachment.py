@@ -33,13 +33,16 @@ FRESH_HINT = (
 class Captures(typing.NamedTuple):
     """What one step gives the optimizer's `apply` (docs/design.md §7).
 
-    `calls`: per block, the (inputs, unscaled output gradients) of every call.
-    `weights`: per-example weights of the factor statistics, mean 1 over the examples of
-    all ranks, or None (every example counts once). `ready`: whether any rank has a
-    fresh example (always True without fresh flags).
+    `calls()`: per block, the (inputs, unscaled output gradients) of every call. It
+    builds the unscaling when called, so that inside the factor update's branch it runs
+    on factor steps only: a stale step never reads the output gradients, which are as
+    large as the layers' activations. `weights`: per-example weights of the factor
+    statistics, mean 1 over the examples of all ranks, or None (every example counts
+    once). `ready`: whether any rank has a fresh example (always True without fresh
+    flags).
     """
 
-    calls: list
+    calls: typing.Callable
     weights: typing.Any = None
     ready: typing.Any = True
 
@@ -144,10 +147,13 @@ class Attachment:
                 return tf.zeros_like(s)
             g = as_float(g)
             return g / tf.cast(loss_scale, g.dtype)
-        captures = [[(x, tf.nest.map_structure(unscaled, s, g))
-                     for (x, s), g in zip(block_calls, block_grads)]
-                    for block_calls, block_grads in zip(calls, output_grads)]
-        return gradients, Captures(captures, weights, ready)
+
+        def unscaled_calls():
+            return [[(x, tf.nest.map_structure(unscaled, s, g))
+                      for (x, s), g in zip(block_calls, block_grads)]
+                     for block_calls, block_grads in zip(calls, output_grads)]
+
+        return gradients, Captures(unscaled_calls, weights, ready)
 
 
 def _fresh_weights(flags, mean_fresh_count):

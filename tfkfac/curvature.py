@@ -37,12 +37,13 @@ class Curvature:
     """
 
     def __init__(self, blocks, placement, comm, method, factor_decay, factor_wire_dtype,
-                 decomposition_wire_dtype, xla, dtype="float32"):
+                 decomposition_wire_dtype, xla, dtype="float32", factor_batch_fraction=1.0):
         self.blocks, self.placement, self.comm, self.method = blocks, placement, comm, method
         self.factor_decay = factor_decay
         self.factor_wire_dtype = factor_wire_dtype
         self.decomposition_wire_dtype = decomposition_wire_dtype
         self.dtype = tf.as_dtype(dtype)
+        self.factor_batch_fraction = factor_batch_fraction
         self.states = None
         self.counters = None
         jit = bool(tf.config.list_physical_devices("GPU")) if xla == "auto" else xla
@@ -113,22 +114,35 @@ class Curvature:
                 for name, v in zip(block.factor_names(), state.factors)}
 
     # --------------------------------------------------------------- factors
-    def _batch_statistics(self, calls, weights):
+    def _batch_statistics(self, calls, weights, keep):
+        batch = _batch_size(calls[0]) if calls else None
         calls = tf.nest.map_structure(
             lambda t: tf.cast(t, self.dtype) if t.dtype.is_floating else t, calls)
         if weights is not None:
             weights = tf.cast(weights, self.dtype)
-        return [block.batch_statistics(
-                    block_calls, tf.shape(tf.nest.flatten(block_calls[0][0])[0])[0], weights)
-                for block, block_calls in zip(self.blocks, calls)]
+        statistics = []
+        for block, block_calls in zip(self.blocks, calls):
+            block_weights = weights
+            if keep is not None:
+                block_calls, block_weights = block.take_examples(block_calls, weights, keep,
+                                                                 batch)
+            statistics.append(block.batch_statistics(
+                block_calls, _batch_size(block_calls), block_weights))
+        return statistics
 
-    def update_factors(self, calls, weights=None):
+    def update_factors(self, calls, weights=None, step=0):
         """Fold this batch's statistics into the running factors; False if not finite.
 
         `weights` (N,): per-example weights of the statistics, mean 1 over the examples
-        of all ranks (docs/design.md §7); None counts every example once.
+        of all ranks (docs/design.md §7); None counts every example once. With a
+        `factor_batch_fraction` below 1 the statistics come from the examples
+        `kept_examples` draws for `step` (docs/design.md §8).
         """
-        statistics = self._statistics_fn(calls, weights)
+        keep = None
+        if self.factor_batch_fraction < 1 and calls:
+            keep = kept_examples(_batch_size(calls[0]), self.factor_batch_fraction, step,
+                                 self.comm.rank)
+        statistics = self._statistics_fn(calls, weights, keep)
         flat = distributed.allreduce_symmetric(
             self.comm, [s for block_stats in statistics for s in block_stats],
             self.factor_wire_dtype, "factors")
@@ -146,13 +160,15 @@ class Curvature:
         return finite
 
     def update_factors_if_due(self, step, calls, interval, weights=None, ready=True):
-        """`update_factors` at a due step (`interval(step)` steps after the last one).
+        """`update_factors(calls(), weights)` at a due step (`interval(step)` steps after
+        the last one). `calls` is a function, called in the due branch only: whatever
+        makes the calls (the output gradients' unscaling) runs on factor steps alone.
 
         A step that is not `ready` (no fresh example on any rank, docs/design.md §7)
         updates nothing; due work waits for the next ready step.
         """
         def update():
-            updated = self.update_factors(calls, weights)
+            updated = self.update_factors(calls(), weights, step)
             self.counters.next_factor_step.assign(step + interval(step))
             return updated
 
@@ -251,6 +267,22 @@ class Curvature:
             int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
             for v in self.variables(saved_only=False))
         return {"managed": managed, "state_bytes": state_bytes}
+
+
+def _batch_size(block_calls):
+    """N, the leading axis of a block's first recorded input."""
+    return tf.shape(tf.nest.flatten(block_calls[0][0])[0])[0]
+
+
+def kept_examples(batch_size, fraction, step, rank):
+    """Indices (ascending) of the ceil(fraction · batch_size) examples a factor step takes
+    its statistics from (docs/design.md §8): a uniformly random subset, drawn from
+    (step, rank) alone, so that a rerun or a resumed run draws the same one and each rank
+    its own."""
+    count = tf.cast(tf.math.ceil(fraction * tf.cast(batch_size, tf.float64)), tf.int32)
+    seed = tf.stack([tf.cast(step, tf.int64), tf.cast(rank, tf.int64)])
+    order = tf.argsort(tf.random.stateless_uniform([batch_size], seed=seed))
+    return tf.sort(order[:tf.maximum(count, 1)])
 
 
 def kl_clip_scale(learning_rate, kl_clip):

@@ -30,7 +30,8 @@ PLACEMENTS = placement_lib.PLACEMENTS
 SETTINGS = ("damping", "momentum", "factor_decay", "kl_clip", "factor_update_freq",
             "inv_update_freq", "method", "bn_damping_multiplier", "weight_sharing",
             "skip_layers", "xla", "placement", "factor_wire_dtype",
-            "decomposition_wire_dtype", "state_dtype", "factor_examples", "phase_clocks")
+            "decomposition_wire_dtype", "state_dtype", "factor_examples",
+            "factor_batch_fraction", "phase_clocks")
 
 
 @keras.saving.register_keras_serializable(package="tfkfac")
@@ -81,6 +82,11 @@ class KFAC(keras.optimizers.Optimizer):
         step without a fresh example on any rank (a batch-echo repeat) is a stale step.
         The loss and gradients still use every example. Its effect on time to accuracy
         is not measured yet. See docs/design.md §7.
+      factor_batch_fraction: share of each rank's batch the factor statistics are taken
+        from, in (0, 1]: at 1 (default) every example, exactly; below 1 a random subset
+        of ceil(fraction · N) examples per factor step, an unbiased estimate of the
+        batch's statistics at about that fraction of their cost. The loss and gradients
+        still use every example. See docs/design.md §8.
       phase_clocks: time each phase (factors, decomposition, precondition, update) into
         `summary()["phase_seconds"]`; off by default, the timestamps cost 0.2-0.6 ms a
         step (docs/benchmarks.md).
@@ -95,8 +101,8 @@ class KFAC(keras.optimizers.Optimizer):
                  weight_decay=None, xla="auto", placement="replicated",
                  factor_wire_dtype="float32", decomposition_wire_dtype="float32",
                  communicator=None, model=None, weight_sharing="expand",
-                 state_dtype="float32", factor_examples="all", phase_clocks=False,
-                 name="kfac", **kwargs):
+                 state_dtype="float32", factor_examples="all", factor_batch_fraction=1.0,
+                 phase_clocks=False, name="kfac", **kwargs):
         if "eigen_wire_dtype" in kwargs:  # the name before 0.2; old saves' configs hold it
             warnings.warn("KFAC: `eigen_wire_dtype` is deprecated, use "
                           "`decomposition_wire_dtype` (it also carries inverses and "
@@ -109,7 +115,8 @@ class KFAC(keras.optimizers.Optimizer):
             weight_sharing=weight_sharing, skip_layers=skip_layers, xla=xla,
             placement=placement, factor_wire_dtype=factor_wire_dtype,
             decomposition_wire_dtype=decomposition_wire_dtype, state_dtype=state_dtype,
-            factor_examples=factor_examples, phase_clocks=phase_clocks)
+            factor_examples=factor_examples, factor_batch_fraction=factor_batch_fraction,
+            phase_clocks=phase_clocks)
         validation.validate(learning_rate=learning_rate, inner_optimizer=inner_optimizer,
                             weight_decay=weight_decay, **settings)
         super().__init__(learning_rate=schedules.as_learning_rate(learning_rate),
@@ -153,7 +160,8 @@ class KFAC(keras.optimizers.Optimizer):
             blocks, placement_lib.make_placement(self.placement, blocks, self._comm,
                                                  self.method, self.state_dtype),
             self._comm, self.method, self.factor_decay, self.factor_wire_dtype,
-            self.decomposition_wire_dtype, self.xla, self.state_dtype)
+            self.decomposition_wire_dtype, self.xla, self.state_dtype,
+            self.factor_batch_fraction)
         self._comm.broadcast_variables(model.variables, root_rank=0)
         self._attachment = Attachment(model, list(layers.values()), blocks, self._comm,
                                       fresh_only=self.factor_examples == "fresh")

@@ -36,6 +36,11 @@ def _fraction(name, value):
         raise ValueError(f"`{name}` must be in [0, 1); received {value!r}")
 
 
+def _share(name, value):
+    if not (_is_number(value) and 0 < value <= 1):
+        raise ValueError(f"`{name}` must be in (0, 1]; received {value!r}")
+
+
 def _frequency(name, value):
     if callable(value):
         return
@@ -101,6 +106,7 @@ RULES = {
     "decomposition_wire_dtype": _one_of(tuple(packing.WIRE_DTYPES)),
     "state_dtype": _one_of(STATE_DTYPES),
     "factor_examples": _one_of(FACTOR_EXAMPLES),
+    "factor_batch_fraction": _share,
     "xla": _one_of(XLA_CHOICES),
     "phase_clocks": _bool,
     "inner_optimizer": _inner_optimizer,

@@ -16,6 +16,8 @@ class Block:
     """One managed layer. Subclasses set `variables` and the factor layout."""
 
     kind = "block"
+    # Axis of the examples in the recorded pre-activations (and their gradients).
+    output_batch_axis = 0
 
     def __init__(self, layer, variables):
         self.layer = layer
@@ -58,6 +60,24 @@ class Block:
         """
         raise NotImplementedError
 
+    def take_examples(self, calls, weights, keep, batch):
+        """`calls` and `weights` of the examples `keep` (of `batch`) only, for factor
+        statistics from part of the batch (docs/design.md §8).
+
+        Output gradients are scaled by N/n (N = `batch`, n the examples kept), so that
+        N·dL/ds, the per-example gradient every block forms from `batch_size` times the
+        output gradient, keeps the whole batch's N when `batch_size` is n. Inputs hold
+        the examples on their leading axis, output gradients on `output_batch_axis`
+        (either as N rows or N groups of rows, example-major).
+        """
+        scale = tf.cast(batch, tf.float64) / tf.cast(tf.size(keep), tf.float64)
+        take = lambda t: take_rows(t, keep, batch)
+        take_grad = lambda g: (take_rows(g, keep, batch, self.output_batch_axis)
+                               * tf.cast(scale, g.dtype))
+        calls = [(tf.nest.map_structure(take, inputs), tf.nest.map_structure(take_grad, grads))
+                 for inputs, grads in calls]
+        return calls, None if weights is None else tf.gather(weights, keep)
+
     # --- decomposition and preconditioning ------------------------------------
     def decomposition_shapes(self, method):
         """Per symmetric factor (in `symmetric_factors()` order), its decomposition's shapes."""
@@ -84,6 +104,15 @@ def layer_input(args, kwargs):
 def per_row(weights, rows):
     """`weights` (N,) repeated over `rows` (..., N·T, d), whose rows are example-major."""
     return tf.repeat(weights, tf.shape(rows)[-2] // tf.shape(weights)[0])
+
+
+def take_rows(tensor, keep, batch, axis=0):
+    """The examples `keep` of `tensor`, whose `axis` holds `batch` examples' rows, one or
+    more per example, example-major (as `per_row` assumes)."""
+    shape = tf.shape(tensor)
+    by_example = tf.reshape(tensor, tf.concat([shape[:axis], [batch, -1], shape[axis + 1:]], 0))
+    taken = tf.gather(by_example, keep, axis=axis)
+    return tf.reshape(taken, tf.concat([shape[:axis], [-1], shape[axis + 1:]], 0))
 
 
 def as_float(tensor):

@@ -37,6 +37,7 @@ class EinsumDenseBlock(KroneckerBlock):
         self.shared, self.positions = letters["shared"], letters["positions"]
         self.contracted, self.outputs = letters["contracted"], letters["outputs"]
         self.batch = self.input_spec[0]
+        self.output_batch_axis = self.output_spec.index(self.batch)
         self.bias_spec = [c for c in self.output_spec if c in (layer.bias_axes or "")]
         self.sizes = dict(zip(self.kernel_spec, self.kernel_shape))
         self.groups = self._size(self.shared)

@@ -80,6 +80,11 @@ class NormalizationBlock(Block):
             grads.append(per_example(scaled))
         return tf.concat(grads, axis=1)
 
+    def take_examples(self, calls, weights, keep, batch):
+        """The whole batch: the diagonal statistics cost O(N·|θ|) (nothing to save), and
+        a BatchNorm's x̂ is computed over the whole batch."""
+        return calls, weights
+
     def batch_statistics(self, calls, batch_size, weights=None):
         # The per-example gradient of a layer used several times sums over its uses.
         per_example = tf.add_n([self._per_example_grads(x, g, batch_size) for x, g in calls])
