@@ -1,13 +1,14 @@
 """Per-step wall time of K-FAC versus SGD with momentum, same model and batch.
 
-For each model, four trainers are built exactly as `python -m trainers.train` builds
+For each model, five trainers are built exactly as `python -m trainers.train` builds
 them (`trainers.runner.Trainer`): SGD, K-FAC doing factors and eigendecompositions every
-step (`--factor_update_freq=1 --inv_update_freq=1`), and amortized K-FAC
+step (`--factor_update_freq=1 --inv_update_freq=1`), amortized K-FAC
 (`--factor_update_freq=10 --inv_update_freq=100`) with the eigen and the inverse
-method. Their training steps then run in interleaved blocks (SGD, K-FAC amortized, ...,
-SGD, ...) so drift of the shared machine hits all of them alike. Batches come from the
-trainer's own pipeline, cached in memory first, so the input pipeline (identical for
-all four) is not timed.
+method, and the amortized inverse method with factor statistics from a quarter of each
+batch (`--factor_batch_fraction=0.25`). Their training steps then run in interleaved
+blocks (SGD, K-FAC amortized, ..., SGD, ...) so drift of the shared machine hits all of
+them alike. Batches come from the trainer's own pipeline, cached in memory first, so the
+input pipeline (identical for all) is not timed.
 
 Each step is timed from asking for its batch to its finished update
 (`trainers.reporting.StepTimer`); a warm-up block first runs every kind of step once
@@ -79,6 +80,10 @@ CONFIGURATIONS = {
                                    inv_update_freq=100, kfac_method="inverse"),
     "kfac_every_step": dict(optimizer="kfac", factor_update_freq=1, inv_update_freq=1,
                             kfac_method="eigen"),
+    # The inverse schedule with factor statistics from a quarter of each batch.
+    "kfac_amortized_inverse_f0.25": dict(optimizer="kfac", factor_update_freq=10,
+                                         inv_update_freq=100, kfac_method="inverse",
+                                         factor_batch_fraction=0.25),
 }
 
 # --compare=weight_sharing: factors every step, decompositions once (at the first step,
