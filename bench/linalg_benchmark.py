@@ -7,8 +7,9 @@ Side by side in one run, alternating A and B repetitions so machine drift hits b
 - im2col (`ConvBlock.input_rows`, strided slices) vs `tf.image.extract_patches`, on
   the CNN's second convolution and a ResNet-20 stage-1 convolution, batch 128;
 - the per-step preconditioning product of the CNN's Dense layer (1601² x 1601x128) and
-  the CNN's largest factor Gram in float32 vs bfloat16, the reduced precision K-FAC
-  does not use (see docs/benchmarks.md).
+  the CNN's largest factor Gram in float32 vs bfloat16 as `KFAC(product_dtype=
+  "bfloat16")` computes them (`tfkfac.linalg.matmul`: both operands cast every call),
+  with the bfloat16 product's relative error against float32 (Frobenius norm).
 Every kernel runs inside a `tf.function`, as in training; reported: median ms.
 It also measures this machine's rates (`rates()`, which bench/step_floor.py imports):
 the best float32 matmul FLOP/s over square sizes, the streaming bandwidth of an
@@ -158,24 +159,25 @@ def im2col():
 
 
 def reduced_precision():
-    """float32 vs bfloat16 products, each paying the casts it would pay in training.
-
-    Decompositions would be stored in bfloat16, so only the gradient is cast per step;
-    factor statistics would cast their patch rows each time.
-    """
-    q = tf.random.normal((1601, 1601))
-    q_bf16 = tf.cast(q, tf.bfloat16)
+    """float32 vs bfloat16 products as the `product_dtype` option runs them (casts
+    included), and the relative error of the bfloat16 product."""
+    inverse = tf.random.normal((1601, 1601))
     grad = tf.random.normal((1601, 128))
     rows = tf.random.normal((128 * 11 * 11, 3 * 3 * 32 + 1))
-    return [
-        compare("Dense 1601 precondition product: f32 -> bf16", tf.linalg.matmul,
-                lambda unused_q, g: tf.cast(tf.linalg.matmul(q_bf16, tf.cast(g, tf.bfloat16)),
-                                     tf.float32), q, grad),
-        compare("cnn conv2 factor Gram (15488x289): f32 -> bf16",
-                lambda r: tf.linalg.matmul(r, r, transpose_a=True),
-                lambda r: tf.linalg.matmul(*[tf.cast(r, tf.bfloat16)] * 2, transpose_a=True),
-                rows),
+    cases = [
+        ("Dense 1601 precondition product: f32 -> bf16",
+         lambda dtype: lambda q, g: linalg.matmul(q, g, dtype), (inverse, grad)),
+        ("cnn conv2 factor Gram (15488x289): f32 -> bf16",
+         lambda dtype: lambda r: linalg.matmul(r, r, dtype, transpose_a=True), (rows,)),
     ]
+    results = []
+    for name, product, args in cases:
+        result = compare(name, product(None), product("bfloat16"), *args)
+        exact, rounded = product(None)(*args), product("bfloat16")(*args)
+        result["relative_error"] = float(tf.norm(rounded - exact) / tf.norm(exact))
+        print(f"{'':45s} bfloat16 relative error {result['relative_error']:.2e}", flush=True)
+        results.append(result)
+    return results
 
 
 def plot(report, path):

@@ -1,11 +1,12 @@
 """Per-step wall time of K-FAC versus SGD with momentum, same model and batch.
 
-For each model, five trainers are built exactly as `python -m trainers.train` builds
+For each model, six trainers are built exactly as `python -m trainers.train` builds
 them (`trainers.runner.Trainer`): SGD, K-FAC doing factors and eigendecompositions every
 step (`--factor_update_freq=1 --inv_update_freq=1`), amortized K-FAC
 (`--factor_update_freq=10 --inv_update_freq=100`) with the eigen and the inverse
-method, and the amortized inverse method with factor statistics from a quarter of each
-batch (`--factor_batch_fraction=0.25`). Their training steps then run in interleaved
+method, and the amortized inverse method with each of issue 16's options: factor
+statistics from a quarter of each batch (`--factor_batch_fraction=0.25`) and bfloat16
+products (`--product_dtype=bfloat16`). Their training steps then run in interleaved
 blocks (SGD, K-FAC amortized, ..., SGD, ...) so drift of the shared machine hits all of
 them alike. Batches come from the trainer's own pipeline, cached in memory first, so the
 input pipeline (identical for all) is not timed.
@@ -84,6 +85,10 @@ CONFIGURATIONS = {
     "kfac_amortized_inverse_f0.25": dict(optimizer="kfac", factor_update_freq=10,
                                          inv_update_freq=100, kfac_method="inverse",
                                          factor_batch_fraction=0.25),
+    # ... and with bfloat16 Gram and preconditioning products.
+    "kfac_amortized_inverse_bf16": dict(optimizer="kfac", factor_update_freq=10,
+                                        inv_update_freq=100, kfac_method="inverse",
+                                        product_dtype="bfloat16"),
 }
 
 # --compare=weight_sharing: factors every step, decompositions once (at the first step,

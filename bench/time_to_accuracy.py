@@ -7,11 +7,12 @@ recorded beside them. The entries compared are SGD with momentum, Adam, AdamW, a
 with each of its two methods ("kfac" = eigen, the optimizer's default; "kfac_inverse",
 the trainer's default) and, for models with weights shared across positions (the ViT),
 "kfac_reduce" (eigen with weight_sharing="reduce"; "kfac" uses "expand"). Issue 16's
-option "kfac_inverse_f0.25" is the inverse method with factor statistics from a quarter
-of each batch (`factor_batch_fraction=0.25`, tuned on the same damping grid):
+options: "kfac_inverse_f0.25", the inverse method with factor statistics from a quarter
+of each batch (`factor_batch_fraction=0.25`), and "kfac_inverse_bf16", the inverse method
+with bfloat16 products (`product_dtype="bfloat16"`), both tuned on the same damping grid:
   .venv/bin/python bench/time_to_accuracy.py --models=cnn \
-      --optimizers=kfac_inverse,kfac_inverse_f0.25,sgd --autoencoder_epochs=0 \
-      --output_dir=bench/results/factor_batch_fraction
+      --optimizers=kfac_inverse,kfac_inverse_f0.25,kfac_inverse_bf16,sgd \
+      --autoencoder_epochs=0 --output_dir=bench/results/issue16_options
 Protocol, identical for every entry:
 1. Tuning: the same budget of `len(grid)` trials each (the grids are below: learning
    rates for SGD and Adam; damping for K-FAC, whose KL clip sets its step length, so

@@ -27,6 +27,9 @@ OPTIMIZERS = {
     # Factor statistics from a quarter of each batch (docs/design.md §8).
     "kfac_inverse_f0.25": dict(optimizer="kfac", kfac_method="inverse",
                                factor_batch_fraction=0.25),
+    # Gram and preconditioning products with bfloat16 operands (docs/design.md §9).
+    "kfac_inverse_bf16": dict(optimizer="kfac", kfac_method="inverse",
+                              product_dtype="bfloat16"),
 }
 # Tuning grids: the same number of trials for every optimizer. Where the best setting
 # sat at a grid's edge, the grid moved one step past it: the CNN's K-FAC grid started
@@ -37,7 +40,8 @@ def learning_rate_grid(*learning_rates):
     return [dict(learning_rate=lr) for lr in learning_rates]
 
 
-def kfac_grids(*dampings, entries=("kfac", "kfac_inverse", "kfac_inverse_f0.25")):
+def kfac_grids(*dampings, entries=("kfac", "kfac_inverse", "kfac_inverse_f0.25",
+                                    "kfac_inverse_bf16")):
     """The K-FAC entries tune damping over the same values."""
     grid = [dict(damping=d) for d in dampings]
     return {entry: grid for entry in entries}

@@ -102,11 +102,24 @@ def symmetric_eigh(matrix, backend="auto"):
     return tf.maximum(values, 0.0), vectors
 
 
-def eigen_precondition(grad, q_a, v_a, q_g, v_g, damping):
+def matmul(a, b, product_dtype=None, **kwargs):
+    """`tf.linalg.matmul(a, b, **kwargs)` with both operands cast to `product_dtype`
+    (None: as they are) and the product returned in a's dtype.
+
+    With "bfloat16" oneDNN accumulates in float32 and rounds the product to bfloat16
+    (TensorFlow has no CPU kernel with a float32 result); docs/design.md §9.
+    """
+    if product_dtype is None:
+        return tf.linalg.matmul(a, b, **kwargs)
+    product = tf.linalg.matmul(tf.cast(a, product_dtype), tf.cast(b, product_dtype), **kwargs)
+    return tf.cast(product, a.dtype)
+
+
+def eigen_precondition(grad, q_a, v_a, q_g, v_g, damping, product_dtype=None):
     """`Q_A [(Q_Aᵀ ∇ Q_G) / (v_A v_Gᵀ + λ)] Q_Gᵀ`, i.e. `(A ⊗ G + λI)⁻¹ vec(∇)`."""
-    rotated = tf.linalg.matmul(tf.linalg.matmul(q_a, grad, transpose_a=True), q_g)
+    rotated = matmul(matmul(q_a, grad, product_dtype, transpose_a=True), q_g, product_dtype)
     scaled = rotated / (v_a[..., :, None] * v_g[..., None, :] + damping)
-    return tf.linalg.matmul(tf.linalg.matmul(q_a, scaled), q_g, transpose_b=True)
+    return matmul(matmul(q_a, scaled, product_dtype), q_g, product_dtype, transpose_b=True)
 
 
 def pi_correction(a, g):
@@ -143,9 +156,9 @@ def damped_inverse(matrix, shift, backend="auto"):
     return inverse
 
 
-def inverse_precondition(grad, a_inv, g_inv):
+def inverse_precondition(grad, a_inv, g_inv, product_dtype=None):
     """`A_inv ∇ G_inv`."""
-    return tf.linalg.matmul(tf.linalg.matmul(a_inv, grad), g_inv)
+    return matmul(matmul(a_inv, grad, product_dtype), g_inv, product_dtype)
 
 
 def kl_clip_scale(preconditioned, grads, learning_rate, kl_clip):

@@ -107,6 +107,7 @@ RULES = {
     "state_dtype": _one_of(STATE_DTYPES),
     "factor_examples": _one_of(FACTOR_EXAMPLES),
     "factor_batch_fraction": _share,
+    "product_dtype": _one_of(blocks.PRODUCT_DTYPES),
     "xla": _one_of(XLA_CHOICES),
     "phase_clocks": _bool,
     "inner_optimizer": _inner_optimizer,

@@ -31,7 +31,7 @@ VERBOSITIES = (0, 1, 2)
 KFAC_ONLY_FIELDS = (
     "damping", "factor_update_freq", "inv_update_freq", "kl_clip", "kfac_method",
     "kfac_placement", "factor_wire_dtype", "decomposition_wire_dtype", "weight_sharing",
-    "factor_examples", "factor_batch_fraction", "phase_clocks",
+    "factor_examples", "factor_batch_fraction", "product_dtype", "phase_clocks",
 )
 # Fields a resumed run may set differently from the run that wrote the checkpoint: the
 # budget (and so a schedule's end), evaluation cadence and target, where the data and
@@ -79,6 +79,8 @@ class TrainConfig:
     factor_examples: str = "all"
     # Share of each batch K-FAC's factor statistics come from (1: all, exact).
     factor_batch_fraction: float = 1.0
+    # "bfloat16": K-FAC's Gram and preconditioning products in bfloat16 (None: float32).
+    product_dtype: Optional[str] = None
     # K-FAC's per-phase clocks in summary.json (benchmarks); they cost 0.2-0.6 ms a step.
     phase_clocks: bool = False
     batch_size: int = 128
@@ -208,7 +210,8 @@ class TrainConfig:
             return
         validation.validate(damping=self.damping, factor_update_freq=self.factor_update_freq,
                             inv_update_freq=self.inv_update_freq, kl_clip=self.kl_clip,
-                            factor_batch_fraction=self.factor_batch_fraction)
+                            factor_batch_fraction=self.factor_batch_fraction,
+                            product_dtype=self.product_dtype)
 
     def resolved_model_dir(self):
         """`model_dir`, or a fresh `runs/<model>-<optimizer>-<timestamp>` when unset."""

@@ -322,6 +322,7 @@ def _build_optimizer(config, steps_per_epoch, total_steps, communicator):
             decomposition_wire_dtype=config.decomposition_wire_dtype,
             weight_sharing=config.weight_sharing, factor_examples=config.factor_examples,
             factor_batch_fraction=config.factor_batch_fraction,
+            product_dtype=config.product_dtype,
             phase_clocks=config.phase_clocks, communicator=communicator, **options)
     if config.optimizer == "sgd":
         options["momentum"] = config.momentum

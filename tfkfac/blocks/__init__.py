@@ -16,9 +16,10 @@ from tfkfac.blocks.kronecker import DenseBlock, KroneckerBlock
 __all__ = ["Block", "BatchNormBlock", "ConvBlock", "ConvTransposeBlock", "DenseBlock",
            "EinsumDenseBlock", "EmbeddingBlock", "GroupNormBlock", "KroneckerBlock",
            "LayerNormBlock", "RMSNormBlock", "SeparableConvBlock", "Unsupported",
-           "WEIGHT_SHARING", "block_for", "discover", "warn_unsupported"]
+           "PRODUCT_DTYPES", "WEIGHT_SHARING", "block_for", "discover", "warn_unsupported"]
 
 WEIGHT_SHARING = ("expand", "reduce")
+PRODUCT_DTYPES = (None, "bfloat16")
 SKIPPED_BY_REQUEST = "skipped by skip_layers"
 CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
@@ -77,12 +78,12 @@ def block_for(layer, diagonal_damping_multiplier=1.0, weight_sharing="expand"):
 
 
 def discover(layers, skip_patterns=(), diagonal_damping_multiplier=1.0,
-             weight_sharing="expand"):
+             weight_sharing="expand", product_dtype=None):
     """(blocks, skipped) for the layers with trainable weights among `layers`, {path: layer}.
 
     `skipped` lists {"layer": path, "reason"} for each layer that gets the plain gradient;
     `skip_patterns` are regular expressions matched in full against the layer's name,
-    path or class name.
+    path or class name; `product_dtype` is the blocks' (`Block.use_product_dtype`).
     """
     blocks, skipped = [], []
     patterns = [re.compile(p) for p in skip_patterns]
@@ -98,6 +99,7 @@ def discover(layers, skip_patterns=(), diagonal_damping_multiplier=1.0,
             skipped.append({"layer": path, "reason": reason})
         else:
             block.path = path
+            block.use_product_dtype(product_dtype)
             blocks.append(block)
     return blocks, skipped
 

@@ -18,6 +18,8 @@ class Block:
     kind = "block"
     # Axis of the examples in the recorded pre-activations (and their gradients).
     output_batch_axis = 0
+    # dtype of the operands of the block's large matrix products (docs/design.md §9).
+    product_dtype = None
 
     def __init__(self, layer, variables):
         self.layer = layer
@@ -59,6 +61,11 @@ class Block:
         (docs/design.md §7). None counts every example once, at no extra cost.
         """
         raise NotImplementedError
+
+    def use_product_dtype(self, product_dtype):
+        """Run the factor Gram products and the preconditioning products with operands in
+        `product_dtype` (None: the state dtype); docs/design.md §9."""
+        self.product_dtype = product_dtype
 
     def take_examples(self, calls, weights, keep, batch):
         """`calls` and `weights` of the examples `keep` (of `batch`) only, for factor

@@ -192,6 +192,11 @@ class SeparableConvBlock(Block):
                       ConvBlock(pointwise, weight_sharing)]
         super().__init__(layer, [v for part in self.parts for v in part.variables])
 
+    def use_product_dtype(self, product_dtype):
+        super().use_product_dtype(product_dtype)
+        for part in self.parts:
+            part.use_product_dtype(product_dtype)
+
     def factor_shapes(self):
         return [shape for part in self.parts for shape in part.factor_shapes()]
 

@@ -36,7 +36,8 @@ class EmbeddingBlock(Block):
         counts = tf.math.unsorted_segment_sum(token_weights, tokens, self.vocabulary)
         positions = tf.cast(tf.shape(g_rows)[0], g_rows.dtype) / n
         # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ
-        g = tf.linalg.matmul(weighted_rows, g_rows, transpose_a=True) * (n / positions)
+        g = linalg.matmul(weighted_rows, g_rows, self.product_dtype,
+                          transpose_a=True) * (n / positions)
         return [counts / n, g]
 
     def decomposition_shapes(self, method):
@@ -58,9 +59,9 @@ class EmbeddingBlock(Block):
         grad, a = as_float(grads[0]), factors[0]
         if method == "eigen":
             ((q_g, v_g),) = decomposition
-            rotated = tf.linalg.matmul(grad, q_g)
+            rotated = linalg.matmul(grad, q_g, self.product_dtype)
             scaled = rotated / (a[:, None] * v_g[None, :] + damping)
-            return [tf.linalg.matmul(scaled, q_g, transpose_b=True)]
+            return [linalg.matmul(scaled, q_g, self.product_dtype, transpose_b=True)]
         ((g_inv,),) = decomposition
         a_shift = self._pi(factors) * tf.sqrt(damping)
-        return [tf.linalg.matmul(grad / (a[:, None] + a_shift), g_inv)]
+        return [linalg.matmul(grad / (a[:, None] + a_shift), g_inv, self.product_dtype)]

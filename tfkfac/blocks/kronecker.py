@@ -86,9 +86,9 @@ class KroneckerBlock(Block):
         row_weights = tf.concat(row_weights, axis=0) if weights is not None else None
         n = tf.cast(batch_size, g_rows.dtype)
         positions = tf.cast(tf.shape(g_rows)[-2], g_rows.dtype) / n
-        a = _gram(a_rows, row_weights) / n
+        a = _gram(a_rows, row_weights, self.product_dtype) / n
         # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ = (N / T) Σ dL/ds dL/dsᵀ
-        g = _gram(g_rows, row_weights) * (n / positions)
+        g = _gram(g_rows, row_weights, self.product_dtype) * (n / positions)
         return [a, g]
 
     def grad_matrix(self, grads):
@@ -123,10 +123,11 @@ class KroneckerBlock(Block):
         grad = self.grad_matrix([as_float(g) for g in grads])
         if method == "eigen":
             (q_a, v_a), (q_g, v_g) = decomposition
-            matrix = linalg.eigen_precondition(grad, q_a, v_a, q_g, v_g, damping)
+            matrix = linalg.eigen_precondition(grad, q_a, v_a, q_g, v_g, damping,
+                                               self.product_dtype)
         else:
             (a_inv,), (g_inv,) = decomposition
-            matrix = linalg.inverse_precondition(grad, a_inv, g_inv)
+            matrix = linalg.inverse_precondition(grad, a_inv, g_inv, self.product_dtype)
         return self.split_matrix(matrix)
 
 
@@ -137,10 +138,10 @@ class DenseBlock(KroneckerBlock):
         return tf.reshape(inputs, (-1, self.in_dim))
 
 
-def _gram(rows, row_weights):
+def _gram(rows, row_weights, product_dtype):
     """rowsᵀ diag(row_weights) rows (rowsᵀ rows when `row_weights` is None)."""
     weighted = rows if row_weights is None else rows * row_weights[:, None]
-    return tf.linalg.matmul(weighted, rows, transpose_a=True)
+    return linalg.matmul(weighted, rows, product_dtype, transpose_a=True)
 
 
 def _per_example(rows, batch_size):
