@@ -20,6 +20,8 @@ saves what this rank holds to `$DISTRIBUTED_KFAC_OUT_DIR/<scenario>.rank<r>.npz`
 - `owner_restore`: "owner" placement across a checkpoint: rank 0 saves after
   RESTORE_STEPS steps, every rank restores that file into a fresh model and optimizer
   and trains RESTORE_STEPS more (`run_owner_restore`; also the 1-process reference).
+- `batch_fraction`: one step with `factor_batch_fraction=0.5`; each rank takes its
+  factor statistics from its own random half (saved with the factors).
 Last, rank 1 raises inside `model.fit` while rank 0 trains on: the job must end.
 Everything the test needs to rebuild (models, data, settings) lives here.
 """
@@ -40,6 +42,7 @@ import tfkfac  # noqa: E402
 from modern_net import modern_net  # noqa: E402
 from pipelines import idx_dataset  # noqa: E402
 from tfkfac import distributed  # noqa: E402
+from tfkfac.curvature import kept_examples  # noqa: E402
 
 OUT_DIR_VARIABLE = "DISTRIBUTED_KFAC_OUT_DIR"
 FAILURE_MESSAGE = "rank 1 fails inside model.fit on purpose"
@@ -234,7 +237,25 @@ def run_echo_aware(comm):
 def first_step_fresh_alone(comm):
     """Plain K-FAC's factors after one step on the fresh examples of the first batch."""
     x, y, fresh = (a[: 2 * EQUIVALENCE_BATCH] for a in echoed_examples())
-    x, y = x[fresh == 1], y[fresh == 1]
+    return first_step_on(x[fresh == 1], y[fresh == 1], comm)
+
+
+def run_batch_fraction(comm):
+    """One step of `factor_batch_fraction=0.5` on this rank's part of the first batch:
+    the factors (rank r's statistics from the examples `kept_examples` draws for step 0
+    and rank r, averaged over ranks) and the examples each rank kept."""
+    global_batch = 2 * EQUIVALENCE_BATCH
+    x, y = (rank_part(a, global_batch, comm.rank, comm.size)
+            for a in fixed_examples(global_batch))
+    model = small_cnn(seed=7, batch_norm=False)
+    log = CounterLog(comm, compiled(model, comm, factor_batch_fraction=0.5,
+                                    **FRESH_SETTINGS))
+    model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0, callbacks=[log])
+    return dict(log.results(), kept=kept_examples(len(x), 0.5, 0, comm.rank).numpy())
+
+
+def first_step_on(x, y, comm):
+    """Plain K-FAC's factors after one step on the batch (x, y)."""
     model = small_cnn(seed=7, batch_norm=False)
     log = CounterLog(comm, compiled(model, comm, **FRESH_SETTINGS))
     model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0, callbacks=[log])
@@ -346,6 +367,7 @@ def main(out_dir):
         run(f"modern_{placement}_{method}", run_modern, comm, placement, method)
     run("late_logs", run_late_logs, comm)
     run("echo_aware", run_echo_aware, comm)
+    run("batch_fraction", run_batch_fraction, comm)
     run("owner_restore", run_owner_restore, comm, out_dir)
     np.savez(os.path.join(out_dir, f"timings.rank{comm.rank}.npz"), **timings)
     # Both ranks have saved everything before one of them fails.

@@ -24,6 +24,8 @@ with `model.fit`; each rank saves what it holds. The checks:
   the first factors equal plain K-FAC's on the fresh examples alone (the other rank has
   none: no NaN); steps without fresh examples send no factors, and the fresh count rides
   in the gradient allreduce;
+- factor_batch_fraction=0.5: each rank draws its own half of its batch, and the factors
+  (averaged over ranks) equal one process's on the two halves together;
 - a rank that raises inside `model.fit` ends the whole job within 60 s, error visible.
 """
 
@@ -105,7 +107,7 @@ class DistributedKfacTest(absltest.TestCase):
         logging.info("2-rank job exited %d after %.1f s", cls.returncode,
                      cls.exit_time - start)
         names = ["sync", "sync_float16", "late_logs", "echo_aware", "owner_restore",
-                 "timings"] + [
+                 "batch_fraction", "timings"] + [
             f"equivalence_{p}_{m}" for p, m, *_ in worker.EQUIVALENCE_CASES] + [
             f"modern_{p}_{m}" for p, m in worker.MODERN_CASES]
         cls.saved = {}
@@ -131,6 +133,12 @@ class DistributedKfacTest(absltest.TestCase):
             cls.restore_reference = worker.run_owner_restore(comm, directory)
         cls.echo_reference = worker.run_echo_aware(comm)
         cls.fresh_alone = worker.first_step_fresh_alone(comm)
+        global_batch = 2 * worker.EQUIVALENCE_BATCH
+        x, y = worker.fixed_examples(global_batch)
+        kept = [np.concatenate([worker.rank_part(a, global_batch, rank, 2)[
+                    cls.saved["batch_fraction"][rank]["kept"]] for rank in range(2)])
+                for a in (x, y)]
+        cls.kept_halves = worker.first_step_on(*kept, comm)
 
     def both_ranks(self, name, key):
         """`key` of scenario `name`, asserted bit-identical on both ranks."""
@@ -292,6 +300,18 @@ class DistributedKfacTest(absltest.TestCase):
             key = f"first_factor{i}"
             expected = self.fresh_alone[key]
             np.testing.assert_allclose(self.both_ranks(name, key), expected, rtol=0,
+                                       atol=EQUIVALENCE_RTOL * np.max(np.abs(expected)),
+                                       err_msg=key)
+
+    def test_batch_fraction_two_ranks_match_one_process_on_the_kept_halves(self):
+        kept = [saved["kept"] for saved in self.saved["batch_fraction"]]
+        self.assertLen(kept[0], worker.EQUIVALENCE_BATCH // 2)
+        self.assertFalse(np.array_equal(kept[0], kept[1]))  # each rank its own draw
+        for i in range(len(SYMMETRIC_DIMS)):
+            key = f"first_factor{i}"
+            expected = self.kept_halves[key]
+            np.testing.assert_allclose(self.both_ranks("batch_fraction", key), expected,
+                                       rtol=0,
                                        atol=EQUIVALENCE_RTOL * np.max(np.abs(expected)),
                                        err_msg=key)
 
