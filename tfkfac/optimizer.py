@@ -88,10 +88,11 @@ class KFAC(keras.optimizers.Optimizer):
         batch's statistics at about that fraction of their cost. The loss and gradients
         still use every example. See docs/design.md §8.
       product_dtype: dtype of the operands of the factor Gram products and the
-        preconditioning products: None (default; the state dtype, exact) or "bfloat16",
-        faster on CPUs with native bfloat16 (AVX512-BF16, AMX), each product rounded to
-        bfloat16; factors, decompositions and updates stay in `state_dtype`. See
-        docs/design.md §9.
+        preconditioning products: None (default; the state dtype, exact) or "bfloat16"
+        for CPUs with native bfloat16 (AVX512-BF16, AMX), each product rounded to
+        bfloat16; factors, decompositions and updates stay in `state_dtype`. Operands
+        are cast at every call, which so far takes back most of the gain (measured in
+        docs/benchmarks.md). See docs/design.md §9.
       phase_clocks: time each phase (factors, decomposition, precondition, update) into
         `summary()["phase_seconds"]`; off by default, the timestamps cost 0.2-0.6 ms a
         step (docs/benchmarks.md).
