@@ -115,7 +115,7 @@ class Curvature:
 
     # --------------------------------------------------------------- factors
     def _batch_statistics(self, calls, weights, keep):
-        batch = _batch_size(calls[0]) if calls else None
+        batch = None if keep is None else _batch_size(calls[0])
         calls = tf.nest.map_structure(
             lambda t: tf.cast(t, self.dtype) if t.dtype.is_floating else t, calls)
         if weights is not None:
