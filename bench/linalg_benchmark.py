@@ -8,8 +8,9 @@ Side by side in one run, alternating A and B repetitions so machine drift hits b
   the CNN's second convolution and a ResNet-20 stage-1 convolution, batch 128;
 - the per-step preconditioning product of the CNN's Dense layer (1601² x 1601x128) and
   the CNN's largest factor Gram in float32 vs bfloat16 as `KFAC(product_dtype=
-  "bfloat16")` computes them (`tfkfac.linalg.matmul`: both operands cast every call),
-  with the bfloat16 product's relative error against float32 (Frobenius norm).
+  "bfloat16")` computes them (`tfkfac.linalg.matmul`: the inverse stored in bfloat16,
+  the gradient and the Gram's rows cast at every call), with the bfloat16 product's
+  relative error against float32 (Frobenius norm).
 Every kernel runs inside a `tf.function`, as in training; reported: median ms.
 It also measures this machine's rates (`rates()`, which bench/step_floor.py imports):
 the best float32 matmul FLOP/s over square sizes, the streaming bandwidth of an
@@ -159,14 +160,15 @@ def im2col():
 
 
 def reduced_precision():
-    """float32 vs bfloat16 products as the `product_dtype` option runs them (casts
-    included), and the relative error of the bfloat16 product."""
+    """float32 vs bfloat16 products as the `product_dtype` option runs them (the
+    per-step casts included), and the relative error of the bfloat16 product."""
     inverse = tf.random.normal((1601, 1601))
+    stored = {None: inverse, "bfloat16": tf.cast(inverse, tf.bfloat16)}  # as the state
     grad = tf.random.normal((1601, 128))
     rows = tf.random.normal((128 * 11 * 11, 3 * 3 * 32 + 1))
     cases = [
         ("Dense 1601 precondition product: f32 -> bf16",
-         lambda dtype: lambda q, g: linalg.matmul(q, g, dtype), (inverse, grad)),
+         lambda dtype: lambda g: linalg.matmul(stored[dtype], g, dtype), (grad,)),
         ("cnn conv2 factor Gram (15488x289): f32 -> bf16",
          lambda dtype: lambda r: linalg.matmul(r, r, dtype, transpose_a=True), (rows,)),
     ]

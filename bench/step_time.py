@@ -27,6 +27,14 @@ over its factor updates gives one figure per block, and the median over `--block
 is reported with the ratio reduce / expand, beside the median step time of the blocks
 (every step a factor step).
 
+`--compare=stale` times the stale step alone, where most amortized steps are: K-FAC
+(inverse and eigen method, and the inverse with bfloat16 products) computes factors and
+decompositions at its first step only (in the warm-up), so every timed step
+preconditions with them and does nothing else; SGD without and with XLA run beside it in
+the same interleaved blocks. Reported per configuration: step time, its ratio to the
+faster SGD and its overhead in ms over SGD without XLA (the same uncompiled
+forward/backward).
+
 Run (in the background; ~15 min on 2 idle cores):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_time.py \
       > /tmp/step_time.log 2>&1 &
@@ -36,6 +44,10 @@ Weight sharing (a few minutes):
       --compare=weight_sharing --models=cnn,resnet20,vit --blocks=5 \
       > /tmp/weight_sharing.log 2>&1 &
 Writes bench/results/weight_sharing.json and weight_sharing.png.
+Stale step (a few minutes):
+  cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_time.py \
+      --compare=stale --blocks=10 > /tmp/stale_step.log 2>&1 &
+Writes bench/results/stale_step.json and stale_step.png.
 """
 
 import os
@@ -62,10 +74,11 @@ flags.DEFINE_integer("amortized_block_steps", 50,
 flags.DEFINE_integer("every_step_block_steps", 5,
                      "Steps per block for K-FAC with factors and eigendecompositions every step.")
 flags.DEFINE_integer("cached_batches", 16, "Distinct batches held in memory and cycled.")
-flags.DEFINE_enum("compare", "optimizers", ["optimizers", "weight_sharing"],
+flags.DEFINE_enum("compare", "optimizers", ["optimizers", "weight_sharing", "stale"],
                   "optimizers: K-FAC vs SGD step times (step_time.json); weight_sharing: "
                   "K-FAC's factor phase with weight_sharing reduce vs expand "
-                  "(weight_sharing.json).")
+                  "(weight_sharing.json); stale: K-FAC's stale step vs SGD "
+                  "(stale_step.json).")
 flags.DEFINE_integer("weight_sharing_block_steps", 10,
                      "Steps per block of each weight-sharing rule (every step a factor step).")
 flags.DEFINE_string("output_dir", outputs.RESULTS_DIR,
@@ -93,13 +106,25 @@ CONFIGURATIONS = {
                                         product_dtype="bfloat16"),
 }
 
+# An update interval longer than any timing run: the phase runs at the first step only.
+FIRST_STEP_ONLY = 1_000_000
 # --compare=weight_sharing: factors every step, decompositions once (at the first step,
 # in the warm-up), so every timed step is a factor step and nothing else differs.
-WEIGHT_SHARING_INV_UPDATE_FREQ = 1_000_000
 WEIGHT_SHARING_CONFIGURATIONS = {
     rule: dict(optimizer="kfac", factor_update_freq=1, phase_clocks=True,
-               inv_update_freq=WEIGHT_SHARING_INV_UPDATE_FREQ, weight_sharing=rule)
+               inv_update_freq=FIRST_STEP_ONLY, weight_sharing=rule)
     for rule in ("expand", "reduce")
+}
+# --compare=stale: every timed K-FAC step is stale (factors and decompositions from the
+# warm-up's first step).
+STALE = dict(optimizer="kfac", factor_update_freq=FIRST_STEP_ONLY,
+             inv_update_freq=FIRST_STEP_ONLY)
+STALE_CONFIGURATIONS = {
+    "sgd": CONFIGURATIONS["sgd"],
+    "sgd_xla": CONFIGURATIONS["sgd_xla"],
+    "kfac_stale_inverse": dict(STALE, kfac_method="inverse"),
+    "kfac_stale_eigen": dict(STALE, kfac_method="eigen"),
+    "kfac_stale_inverse_bf16": dict(STALE, kfac_method="inverse", product_dtype="bfloat16"),
 }
 
 
@@ -129,9 +154,9 @@ class Timed:
 
     def warm_up(self):
         """Runs every kind of step once (each traces), then starts the clocks afresh."""
-        if self.config.optimizer == "kfac":
+        if self.config.optimizer == "kfac" and self.config.factor_update_freq < FIRST_STEP_ONLY:
             self.run(self.config.factor_update_freq + 1)
-        else:
+        else:  # the first step (factors, decompositions) and a plain one
             self.run(2)
         self.totals.clear()
         self._kfac_start = self._kfac_phase_seconds()
@@ -244,7 +269,7 @@ def plot_weight_sharing(report, path):
 
 
 def plot(report, path):
-    names = list(CONFIGURATIONS)
+    names = list(report["configurations"])
     model_names = list(report["models"])
     figure, times = plt.subplots(figsize=(7, 4.5))
     width = 0.8 / len(names)
@@ -278,14 +303,22 @@ def main(argv):
     if FLAGS.compare == "weight_sharing":
         weight_sharing_main()
         return
+    stale = FLAGS.compare == "stale"
+    configurations = STALE_CONFIGURATIONS if stale else CONFIGURATIONS
     report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.blocks,
-              "machine": outputs.machine(), "configurations": CONFIGURATIONS, "models": {}}
+              "machine": outputs.machine(), "configurations": configurations, "models": {}}
     for model in FLAGS.models:
-        report["models"][model] = time_model(model)
+        report["models"][model] = time_model(model, configurations)
         baseline = report["models"][model]["sgd_baseline"]
+        sgd_ms = report["models"][model]["configurations"]["sgd"]["mean_step_s"] * 1e3
         for name, result in report["models"][model]["configurations"].items():
+            result["over_sgd_ms"] = result["mean_step_s"] * 1e3 - sgd_ms
             print(f"{model:9s} {name:29s} {result['mean_step_s'] * 1e3:9.1f} ms/step  "
-                  f"/ {baseline} = {result['ratio_to_sgd']:.2f}", flush=True)
+                  f"/ {baseline} = {result['ratio_to_sgd']:.2f}  "
+                  f"{result['over_sgd_ms']:+.1f} ms over sgd", flush=True)
+    if stale:
+        outputs.write(report, FLAGS.output_dir, "stale_step", plot)
+        return
     report["median_amortized_inverse_ratio"] = statistics.median(
         r["configurations"]["kfac_amortized_inverse"]["ratio_to_sgd"]
         for r in report["models"].values())

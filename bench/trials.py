@@ -30,6 +30,9 @@ OPTIMIZERS = {
     # Gram and preconditioning products with bfloat16 operands (docs/design.md §9).
     "kfac_inverse_bf16": dict(optimizer="kfac", kfac_method="inverse",
                               product_dtype="bfloat16"),
+    # Each example's positions reduced to one row of the factors (docs/design.md §2).
+    "kfac_inverse_reduce": dict(optimizer="kfac", kfac_method="inverse",
+                                weight_sharing="reduce"),
 }
 # Tuning grids: the same number of trials for every optimizer. Where the best setting
 # sat at a grid's edge, the grid moved one step past it: the CNN's K-FAC grid started
@@ -41,7 +44,7 @@ def learning_rate_grid(*learning_rates):
 
 
 def kfac_grids(*dampings, entries=("kfac", "kfac_inverse", "kfac_inverse_f0.25",
-                                    "kfac_inverse_bf16")):
+                                    "kfac_inverse_bf16", "kfac_inverse_reduce")):
     """The K-FAC entries tune damping over the same values."""
     grid = [dict(damping=d) for d in dampings]
     return {entry: grid for entry in entries}

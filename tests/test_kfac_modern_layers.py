@@ -5,7 +5,8 @@ tests/modern_net.py holds one layer of every block kind added for modern archite
   float32 and finite, and after one step the factors equal the float32 run's within the
   compute dtype's rounding (float16: unscaled output gradients; bfloat16: 8 bits).
 - `model.save` / `keras.models.load_model` then `attach` restores every block's state
-  (per-group batches, diagonal vectors): the next steps equal an uninterrupted run's.
+  (per-group batches, diagonal vectors, decompositions stored in bfloat16 with
+  `product_dtype`): the next steps equal an uninterrupted run's.
 The per-block math is checked against numpy references in the per-family tests.
 """
 
@@ -53,6 +54,11 @@ def factors(optimizer):
     return [v.numpy().copy() for s in optimizer._curvature.states for v in s.factors]
 
 
+def state(optimizer):
+    """Every block's factors and decompositions (bfloat16 matrices with product_dtype)."""
+    return [v.numpy().copy() for v in optimizer._curvature.variables(saved_only=True)]
+
+
 class ModernLayersTest(parameterized.TestCase):
 
     def tearDown(self):
@@ -85,15 +91,17 @@ class ModernLayersTest(parameterized.TestCase):
                 self.assertEqual(variable.dtype, "float32")
         self.assertTrue(all(np.all(np.isfinite(w)) for w in model.get_weights()))
 
-    def test_save_load_continues_like_an_uninterrupted_run(self):
-        model, optimizer = compiled()
+    @parameterized.parameters(None, "bfloat16")
+    def test_save_load_continues_like_an_uninterrupted_run(self, product_dtype):
+        model, optimizer = compiled(product_dtype=product_dtype)
         fit(model, 0, 3)
         path = os.path.join(tempfile.mkdtemp(), "modern.keras")
         model.save(path)
         loaded = keras.models.load_model(path)
         loaded.optimizer.attach(loaded)
-        for expected, got in zip(factors(optimizer), factors(loaded.optimizer)):
-            np.testing.assert_array_equal(got, expected)
+        for expected, got in zip(state(optimizer), state(loaded.optimizer)):
+            self.assertEqual(got.dtype, expected.dtype)
+            np.testing.assert_array_equal(got.astype(np.float64), expected.astype(np.float64))
         fit(model, 3, 2)
         fit(loaded, 3, 2)
         for expected, got in zip(model.get_weights(), loaded.get_weights()):

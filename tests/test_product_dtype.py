@@ -3,6 +3,7 @@
 The reference is the same K-FAC with float32 products (docs/design.md §9):
 - `tfkfac.linalg.matmul` rounds its operands and its product to bfloat16: it equals a
   numpy float64 product of the rounded operands, rounded;
+- the decompositions' matrices are stored rounded to bfloat16 once, when computed;
 - on a model with every block kind (tests/modern_net.py), the factors and the
   preconditioned gradients stay within a few bfloat16 roundings of float32's (relative
   Frobenius error); the diagonal blocks, which have no products, are unchanged;
@@ -89,6 +90,30 @@ class ModelTest(absltest.TestCase):
         self.assertLess(max(errors), PRECONDITIONED_TOLERANCE, errors)
         print(f"bfloat16 products, largest relative error: factors {max(errors_f):.1e}, "
               f"preconditioned gradients {max(errors):.1e}")
+
+    def test_decompositions_rounded_once(self):
+        """The decompositions' matrices are stored in bfloat16: the float32 decomposition
+        of the stored factors, rounded once; eigenvalues stay float32."""
+        x = RNG.normal(size=(8, 28, 28, 1)).astype(np.float32)
+        y = RNG.integers(0, 10, 8)
+        for method in ("inverse", "eigen"):
+            model = modern_net(seed=8)
+            optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, xla=False,
+                                    method=method, product_dtype="bfloat16").attach(model)
+            custom_step(optimizer, model, x, y)
+            curvature, damping = optimizer._curvature, optimizer.current_damping()
+            for block, state in zip(curvature.blocks, curvature.states):
+                for j, stored in zip(block.symmetric_factors(), state.decompositions):
+                    expected = block.decompose(j, state.factor_values(), method, damping)
+                    for k, (variable, value) in enumerate(zip(stored, expected)):
+                        name = f"{method} {block.path} factor {j} part {k}"
+                        self.assertEqual(variable.dtype,  # the matrix, then eigenvalues
+                                         "bfloat16" if k == 0 else "float32", name)
+                        if method == "inverse":  # (eigenvectors have a free sign)
+                            got = tf.cast(variable, tf.float64).numpy()
+                            np.testing.assert_allclose(
+                                got, rounded(value), rtol=2 * UNIT_ROUNDOFF,
+                                atol=1e-6 * np.abs(got).max(), err_msg=name)
 
     def test_unset_is_float32(self):
         x = RNG.normal(size=(4, 28, 28, 1)).astype(np.float32)

@@ -15,7 +15,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tfkfac.blocks.base import as_float
+from tfkfac.blocks.base import as_float, batch_size
 from tfkfac.capture import Recorder
 
 ATTACH_HINT = (
@@ -131,7 +131,7 @@ class Attachment:
         flags = None if fresh is None else tf.cast(tf.reshape(fresh, (-1,)), tf.float32)
         if flags is not None and calls:
             tf.debugging.assert_equal(
-                tf.size(flags), tf.shape(tf.nest.flatten(calls[0][0][0])[0])[0],
+                tf.size(flags), batch_size(calls[0]),
                 message="`fresh` must hold one flag per example of the batch")
         fresh_count = [] if flags is None else [tf.reduce_sum(flags)]
         reduced = self._comm.grouped_allreduce_mean(

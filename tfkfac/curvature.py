@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfkfac import distributed, linalg, state as state_lib
+from tfkfac.blocks.base import batch_size
 
 
 def warn_if(condition, *message):
@@ -55,20 +56,21 @@ class Curvature:
     def create_state(self, counters, add_variable):
         """Create every block's factors and held decompositions, in a stable order.
 
-        `add_variable(shape, initializer, name)` makes a saved optimizer variable. An
+        `add_variable(shape, initializer, name, dtype)` makes a saved optimizer variable. An
         owner's decompositions are rank-specific and not saved; after a restore they are
         missing, so the first step recomputes them from the restored factors.
         """
         self.counters = counters
         self.states = []
         for b, block in enumerate(self.blocks):
-            factors = [add_variable(shape, "zeros", f"{block.name}_factor{i}")
+            factors = [add_variable(shape, "zeros", f"{block.name}_factor{i}", self.dtype)
                        for i, shape in enumerate(block.factor_shapes())]
             decompositions = None
             if self.placement.holds_decompositions(b):
                 decompositions = [
-                    [self._decomposition_variable(add_variable, shape,
-                                                  f"{block.name}_decomp{j}_{k}")
+                    [self._decomposition_variable(
+                        add_variable, shape, f"{block.name}_decomp{j}_{k}",
+                        block.decomposition_dtype(k, self.dtype))
                      for k, shape in enumerate(shapes)]
                     for j, shapes in enumerate(block.decomposition_shapes(self.method))]
             self.states.append(state_lib.BlockState(factors, decompositions))
@@ -77,14 +79,14 @@ class Curvature:
                 self.placement.saves_decompositions, trainable=False,
                 name="decompositions_current")
 
-    def _decomposition_variable(self, add_variable, shape, name):
+    def _decomposition_variable(self, add_variable, shape, name, dtype):
         square = len(shape) >= 2 and shape[-1] == shape[-2]
         initializer = state_lib.identities if square else "zeros"  # a placeholder until step 0
         if self.placement.saves_decompositions:
-            return add_variable(shape, initializer, name)
+            return add_variable(shape, initializer, name, dtype)
         # Not an optimizer variable: outside `variables`, so checkpoints skip it.
         with tf.init_scope():
-            return keras.Variable(keras.initializers.get(initializer)(shape, self.dtype),
+            return keras.Variable(keras.initializers.get(initializer)(shape, dtype),
                                   trainable=False, name=name)
 
     def variables(self, saved_only):
@@ -115,7 +117,7 @@ class Curvature:
 
     # --------------------------------------------------------------- factors
     def _batch_statistics(self, calls, weights, keep):
-        batch = None if keep is None else _batch_size(calls[0])
+        batch = None if keep is None else batch_size(calls[0])
         calls = tf.nest.map_structure(
             lambda t: tf.cast(t, self.dtype) if t.dtype.is_floating else t, calls)
         if weights is not None:
@@ -127,7 +129,7 @@ class Curvature:
                 block_calls, block_weights = block.take_examples(block_calls, weights, keep,
                                                                  batch)
             statistics.append(block.batch_statistics(
-                block_calls, _batch_size(block_calls), block_weights))
+                block_calls, batch_size(block_calls), block_weights))
         return statistics
 
     def update_factors(self, calls, weights=None, step=0):
@@ -140,7 +142,7 @@ class Curvature:
         """
         keep = None
         if self.factor_batch_fraction < 1 and calls:
-            keep = kept_examples(_batch_size(calls[0]), self.factor_batch_fraction, step,
+            keep = kept_examples(batch_size(calls[0]), self.factor_batch_fraction, step,
                                  self.comm.rank)
         statistics = self._statistics_fn(calls, weights, keep)
         flat = distributed.allreduce_symmetric(
@@ -191,7 +193,7 @@ class Curvature:
             targets = self.states[b].decompositions[self.blocks[b].symmetric_factors().index(j)]
             ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r)) for r in result])
             for variable, value in zip(targets, result):
-                variable.assign(tf.where(ok, value, variable))
+                variable.assign(tf.where(ok, tf.cast(value, variable.dtype), variable))
             failures.append(tf.logical_not(ok))
         failed = tf.reduce_sum(tf.cast(failures, tf.int64))
         self.counters.failed_decompositions.assign_add(failed)
@@ -264,24 +266,19 @@ class Curvature:
                     "factor_shapes": [list(s) for s in b.factor_shapes()]}
                    for b in self.blocks]
         state_bytes = 0 if self.states is None else sum(
-            int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
             for v in self.variables(saved_only=False))
         return {"managed": managed, "state_bytes": state_bytes}
 
 
-def _batch_size(block_calls):
-    """N, the leading axis of a block's first recorded input."""
-    return tf.shape(tf.nest.flatten(block_calls[0][0])[0])[0]
-
-
-def kept_examples(batch_size, fraction, step, rank):
-    """Indices (ascending) of the ceil(fraction · batch_size) examples a factor step takes
-    its statistics from (docs/design.md §8): a uniformly random subset, drawn from
-    (step, rank) alone, so that a rerun or a resumed run draws the same one and each rank
-    its own."""
-    count = tf.cast(tf.math.ceil(fraction * tf.cast(batch_size, tf.float64)), tf.int32)
+def kept_examples(examples, fraction, step, rank):
+    """Indices (ascending) of the ceil(fraction · examples) examples of a batch that a
+    factor step takes its statistics from (docs/design.md §8): a uniformly random subset,
+    drawn from (step, rank) alone, so that a rerun or a resumed run draws the same one
+    and each rank its own."""
+    count = tf.cast(tf.math.ceil(fraction * tf.cast(examples, tf.float64)), tf.int32)
     seed = tf.stack([tf.cast(step, tf.int64), tf.cast(rank, tf.int64)])
-    order = tf.argsort(tf.random.stateless_uniform([batch_size], seed=seed))
+    order = tf.argsort(tf.random.stateless_uniform([examples], seed=seed))
     return tf.sort(order[:tf.maximum(count, 1)])
 
 

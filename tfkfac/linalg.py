@@ -104,15 +104,17 @@ def symmetric_eigh(matrix, backend="auto"):
 
 def matmul(a, b, product_dtype=None, **kwargs):
     """`tf.linalg.matmul(a, b, **kwargs)` with both operands cast to `product_dtype`
-    (None: as they are) and the product returned in a's dtype.
+    (None: as they are) and the product returned in the wider operand's dtype (an
+    operand stored in `product_dtype`, a decomposition, is not cast).
 
     With "bfloat16" oneDNN accumulates in float32 and rounds the product to bfloat16
     (TensorFlow has no CPU kernel with a float32 result); docs/design.md §9.
     """
     if product_dtype is None:
         return tf.linalg.matmul(a, b, **kwargs)
+    a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
     product = tf.linalg.matmul(tf.cast(a, product_dtype), tf.cast(b, product_dtype), **kwargs)
-    return tf.cast(product, a.dtype)
+    return tf.cast(product, max(a.dtype, b.dtype, key=lambda dtype: dtype.size))
 
 
 def eigen_precondition(grad, q_a, v_a, q_g, v_g, damping, product_dtype=None):

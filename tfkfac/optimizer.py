@@ -90,9 +90,9 @@ class KFAC(keras.optimizers.Optimizer):
       product_dtype: dtype of the operands of the factor Gram products and the
         preconditioning products: None (default; the state dtype, exact) or "bfloat16"
         for CPUs with native bfloat16 (AVX512-BF16, AMX), each product rounded to
-        bfloat16; factors, decompositions and updates stay in `state_dtype`. Operands
-        are cast at every call, which so far takes back most of the gain (measured in
-        docs/benchmarks.md). See docs/design.md §9.
+        bfloat16; the decompositions' matrices are stored in bfloat16 (rounded once,
+        when computed), factors, eigenvalues and updates stay in `state_dtype`. Measured
+        in docs/benchmarks.md; see docs/design.md §9.
       phase_clocks: time each phase (factors, decomposition, precondition, update) into
         `summary()["phase_seconds"]`; off by default, the timestamps cost 0.2-0.6 ms a
         step (docs/benchmarks.md).
@@ -223,9 +223,9 @@ class KFAC(keras.optimizers.Optimizer):
         # keys name a variable by its shortest path (`optimizer/_factor_updates/...`).
         for name, variable in zip(counters.NAMES, counters.variables()):
             setattr(self, f"_{name}", variable)
-        self._curvature.create_state(counters, lambda shape, initializer, name:
+        self._curvature.create_state(counters, lambda shape, initializer, name, dtype:
                                      self.add_variable(shape, initializer=initializer,
-                                                       dtype=self.state_dtype, name=name))
+                                                       dtype=dtype, name=name))
         if self._stashed_state is not None:
             stashed, self._stashed_state = self._stashed_state, None
             state_lib.restore(

@@ -81,14 +81,15 @@ class PhaseClocks:
 
 
 def restore(variables, values):
-    """Assign saved `values` (in creation order) to the K-FAC `variables`."""
+    """Assign saved `values` (in creation order) to the K-FAC `variables`, each cast to its
+    variable's dtype (decompositions saved with another `product_dtype`)."""
     if len(values) != len(variables):
         raise ValueError(
             f"The restored K-FAC state has {len(values)} variables but the attached model "
             f"needs {len(variables)}: attach the optimizer to the same architecture it was "
             "saved with.")
     for variable, value in zip(variables, values):
-        variable.assign(value)
+        variable.assign(tf.cast(value, variable.dtype))
 
 
 def identities(shape, dtype=None):

@@ -67,6 +67,13 @@ class Block:
         `product_dtype` (None: the state dtype); docs/design.md §9."""
         self.product_dtype = product_dtype
 
+    def decomposition_dtype(self, part, state_dtype):
+        """dtype of `part` of a stored decomposition: part 0, the matrix (eigenbasis or
+        inverse, or a batch of them), in `product_dtype` when set, so that it is cast once
+        when computed rather than at every preconditioning product; the eigenvalues (part
+        1) in `state_dtype`."""
+        return self.product_dtype if self.product_dtype and part == 0 else state_dtype
+
     def take_examples(self, calls, weights, keep, batch):
         """`calls` and `weights` of the examples `keep` (of `batch`) only, for factor
         statistics from part of the batch (docs/design.md §8).
@@ -91,7 +98,8 @@ class Block:
         raise NotImplementedError
 
     def decompose(self, index, factors, method, damping):
-        """The stored decomposition of symmetric factor `index`, as a list of tensors.
+        """The stored decomposition of symmetric factor `index`, as a list of tensors:
+        [eigenbasis, eigenvalues] ("eigen") or [damped inverse] ("inverse").
 
         Each symmetric factor is decomposed on its own so that the work can be spread
         over processes one factor at a time.
@@ -106,6 +114,12 @@ class Block:
 def layer_input(args, kwargs):
     """The first argument of a layer call."""
     return args[0] if args else kwargs["inputs"]
+
+
+def batch_size(block_calls):
+    """N, the leading axis of the first input of a block's recorded (inputs, outputs)
+    calls."""
+    return tf.shape(tf.nest.flatten(block_calls[0][0])[0])[0]
 
 
 def per_row(weights, rows):
