@@ -44,9 +44,9 @@ Weight sharing (a few minutes):
       --compare=weight_sharing --models=cnn,resnet20,vit --blocks=5 \
       > /tmp/weight_sharing.log 2>&1 &
 Writes bench/results/weight_sharing.json and weight_sharing.png.
-Stale step (a few minutes):
+Stale step (~8 min):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_time.py \
-      --compare=stale --blocks=10 > /tmp/stale_step.log 2>&1 &
+      --compare=stale --blocks=6 > /tmp/stale_step.log 2>&1 &
 Writes bench/results/stale_step.json and stale_step.png.
 """
 
