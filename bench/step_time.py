@@ -1,16 +1,18 @@
 """Per-step wall time of K-FAC versus SGD with momentum, same model and batch.
 
-For each model, seven trainers are built exactly as `python -m trainers.train` builds
+For each model, nine trainers are built exactly as `python -m trainers.train` builds
 them (`trainers.runner.Trainer`): SGD compiled without and with XLA (`--xla`; the faster
 of the two is the baseline of every ratio, per model), K-FAC doing factors and eigendecompositions every
 step (`--factor_update_freq=1 --inv_update_freq=1`), amortized K-FAC
 (`--factor_update_freq=10 --inv_update_freq=100`) with the eigen and the inverse
 method, and the amortized inverse method with each of issue 16's options: factor
-statistics from a quarter of each batch (`--factor_batch_fraction=0.25`) and bfloat16
-products (`--product_dtype=bfloat16`). Their training steps then run in interleaved
-blocks (SGD, K-FAC amortized, ..., SGD, ...) so drift of the shared machine hits all of
-them alike. Batches come from the trainer's own pipeline, cached in memory first, so the
-input pipeline (identical for all) is not timed.
+statistics from a quarter of each batch (`--factor_batch_fraction=0.25`), bfloat16
+products (`--product_dtype=bfloat16`) and the reduce rule for convolutions
+(`--weight_sharing=reduce`, also with factors and decompositions every step). Their
+training steps then run in interleaved blocks (SGD, K-FAC amortized, ..., SGD, ...) so
+drift of the shared machine hits all of them alike. Batches come from the trainer's own
+pipeline, cached in memory first, so the input pipeline (identical for all) is not
+timed.
 
 Each step is timed from asking for its batch to its finished update
 (`trainers.reporting.StepTimer`); a warm-up block first runs every kind of step once
@@ -35,7 +37,7 @@ the same interleaved blocks. Reported per configuration: step time, its ratio to
 faster SGD and its overhead in ms over SGD without XLA (the same uncompiled
 forward/backward).
 
-Run (in the background; ~15 min on 2 idle cores):
+Run (in the background; ~18 min on 2 idle cores):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_time.py \
       > /tmp/step_time.log 2>&1 &
 Writes bench/results/step_time.json and step_time.png and prints the ratios.
@@ -104,6 +106,12 @@ CONFIGURATIONS = {
     "kfac_amortized_inverse_bf16": dict(optimizer="kfac", factor_update_freq=10,
                                         inv_update_freq=100, kfac_method="inverse",
                                         product_dtype="bfloat16"),
+    # ... and with the reduce rule for convolutions' factors (weight_sharing="reduce").
+    "kfac_amortized_inverse_reduce": dict(optimizer="kfac", factor_update_freq=10,
+                                          inv_update_freq=100, kfac_method="inverse",
+                                          weight_sharing="reduce"),
+    "kfac_every_step_reduce": dict(optimizer="kfac", factor_update_freq=1, inv_update_freq=1,
+                                   kfac_method="eigen", weight_sharing="reduce"),
 }
 
 # An update interval longer than any timing run: the phase runs at the first step only.
@@ -144,7 +152,8 @@ class Timed:
         self._batches = batches.repeat()
         self.totals = {}
         self.timer = reporting.StepTimer(runner.phase_fn(self.trainer.optimizer), self.totals)
-        self.block_steps = (FLAGS.every_step_block_steps if name == "kfac_every_step"
+        every_step = config.optimizer == "kfac" and config.inv_update_freq == 1
+        self.block_steps = (FLAGS.every_step_block_steps if every_step
                             else FLAGS.amortized_block_steps)
         self._kfac_start = None
 
