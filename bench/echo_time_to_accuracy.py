@@ -29,7 +29,9 @@ step time and e = 1 runs it shares). Protocol:
    the fresh data. Reported: medians over the seeds of wall time (evaluation
    excluded), steps and fresh examples to the target; per entry and R the best
    (e, variant) and its time ratio to e = 1, next to Choi's prediction for it:
-   (steps_e / steps_1) / min(e, R_entry).
+   (steps_e / steps_1) / min(e, R_entry). A trial that already trained its whole
+   budget without reaching the target at another R is not run again (its evaluations
+   are the same at every R; `missed_at_another_ratio`).
 
 Run (hours on 2 cores, resumable; on an otherwise idle machine):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/echo_time_to_accuracy.py \
@@ -38,6 +40,7 @@ Run (hours on 2 cores, resumable; on an otherwise idle machine):
 Writes bench/results/echo_time_to_accuracy.json and .png and prints the ratios.
 """
 
+import glob
 import json
 import os
 import statistics
@@ -50,7 +53,7 @@ import tensorflow as tf
 import outputs
 import pipelines
 import trials
-from trainers import config as config_lib
+from trainers import config as config_lib, runner
 from trainers.data import TrainingData
 
 matplotlib.use("Agg")
@@ -175,24 +178,49 @@ def configurations():
                               for e in FLAGS.echo_factors]
 
 
+def missed_at_another_ratio(name, ratio):
+    """The summary of the same trial at another R if it trained its whole budget without
+    reaching the target, else None.
+
+    Read latency only delays the input: a trial's evaluations (accuracy at every step,
+    fresh examples) are bit-identical at every R (every trial measured at two R agrees,
+    docs/benchmarks.md), so a run that missed the target at one R misses it at all, and
+    running it again would spend its whole budget to learn only its step time.
+    """
+    if os.path.exists(os.path.join(FLAGS.work_dir, name, runner.SUMMARY_FILE)):
+        return None  # ran at this R: read back as it is
+    for path in sorted(glob.glob(os.path.join(
+            FLAGS.work_dir, name.replace(f"-R{ratio}-", "-R*-"), runner.SUMMARY_FILE))):
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+        if summary["to_target"] is None and summary["config"]["epochs"] >= FLAGS.max_epochs:
+            return summary
+    return None
+
+
 def measure(entry, setting, ratio, read_latency):
     results = []
     for mode, factor in configurations():
         runs = []
         measured_as = SAME_AT_E1.get(entry, entry) if mode == "none" else entry
         for seed in range(FLAGS.seeds):
-            summary = trial(f"{measured_as}-R{ratio}-{mode}-e{factor:g}-seed{seed}-"
-                            f"{trials.slug(setting)}", **ENTRIES[measured_as], seed=seed,
-                            read_latency=read_latency, echo_mode=mode, echo_factor=factor,
-                            epochs=FLAGS.max_epochs, eval_every_steps=FLAGS.eval_every_steps,
-                            target_accuracy=FLAGS.target_accuracy, stop_at_target=True,
-                            **setting)
-            runs.append({"seed": seed, "mean_step_time_s": summary["mean_step_time_s"]["all"],
-                         "curve": trials.curve(summary, fresh_examples=True)})
+            name = f"{measured_as}-R{ratio}-{mode}-e{factor:g}-seed{seed}-{trials.slug(setting)}"
+            missed = missed_at_another_ratio(name, ratio)
+            summary = missed or trial(
+                name, **ENTRIES[measured_as], seed=seed, read_latency=read_latency,
+                echo_mode=mode, echo_factor=factor, epochs=FLAGS.max_epochs,
+                eval_every_steps=FLAGS.eval_every_steps,
+                target_accuracy=FLAGS.target_accuracy, stop_at_target=True, **setting)
+            runs.append({"seed": seed, "curve": trials.curve(summary, fresh_examples=True),
+                         # a step time belongs to the R it ran at
+                         "mean_step_time_s": (None if missed
+                                              else summary["mean_step_time_s"]["all"]),
+                         "missed_at": missed and missed["model_dir"]})
         reached = trials.to_target(runs, FLAGS.target_accuracy)
+        step_times = [r["mean_step_time_s"] for r in runs if r["mean_step_time_s"] is not None]
         results.append({"echo_mode": mode, "echo_factor": factor, "runs": runs,
-                        "median_step_time_s": statistics.median(
-                            r["mean_step_time_s"] for r in runs),
+                        "median_step_time_s": (statistics.median(step_times)
+                                               if step_times else None),
                         "to_target": reached})
         print(f"{entry} R={ratio} {mode} e={factor:g}: {reached['reached']}/{FLAGS.seeds} "
               f"seeds, median {reached['median_time_s']} s, {reached['median_steps']} steps, "
