@@ -245,6 +245,10 @@ def best_against_e1(results, ratio_entry):
             "predicted_time_ratio": steps_ratio / min(best["echo_factor"], ratio_entry)}
 
 
+SHORT_MODE_NAMES = {"none": "none", "example_before_augment": "before aug.",
+                    "example_after_augment": "after aug.", "batch": "batch"}
+
+
 def plot(report, path):
     ratios, entries = list(report["results"]), FLAGS.entries
     figure, axes = plt.subplots(len(ratios), len(entries), squeeze=False,
@@ -252,7 +256,7 @@ def plot(report, path):
     for row, ratio in zip(axes, ratios):
         for axis, entry in zip(row, entries):
             results = report["results"][ratio][entry]["configurations"]
-            labels = [f"{r['echo_mode'].replace('example_', 'ex_')}\ne={r['echo_factor']:g}"
+            labels = [f"{SHORT_MODE_NAMES[r['echo_mode']]}\ne={r['echo_factor']:g}"
                       for r in results]
             times = [r["to_target"]["median_time_s"] or 0.0 for r in results]
             colors = ["gray"] + [f"C{FLAGS.variants.index(r['echo_mode'])}"
