@@ -193,7 +193,7 @@ def missed_at_another_ratio(name, ratio):
             FLAGS.work_dir, name.replace(f"-R{ratio}-", "-R*-"), runner.SUMMARY_FILE))):
         with open(path, encoding="utf-8") as f:
             summary = json.load(f)
-        if summary["to_target"] is None and summary["config"]["epochs"] >= FLAGS.max_epochs:
+        if summary["to_target"] is None and trials.finished(summary, FLAGS.max_epochs):
             return summary
     return None
 
