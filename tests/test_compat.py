@@ -22,7 +22,7 @@ from tfkfac import _compat
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TF_RANGE = ">=2.16,<2.22"
-KERAS_RANGE = ">=3.14,<4"
+KERAS_RANGE = ">=3.14,<3.16"
 
 
 def import_tfkfac_in_subprocess(test, setup_code="", fake_tensorflow_version=None):
