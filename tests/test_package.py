@@ -88,7 +88,7 @@ class PackageTest(absltest.TestCase):
         self.assertIn("Programming Language :: Python :: 3.11", metadata.get_all("Classifier"))
 
     def test_wheel_ships_every_tfkfac_subpackage_and_nothing_else(self):
-        # pipelines/ and trainers/ stay in the repository (README, "Repository layout"); a
+        # pipelines/ and trainers/ stay in the repository (docs/development.md, "Repository layout"); a
         # tfkfac directory of modules without __init__.py would silently miss the wheel.
         find = read_pyproject()["tool"]["setuptools"]["packages"]["find"]
         root = package_root(tfkfac)

@@ -6,7 +6,7 @@
     model.fit(dataset, epochs=5)
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # A missing or unsupported TensorFlow/Keras fails here, with one message (tfkfac/_compat.py).
 from tfkfac import _compat  # noqa: E402

@@ -22,7 +22,7 @@ STATE_DTYPES = ("float32", "float64")
 FACTOR_EXAMPLES = ("all", "fresh")
 XLA_CHOICES = (True, False, "auto")
 
-# Arguments renamed since 0.1.0: old name -> new name. Old saves' configs hold them.
+# Renamed arguments, old name -> new name: saves of earlier versions hold the old ones.
 RENAMED = {"inv_update_freq": "decomposition_update_freq",
            "bn_damping_multiplier": "diagonal_damping_multiplier",
            "eigen_wire_dtype": "decomposition_wire_dtype"}
