@@ -117,11 +117,29 @@ def matmul(a, b, product_dtype=None, **kwargs):
     return tf.cast(product, max(a.dtype, b.dtype, key=lambda dtype: dtype.size))
 
 
+def to_eigenbasis(grad, q_a, q_g, product_dtype=None):
+    """`Q_Aᵀ ∇ Q_G`: the gradient in the factors' eigenbases."""
+    return matmul(matmul(q_a, grad, product_dtype, transpose_a=True), q_g, product_dtype)
+
+
+def from_eigenbasis(rotated, q_a, q_g, product_dtype=None):
+    """`Q_A X Q_Gᵀ`, the inverse of `to_eigenbasis`."""
+    return matmul(matmul(q_a, rotated, product_dtype), q_g, product_dtype, transpose_b=True)
+
+
 def eigen_precondition(grad, q_a, v_a, q_g, v_g, damping, product_dtype=None):
     """`Q_A [(Q_Aᵀ ∇ Q_G) / (v_A v_Gᵀ + λ)] Q_Gᵀ`, i.e. `(A ⊗ G + λI)⁻¹ vec(∇)`."""
-    rotated = matmul(matmul(q_a, grad, product_dtype, transpose_a=True), q_g, product_dtype)
+    rotated = to_eigenbasis(grad, q_a, q_g, product_dtype)
     scaled = rotated / (v_a[..., :, None] * v_g[..., None, :] + damping)
-    return matmul(matmul(q_a, scaled, product_dtype), q_g, product_dtype, transpose_b=True)
+    return from_eigenbasis(scaled, q_a, q_g, product_dtype)
+
+
+def adam_scale(value, moment, beta_2, epsilon, step):
+    """(value / (√ŝ + ε), s): Adam's second-moment scaling of `value`, elementwise, with
+    s = β2·`moment` + (1-β2)·value², ŝ = s / (1 - β2^step), `step` counted from 1."""
+    moment = beta_2 * moment + (1.0 - beta_2) * tf.square(value)
+    correction = 1.0 - tf.pow(tf.cast(beta_2, value.dtype), tf.cast(step, value.dtype))
+    return value / (tf.sqrt(moment / correction) + epsilon), moment
 
 
 def pi_correction(a, g):

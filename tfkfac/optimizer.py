@@ -16,7 +16,8 @@ import tensorflow as tf
 
 from tfkfac import blocks as blocks_lib
 from tfkfac import curvature as curvature_lib
-from tfkfac import distributed, keras_integration, placement as placement_lib, schedules
+from tfkfac import distributed, grafting as grafting_lib, keras_integration
+from tfkfac import placement as placement_lib, schedules
 from tfkfac import state as state_lib, validation
 from tfkfac.attachment import ATTACH_HINT, NOT_ATTACHED, Attachment
 from tfkfac.config import KFACConfig, signature_with_settings
@@ -80,6 +81,8 @@ class KFAC(keras.optimizers.Optimizer):
         self._stashed_state = None
         self._attachment = None
         self._clocks = state_lib.PhaseClocks(self.config.phase_clocks)
+        self._grafting = None if self.config.grafting is None else grafting_lib.Grafting(
+            self.config.grafting, self.config.adam_beta_2, self.config.adam_epsilon)
 
     # ------------------------------------------- forwarded to the inner optimizer
     @property
@@ -102,7 +105,8 @@ class KFAC(keras.optimizers.Optimizer):
     def _kfac_variables(self):
         if self._counters is None:
             return []
-        return self._counters.variables() + self._curvature.variables(saved_only=True)
+        return (self._counters.variables() + self._curvature.variables(saved_only=True)
+                + (self._grafting.variables() if self._grafting else []))
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         return keras_integration.checkpoint_children(
@@ -165,6 +169,7 @@ class KFAC(keras.optimizers.Optimizer):
     # ---------------------------------------------------------------- state
     def build(self, var_list):
         super().build(var_list)
+        keras_integration.set_untracked(self, "_built_variables", list(var_list))
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         if self._attachment is not None:
@@ -183,6 +188,10 @@ class KFAC(keras.optimizers.Optimizer):
         self._curvature.create_state(counters, lambda shape, initializer, name, dtype:
                                      self.add_variable(shape, initializer=initializer,
                                                        dtype=dtype, name=name))
+        if self._grafting is not None:
+            self._grafting.create_state(self._built_variables, lambda shape, name:
+                                        self.add_variable(shape, initializer="zeros",
+                                                          name=name))
         if self._stashed_state is not None:
             stashed, self._stashed_state = self._stashed_state, None
             state_lib.restore(self._kfac_variables(), stashed)
@@ -225,10 +234,8 @@ class KFAC(keras.optimizers.Optimizer):
                 captures.weights, captures.ready))
             clocks.timed("decomposition", lambda: curvature.update_decompositions_if_due(
                 step, damping, _interval(config.decomposition_update_freq), captures.ready))
-            clip = None if config.kl_clip is None else curvature_lib.kl_clip(
-                self.learning_rate, config.kl_clip)
-            preconditioned = clocks.timed("precondition", lambda: curvature.precondition(
-                branch_grads, variables, damping, clip))
+            preconditioned = clocks.timed("precondition", lambda: self._precondition_step(
+                branch_grads, variables, damping, step))
             clocks.timed("update", lambda: self._inner_update(preconditioned, variables))
             return tf.constant(True)
 
@@ -243,6 +250,18 @@ class KFAC(keras.optimizers.Optimizer):
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
                                 for g in grads if g is not None])
         tf.cond(finite, kfac_step, skip_step)
+
+    def _precondition_step(self, grads, variables, damping, step):
+        """What the inner optimizer receives: preconditioned, then KL-clipped or grafted
+        (docs/design.md §5, §11); the clip would cancel in the graft, so it is skipped."""
+        config, curvature, grafting = self.config, self._curvature, self._grafting
+        if grafting is not None:
+            directions = grafting.directions(grads, variables, step)
+            preconditioned = curvature.precondition(grads, variables, damping, step=step)
+            return grafting.graft(preconditioned, directions, curvature.block_slots(variables))
+        clip = None if config.kl_clip is None else curvature_lib.kl_clip(
+            self.learning_rate, config.kl_clip)
+        return curvature.precondition(grads, variables, damping, clip, step=step)
 
     def _inner_update(self, grads, variables):
         self.inner_optimizer.apply(grads, variables)
@@ -277,7 +296,8 @@ class KFAC(keras.optimizers.Optimizer):
                 "KFAC.precondition needs decompositions: train at least one step first "
                 "(factors and decompositions are computed in the training step).")
         damping = self._damping_at(self.iterations)
-        return self._curvature.precondition(list(gradients), list(variables), damping)
+        return self._curvature.precondition(list(gradients), list(variables), damping,
+                                            step=self.iterations, update_moments=False)
 
     # ---------------------------------------------------------- introspection
     def summary(self):
