@@ -8,6 +8,7 @@ It holds no Keras optimizer logic.
 """
 
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -49,6 +50,7 @@ class Curvature:
         self.factor_batch_fraction = config.factor_batch_fraction
         self.states = None
         self.counters = None
+        self._frozen = set()
         xla = config.xla
         jit = bool(tf.config.list_physical_devices("GPU")) if xla == "auto" else xla
         self._statistics_fn = tf.function(self._batch_statistics, jit_compile=jit)
@@ -256,10 +258,13 @@ class Curvature:
         if not self.blocks:
             return list(grads)
         slots = self.block_slots(variables)
-        # Dense gradients in the state dtype (an Embedding's arrives as IndexedSlices).
-        block_grads = [[tf.zeros(variables[i].shape, self.dtype) if grads[i] is None
+        # Dense gradients in the state dtype (an Embedding's arrives as IndexedSlices); a
+        # frozen block's are zeros (every rank must still take part in "owner"'s gather).
+        block_grads = [[tf.zeros(v.shape, self.dtype) for v in block.variables]
+                       if block_slots is None else
+                       [tf.zeros(variables[i].shape, self.dtype) if grads[i] is None
                         else tf.cast(tf.convert_to_tensor(grads[i]), self.dtype)
-                        for i in block_slots] for block_slots in slots]
+                        for i in block_slots] for block, block_slots in zip(self.blocks, slots)]
         indices = self.placement.preconditioned_blocks()
         states = [self.states[b] for b in indices]
         local, moments = self._precondition_fn(
@@ -278,19 +283,32 @@ class Curvature:
             preconditioned = [[p * nu for p in ps] for ps in preconditioned]
         grads = list(grads)
         for block_slots, block_p in zip(slots, preconditioned):
-            for i, p in zip(block_slots, block_p):
+            for i, p in zip(block_slots or [], block_p):
                 grads[i] = tf.cast(p, variables[i].dtype)
         return grads
 
     def block_slots(self, variables):
-        """Per block, the indices of its variables in `variables`."""
+        """Per block, the indices of its variables in `variables`; None for a block none
+        of whose variables are there (a layer frozen after `attach`: not trained, so not
+        preconditioned, with one warning)."""
         index = {id(v): i for i, v in enumerate(variables)}
-        missing = [v.path for block in self.blocks for v in block.variables
-                   if id(v) not in index]
-        if missing:
-            raise ValueError(f"`variables` must hold every K-FAC-managed variable; missing "
-                             f"{missing}")
-        return [[index[id(v)] for v in block.variables] for block in self.blocks]
+        slots = []
+        for block in self.blocks:
+            present = [id(v) in index for v in block.variables]
+            if not any(present):
+                if block.path not in self._frozen:
+                    self._frozen.add(block.path)
+                    warnings.warn(f"KFAC: layer {block.path!r} is not being trained (frozen "
+                                  "after attach?); its curvature is not used", stacklevel=4)
+                slots.append(None)
+            elif not all(present):
+                missing = [v.path for v, here in zip(block.variables, present) if not here]
+                raise ValueError(
+                    f"`variables` must hold all or none of layer {block.path!r}'s weights; "
+                    f"missing {missing}. Freeze whole layers (`layer.trainable = False`).")
+            else:
+                slots.append([index[id(v)] for v in block.variables])
+        return slots
 
     def summary(self):
         """Per block its layer, kind and factor shapes; the bytes of the state created."""

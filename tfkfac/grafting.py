@@ -54,7 +54,7 @@ class Grafting:
     def graft(preconditioned, directions, block_slots):
         """Each block's preconditioned gradients at its direction's norm; r elsewhere."""
         grafted = list(directions)
-        for slots in block_slots:
+        for slots in filter(None, block_slots):  # None: a frozen layer's block
             p = [tf.cast(preconditioned[i], tf.float32) for i in slots]
             r = [tf.zeros_like(p_i) if directions[i] is None
                  else tf.cast(tf.convert_to_tensor(directions[i]), tf.float32)

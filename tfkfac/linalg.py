@@ -191,5 +191,6 @@ def kl_clip_scale(preconditioned, grads, learning_rate, kl_clip):
         tf.abs(tf.add_n([tf.reduce_sum(p * g) for p, g in zip(layer_p, layer_g)]))
         for layer_p, layer_g in zip(preconditioned, grads)])
     lr = tf.cast(learning_rate, vg_sum.dtype)
-    ratio = kl_clip / tf.maximum(lr * lr * vg_sum, 1e-30)
-    return tf.minimum(tf.sqrt(ratio), 1.0)
+    # sqrt(κ / Σ) / η rather than sqrt(κ / (η² Σ)): η² overflows float32 from η ≈ 1.8e19.
+    root = tf.sqrt(kl_clip / tf.maximum(vg_sum, tf.cast(1e-30, vg_sum.dtype)))
+    return tf.minimum(tf.math.divide_no_nan(root, lr) + tf.cast(lr <= 0, root.dtype), 1.0)
