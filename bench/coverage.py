@@ -11,7 +11,7 @@ inputs, the smallest they accept; 10 classes; logits) and the trainer's classifi
 
 K-FAC uses the trainer's defaults (`trainers.config.TrainConfig`: lr, damping, momentum,
 KL clip, method) except that it updates factors and decompositions every second step
-(factor_update_freq = inv_update_freq = 2), so consecutive steps are one of each kind:
+(factor_update_freq = decomposition_update_freq = 2), so consecutive steps are one of each kind:
 "full" (factors, decompositions, preconditioning) and "stale" (preconditioning only).
 The trainer's default 10/100 schedule costs between the two per step. Both optimizers
 run Keras's compiled train step with jit_compile=False (the trainer's default; Keras's
@@ -72,7 +72,8 @@ _TRAINER = config_lib.TrainConfig()
 KFAC_SETTINGS = dict(learning_rate=_TRAINER.learning_rate, damping=_TRAINER.damping,
                      momentum=_TRAINER.momentum, kl_clip=_TRAINER.kl_clip,
                      method=_TRAINER.kfac_method, weight_sharing=_TRAINER.weight_sharing,
-                     factor_update_freq=KFAC_UPDATE_EVERY, inv_update_freq=KFAC_UPDATE_EVERY)
+                     factor_update_freq=KFAC_UPDATE_EVERY,
+                     decomposition_update_freq=KFAC_UPDATE_EVERY)
 SGD_SETTINGS = dict(learning_rate=_TRAINER.learning_rate, momentum=_TRAINER.momentum)
 COMPILE = ("jit_compile=False for both (Keras's 'auto' made SGD steps 2-3x slower on this "
            "CPU); K-FAC's own xla='auto' is off on CPU")

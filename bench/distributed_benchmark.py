@@ -2,7 +2,7 @@
 
 Same global batch (strong scaling): one process with batch G against 2 ranks with G/2
 each, for the MLP and the small CNN of `trainers/models.py` on real Fashion-MNIST, with
-`tfkfac.KFAC` in `model.fit` (factor_update_freq 5, inv_update_freq 20 by default).
+`tfkfac.KFAC` in `model.fit` (factor_update_freq 5, decomposition_update_freq 10 by default).
 Measured after warm-up steps (XLA compiles, first factor and inverse steps):
 - time per training step (wall clock over the timed window; the slowest rank);
 - decomposition phase per inverse step (`opt.summary()["phase_seconds"]`, which for 2
@@ -40,7 +40,7 @@ flags.DEFINE_integer("global_batch", 128, "Examples per step over all ranks.")
 flags.DEFINE_integer("warmup_steps", 6, "Untimed steps (include a factor and an inverse step).")
 flags.DEFINE_integer("timed_steps", 40, "Timed steps per configuration.")
 flags.DEFINE_integer("factor_update_freq", 5, "K-FAC factor update interval.")
-flags.DEFINE_integer("inv_update_freq", 10, "K-FAC decomposition interval.")
+flags.DEFINE_integer("decomposition_update_freq", 10, "K-FAC decomposition interval.")
 flags.DEFINE_list("timed_configs", ["replicated:float32:float32", "owner:float32:float32"],
                   "2-rank configurations timed: placement:factor_wire:eigen_wire.")
 flags.DEFINE_list("bytes_configs", ["replicated:float16:float16", "owner:float16:float16"],
@@ -118,7 +118,7 @@ def worker_main(out_path):
             learning_rate=0.02, damping=1e-2, placement=placement,
             factor_wire_dtype=factor_wire, decomposition_wire_dtype=eigen_wire,
             factor_update_freq=FLAGS.factor_update_freq,
-            inv_update_freq=FLAGS.inv_update_freq, phase_clocks=True,
+            decomposition_update_freq=FLAGS.decomposition_update_freq, phase_clocks=True,
             communicator=comm).attach(model)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -191,7 +191,7 @@ def _worker_args(out):
     for name in ("models", "timed_configs", "bytes_configs"):
         args.append(f"--{name}={','.join(getattr(FLAGS, name))}")
     for name in ("global_batch", "warmup_steps", "timed_steps", "factor_update_freq",
-                 "inv_update_freq"):
+                 "decomposition_update_freq"):
         args.append(f"--{name}={getattr(FLAGS, name)}")
     return args
 
@@ -219,12 +219,14 @@ def _timing(timed_ranks):
 
     step_seconds: mean over the window (amortizes factor and inverse steps);
     median_step_seconds: the typical (stale) step; decomposition: the decomposition
-    phase of each inverse step (s % inv_update_freq == 0), median and min over them.
+    phase of each inverse step (s % decomposition_update_freq == 0), median and min over
+    them.
     The machine is shared, so the min is the least disturbed measurement.
     """
     steps = range(len(timed_ranks[0]["step_seconds_each"]))
     slowest = lambda key, i: max(t[key][i] for t in timed_ranks)
-    inverse = [i for i in steps if (FLAGS.warmup_steps + i) % FLAGS.inv_update_freq == 0]
+    inverse = [i for i in steps
+               if (FLAGS.warmup_steps + i) % FLAGS.decomposition_update_freq == 0]
     decomposition = [slowest("decomposition_seconds_each", i) for i in inverse]
     return {
         "step_seconds": max(t["step_seconds"] for t in timed_ranks),
@@ -270,7 +272,8 @@ def summarize(single, per_rank, load_at_start):
     report = {"settings": {
         "global_batch": FLAGS.global_batch, "warmup_steps": FLAGS.warmup_steps,
         "timed_steps": FLAGS.timed_steps, "factor_update_freq": FLAGS.factor_update_freq,
-        "inv_update_freq": FLAGS.inv_update_freq, "num_ranks": FLAGS.num_ranks,
+        "decomposition_update_freq": FLAGS.decomposition_update_freq,
+        "num_ranks": FLAGS.num_ranks,
         "cpu_count": os.cpu_count(), "load_average_1min_at_start": load_at_start},
         "models": {}}
     for base in single:
@@ -369,7 +372,8 @@ def plot(report, path):
     ax.margins(y=0.1)
     ax.set_xticks(range(len(labels)), labels, fontsize=6)
     ax.set_title(f"MB per step per rank (amortized: factors every "
-                 f"{FLAGS.factor_update_freq}, inverse every {FLAGS.inv_update_freq})")
+                 f"{FLAGS.factor_update_freq}, inverse every "
+                 f"{FLAGS.decomposition_update_freq})")
     ax.legend(fontsize=8)
     fig.suptitle(f"Distributed K-FAC on {report['settings']['cpu_count']} cores: 1 process "
                  f"vs {FLAGS.num_ranks} Gloo ranks, global batch {FLAGS.global_batch}")
@@ -381,7 +385,7 @@ def plot(report, path):
 def add_amortized_bytes(report):
     """Bytes per step per rank (mean of ranks) under the benchmark's update schedule,
     from the measured per-step bytes: gradients (and preconditioned) every step,
-    factors every factor_update_freq steps, decompositions every inv_update_freq."""
+    factors every factor_update_freq steps, decompositions every decomposition_update_freq."""
     for entry in report["models"].values():
         for row in entry["distributed"]:
             stale = row["stale_step_bytes_mean_of_ranks"]
@@ -391,7 +395,7 @@ def add_amortized_bytes(report):
                 "preconditioned": stale["preconditioned"],
                 "factors": row["factor_bytes_per_factor_step"] / FLAGS.factor_update_freq,
                 "decompositions": row["decomposition_bytes_per_inverse_step_all_ranks"] / n
-                / FLAGS.inv_update_freq,
+                / FLAGS.decomposition_update_freq,
             }
             row["amortized_bytes_per_step_per_rank"]["total"] = sum(
                 row["amortized_bytes_per_step_per_rank"].values())
@@ -406,8 +410,12 @@ def main(argv):
     if FLAGS.replot:
         with open(FLAGS.replot) as f:
             report = json.load(f)
-        for name in ("factor_update_freq", "inv_update_freq", "num_ranks", "global_batch"):
-            setattr(FLAGS, name, report["settings"][name])
+        settings = report["settings"]
+        if "inv_update_freq" in settings:  # results written before the rename
+            settings["decomposition_update_freq"] = settings.pop("inv_update_freq")
+        for name in ("factor_update_freq", "decomposition_update_freq", "num_ranks",
+                     "global_batch"):
+            setattr(FLAGS, name, settings[name])
         os.makedirs(FLAGS.output_dir, exist_ok=True)
         plot(report, os.path.join(FLAGS.output_dir, "distributed.png"))
     else:

@@ -336,7 +336,7 @@ def record_geometries(model, batch_size, weight_sharing="expand"):
 
 
 def model_floor(geometries, attention, trainable_parameters, method, factor_update_freq,
-                inv_update_freq, ranks=2, kl_clip=True, itemsize=4):
+                decomposition_update_freq, ranks=2, kl_clip=True, itemsize=4):
     """Per phase the kernels of one step and how often they run, and the bytes a job of
     `ranks` processes would move.
 
@@ -357,7 +357,8 @@ def model_floor(geometries, attention, trainable_parameters, method, factor_upda
         "forward_backward": {"kernels": forward, "per_step": 1.0},
         "factors": {"kernels": statistics, "per_step": 1.0 / factor_update_freq},
         "communication": {"kernels": [], "per_step": 1.0},  # nothing moves on 1 process
-        "decomposition": {"kernels": decompositions, "per_step": 1.0 / inv_update_freq},
+        "decomposition": {"kernels": decompositions,
+                          "per_step": 1.0 / decomposition_update_freq},
         "precondition": {"kernels": precondition, "per_step": 1.0},
         "update": {"kernels": update_kernels(trainable_parameters, itemsize), "per_step": 1.0},
     }
@@ -386,7 +387,7 @@ def model_floor(geometries, attention, trainable_parameters, method, factor_upda
     communication["kfac_bytes_per_rank_per_step"] = (
         communication["factor_bytes_sent_per_rank_per_factor_step"] / factor_update_freq
         + communication["decomposition_bytes_received_per_rank_per_decomposition_step"]
-        / inv_update_freq)
+        / decomposition_update_freq)
     return {"phases": phases, "communication": communication}
 
 

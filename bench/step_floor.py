@@ -61,7 +61,7 @@ CONFIGURATIONS = {
 METHODS = {"eigen": "kfac_eigen", "inverse": "kfac_inverse"}
 RATES = ("matmul", "bandwidth", "eigh", "cholesky_inverse")  # what Kernel.seconds reads
 SGD_PHASES = ("forward_backward", "update")
-# Per kind of K-FAC step (`KFAC.step_phase`), the phases it runs, each in full.
+# Per kind of K-FAC step (`trainers.runner.phase_fn`), the phases it runs, each in full.
 STEP_KINDS = {
     "stale": ("forward_backward", "precondition", "update"),
     "factors": ("forward_backward", "factors", "precondition", "update"),
@@ -109,7 +109,7 @@ def compare(measurement, rates):
         schedule = CONFIGURATIONS[name]
         floor = floor_model.model_floor(
             geometries, attention, parameters, method, schedule["factor_update_freq"],
-            schedule["inv_update_freq"], FLAGS.ranks, kl_clip)
+            schedule["decomposition_update_freq"], FLAGS.ranks, kl_clip)
         phases = floor_model.phase_summary(floor, rates)
         clocks = measured[name]["kfac_phase_s_per_step"]
         step_s = measured[name]["mean_step_s"]

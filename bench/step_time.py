@@ -3,9 +3,9 @@
 For each model, nine trainers are built exactly as `python -m trainers.train` builds
 them (`trainers.runner.Trainer`): SGD compiled without and with XLA (`--xla`; the faster
 of the two is the baseline of every ratio, per model), K-FAC doing factors and eigendecompositions every
-step (`--factor_update_freq=1 --inv_update_freq=1`), amortized K-FAC
-(`--factor_update_freq=10 --inv_update_freq=100`) with the eigen and the inverse
-method, and the amortized inverse method with each of issue 16's options: factor
+step (`--factor_update_freq=1 --decomposition_update_freq=1`), amortized
+K-FAC (`--factor_update_freq=10 --decomposition_update_freq=100`) with the eigen and the
+inverse method, and the amortized inverse method with each of issue 16's options: factor
 statistics from a quarter of each batch (`--factor_batch_fraction=0.25`), bfloat16
 products (`--product_dtype=bfloat16`) and the reduce rule for convolutions
 (`--weight_sharing=reduce`, also with factors and decompositions every step). Their
@@ -16,8 +16,8 @@ timed.
 
 Each step is timed from asking for its batch to its finished update
 (`trainers.reporting.StepTimer`); a warm-up block first runs every kind of step once
-(tracing). Amortized K-FAC runs whole multiples of inv_update_freq, so its mean holds
-stale, factor and eigendecomposition steps at their true proportions. K-FAC runs as
+(tracing). Amortized K-FAC runs whole multiples of decomposition_update_freq, so its mean
+holds stale, factor and eigendecomposition steps at their true proportions. K-FAC runs as
 users run it, without its phase clocks (`phase_clocks=False`); the per-phase breakdown
 against each phase's floor is bench/step_floor.py's.
 
@@ -72,7 +72,7 @@ flags.DEFINE_integer("batch_size", 128, "Examples per step, the same for every o
 flags.DEFINE_integer("blocks", 4, "Interleaved timed blocks per configuration.")
 flags.DEFINE_integer("amortized_block_steps", 50,
                      "Steps per block for SGD and amortized K-FAC; blocks x this must be a "
-                     "multiple of the amortized inv_update_freq (100).")
+                     "multiple of the amortized decomposition_update_freq (100).")
 flags.DEFINE_integer("every_step_block_steps", 5,
                      "Steps per block for K-FAC with factors and eigendecompositions every step.")
 flags.DEFINE_integer("cached_batches", 16, "Distinct batches held in memory and cycled.")
@@ -90,28 +90,29 @@ flags.DEFINE_string("output_dir", outputs.RESULTS_DIR,
 CONFIGURATIONS = {
     "sgd": dict(optimizer="sgd"),  # jit_compile=False, the trainer's default
     "sgd_xla": dict(optimizer="sgd", xla=True),  # jit_compile=True
-    "kfac_amortized": dict(optimizer="kfac", factor_update_freq=10, inv_update_freq=100,
-                           kfac_method="eigen"),
+    "kfac_amortized": dict(optimizer="kfac", factor_update_freq=10,
+                           decomposition_update_freq=100, kfac_method="eigen"),
     # The same schedule with the inverse method: A⁻¹ ∇ G⁻¹ is half the eigen method's
     # per-step matmul work, and an inverse is cheaper than an eigendecomposition.
     "kfac_amortized_inverse": dict(optimizer="kfac", factor_update_freq=10,
-                                   inv_update_freq=100, kfac_method="inverse"),
-    "kfac_every_step": dict(optimizer="kfac", factor_update_freq=1, inv_update_freq=1,
-                            kfac_method="eigen"),
+                                   decomposition_update_freq=100, kfac_method="inverse"),
+    "kfac_every_step": dict(optimizer="kfac", factor_update_freq=1,
+                            decomposition_update_freq=1, kfac_method="eigen"),
     # The inverse schedule with factor statistics from a quarter of each batch.
     "kfac_amortized_inverse_f0.25": dict(optimizer="kfac", factor_update_freq=10,
-                                         inv_update_freq=100, kfac_method="inverse",
+                                         decomposition_update_freq=100, kfac_method="inverse",
                                          factor_batch_fraction=0.25),
     # ... and with bfloat16 Gram and preconditioning products.
     "kfac_amortized_inverse_bf16": dict(optimizer="kfac", factor_update_freq=10,
-                                        inv_update_freq=100, kfac_method="inverse",
+                                        decomposition_update_freq=100, kfac_method="inverse",
                                         product_dtype="bfloat16"),
     # ... and with the reduce rule for convolutions' factors (weight_sharing="reduce").
     "kfac_amortized_inverse_reduce": dict(optimizer="kfac", factor_update_freq=10,
-                                          inv_update_freq=100, kfac_method="inverse",
+                                          decomposition_update_freq=100, kfac_method="inverse",
                                           weight_sharing="reduce"),
-    "kfac_every_step_reduce": dict(optimizer="kfac", factor_update_freq=1, inv_update_freq=1,
-                                   kfac_method="eigen", weight_sharing="reduce"),
+    "kfac_every_step_reduce": dict(optimizer="kfac", factor_update_freq=1,
+                                   decomposition_update_freq=1, kfac_method="eigen",
+                                   weight_sharing="reduce"),
 }
 
 # An update interval longer than any timing run: the phase runs at the first step only.
@@ -120,13 +121,13 @@ FIRST_STEP_ONLY = 1_000_000
 # in the warm-up), so every timed step is a factor step and nothing else differs.
 WEIGHT_SHARING_CONFIGURATIONS = {
     rule: dict(optimizer="kfac", factor_update_freq=1, phase_clocks=True,
-               inv_update_freq=FIRST_STEP_ONLY, weight_sharing=rule)
+               decomposition_update_freq=FIRST_STEP_ONLY, weight_sharing=rule)
     for rule in ("expand", "reduce")
 }
 # --compare=stale: every timed K-FAC step is stale (factors and decompositions from the
 # warm-up's first step).
 STALE = dict(optimizer="kfac", factor_update_freq=FIRST_STEP_ONLY,
-             inv_update_freq=FIRST_STEP_ONLY)
+             decomposition_update_freq=FIRST_STEP_ONLY)
 STALE_CONFIGURATIONS = {
     "sgd": CONFIGURATIONS["sgd"],
     "sgd_xla": CONFIGURATIONS["sgd_xla"],
@@ -152,7 +153,7 @@ class Timed:
         self._batches = batches.repeat()
         self.totals = {}
         self.timer = reporting.StepTimer(runner.phase_fn(self.trainer.optimizer), self.totals)
-        every_step = config.optimizer == "kfac" and config.inv_update_freq == 1
+        every_step = config.optimizer == "kfac" and config.decomposition_update_freq == 1
         self.block_steps = (FLAGS.every_step_block_steps if every_step
                             else FLAGS.amortized_block_steps)
         self._kfac_start = None

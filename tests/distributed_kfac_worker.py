@@ -7,7 +7,7 @@ saves what this rank holds to `$DISTRIBUTED_KFAC_OUT_DIR/<scenario>.rank<r>.npz`
   and optimizer variable, collective calls/bytes after every step, factors after step 0.
 - `sync_float16`: its first step again with float16 factors on the wire.
 - `equivalence_<placement>_<method>`: per-rank batch B of fixed global batches of 2B,
-  factor_update_freq = inv_update_freq = 5 over 6 steps, some with
+  factor_update_freq = decomposition_update_freq = 5 over 6 steps, some with
   `steps_per_execution` > 1 (Keras then runs the steps in a tf.while_loop); the test
   runs the same function in one process with batch 2B (`run_equivalence`).
 - `modern_<placement>_<method>`: the equivalence run with tests/modern_net.py (one layer
@@ -39,6 +39,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tfkfac  # noqa: E402
+from kfac_reference import managed_factors  # noqa: E402
 from modern_net import modern_net  # noqa: E402
 from pipelines import idx_dataset  # noqa: E402
 from tfkfac import distributed  # noqa: E402
@@ -50,7 +51,8 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 KFAC_ARGS = dict(learning_rate=0.05, damping=1e-2)
 
 SYNC_STEPS, SYNC_BATCH = 20, 32
-SYNC_FREQ = dict(factor_update_freq=1, inv_update_freq=2)  # Every step a factor step.
+# Every step a factor step.
+SYNC_FREQ = dict(factor_update_freq=1, decomposition_update_freq=2)
 # (placement, method, steps_per_execution, xla); per-rank batch B, the reference uses 2B
 # without XLA. With xla=True the local stages are XLA-compiled and the Horovod calls run
 # between them.
@@ -59,15 +61,15 @@ EQUIVALENCE_CASES = [("replicated", "eigen", 1, False), ("owner", "eigen", 1, Fa
 EQUIVALENCE_STEPS, EQUIVALENCE_BATCH, EQUIVALENCE_FREQ = 6, 16, 5
 MODERN_CASES = [("replicated", "eigen"), ("owner", "inverse")]
 LATE_LOGS_STEPS, LATE_LOGS_STEPS_PER_EXECUTION, SLOW_METRIC_SECONDS = 8, 4, 0.3
-# Steps before and after the restore; decompositions every RESTORE_INV_FREQ steps.
-RESTORE_STEPS, RESTORE_INV_FREQ = 6, 4
+# Steps before and after the restore, and between decompositions.
+RESTORE_STEPS, RESTORE_DECOMPOSITION_FREQ = 6, 4
 # factor_examples="fresh": per step of EQUIVALENCE_STEPS, which examples of the global batch
 # (rank 0's half, then rank 1's) are fresh. Step 0 has fresh examples on rank 0 only,
 # steps 1 and 4 repeat the batch before them (batch echoing: stale steps), step 5 has
 # fresh examples on rank 1 only. The inverse method: 2 ranks measured 4.6e-6 x max|w| from
 # one process (the eigen method 7.0e-5, too near EQUIVALENCE_RTOL to tell bugs from noise).
 FRESH_PATTERNS = ("rank0", "none", "mixed", "all", "none", "rank1")
-FRESH_SETTINGS = dict(factor_update_freq=1, inv_update_freq=2, method="inverse")
+FRESH_SETTINGS = dict(factor_update_freq=1, decomposition_update_freq=2, method="inverse")
 
 
 def small_cnn(seed, batch_norm):
@@ -132,8 +134,7 @@ class CounterLog(keras.callbacks.Callback):
         self.calls.append([calls[c] for c in distributed.CATEGORIES])
         self.bytes.append([sent[c] for c in distributed.CATEGORIES])
         if self.first_factors is None:
-            self.first_factors = [np.asarray(v.numpy()) for s in self.optimizer._curvature.states
-                                  for v in s.factors]
+            self.first_factors = managed_factors(self.optimizer)
 
     def results(self):
         saved = {"calls": np.asarray(self.calls), "bytes": np.asarray(self.bytes)}
@@ -153,7 +154,7 @@ def run_equivalence(comm, placement, method, steps_per_execution=1, xla=False,
     model = build()
     optimizer = compiled(model, comm, steps_per_execution, placement=placement, method=method,
                          xla=xla, factor_update_freq=EQUIVALENCE_FREQ,
-                         inv_update_freq=EQUIVALENCE_FREQ)
+                         decomposition_update_freq=EQUIVALENCE_FREQ)
     log = CounterLog(comm, optimizer)
     model.fit(rank_part(x, global_batch, comm.rank, comm.size),
               rank_part(y, global_batch, comm.rank, comm.size),
@@ -297,7 +298,8 @@ def run_owner_restore(comm, directory):
 
     def fresh():
         model = small_cnn(seed=7, batch_norm=False)
-        optimizer = compiled(model, comm, placement="owner", inv_update_freq=RESTORE_INV_FREQ)
+        optimizer = compiled(model, comm, placement="owner",
+                             decomposition_update_freq=RESTORE_DECOMPOSITION_FREQ)
         optimizer.build(model.trainable_variables)
         return model, optimizer, tf.train.Checkpoint(model=model, optimizer=optimizer)
 

@@ -5,7 +5,8 @@ damping λ, tolerance), `assert_close`, the float64 numpy forward/backward of a 
 that yields each Dense layer's A = (1/N) Σ ā āᵀ, G = (1/N) Σ g gᵀ (g_i = N dL/ds_i at the
 pre-activation) and gradient ∇ = [dL/dW; dL/db], the explicit-Kronecker solve
 (A ⊗ G + λI)⁻¹ vec(∇), the π-corrected factored inverse, and the one-custom-loop-step
-helper that measures an update. None of it uses the optimizer's own factor or
+helper that measures an update, and `managed_factors`, which reads every managed layer's
+factors through the public `KFAC.factors`. None of it uses the optimizer's own factor or
 decomposition code.
 
 Tolerances: float32 TF against float64 numpy on these small, well-conditioned problems
@@ -117,6 +118,13 @@ def factored_inverse_precondition(A, G, grad, damping):
 
 
 # ------------------------------------------------------------------- one step
+def managed_factors(optimizer):
+    """Every managed layer's running factors as numpy arrays, in `summary()["managed"]`
+    order, read through the public `KFAC.factors`."""
+    return [f.numpy() for m in optimizer.summary()["managed"]
+            for f in optimizer.factors(m["layer"]).values()]
+
+
 def loop_step(model, opt, loss_fn, x, y):
     """One custom-loop step; returns the change of every trainable variable."""
     before = [v.numpy().copy() for v in model.trainable_variables]
@@ -124,3 +132,60 @@ def loop_step(model, opt, loss_fn, x, y):
         loss = loss_fn(y, model(x, training=True))
     opt.minimize(loss, tape=tape)
     return [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
+
+
+# ------------------------------------ grafting and eigenbasis Adam (docs/design.md §11)
+def adam_scale(value, moment, step, beta_2, epsilon):
+    """(value / (√ŝ + ε), s): s = β2·`moment` + (1-β2)·value², ŝ = s / (1 - β2^step),
+    `step` counted from 1, elementwise."""
+    moment = beta_2 * moment + (1.0 - beta_2) * np.square(value)
+    return value / (np.sqrt(moment / (1.0 - beta_2 ** step)) + epsilon), moment
+
+
+def eigenbases(part):
+    """(Q_A, Q_G) of one block part's factors (A, G), numpy.linalg.eigh's eigenvectors
+    (batched over a leading group axis), Q_A = None (the identity) for an Embedding's
+    diagonal A; () for a diagonal block (F,), its own eigenbasis."""
+    if len(part) == 1:
+        return ()
+    a, g = part
+    return (None if a.ndim == 1 else np.linalg.eigh(a)[1], np.linalg.eigh(g)[1])
+
+
+def eigen_adam_precondition(grad, bases, moment, step, beta_2, epsilon):
+    """(P, s) of method "eigen_adam" for one block part: ĝ = Q_Aᵀ ∇ Q_G,
+    P = Q_A [ĝ / (√ŝ + ε)] Q_Gᵀ with the moment s updated by ĝ; `bases` from `eigenbases`."""
+    if not bases:
+        return adam_scale(grad, moment, step, beta_2, epsilon)
+    q_a, q_g = bases
+    rotated = grad @ q_g
+    if q_a is not None:
+        rotated = np.swapaxes(q_a, -1, -2) @ rotated
+    scaled, moment = adam_scale(rotated, moment, step, beta_2, epsilon)
+    back = scaled @ np.swapaxes(q_g, -1, -2)
+    return (back if q_a is None else q_a @ back), moment
+
+
+def damped_precondition(part, grad, damping, diagonal_multiplier=1.0):
+    """The eigen method's P of one block part: (A ⊗ G + λI)⁻¹ vec(∇) per Kronecker pair
+    (explicit np.kron; an Embedding's diagonal A as a diagonal matrix; batched pairs one
+    by one), ∇ / (F + ρλ) for a diagonal block (F,)."""
+    if len(part) == 1:
+        return grad / (part[0] + diagonal_multiplier * damping)
+    a, g = part
+    if a.ndim == 1:
+        a = np.diag(a)
+    if a.ndim == 3:
+        return np.stack([kron_precondition(a_j, g_j, grad_j, damping)
+                         for a_j, g_j, grad_j in zip(a, g, grad)])
+    return kron_precondition(a, g, grad, damping)
+
+
+def graft(preconditioned, directions):
+    """Layer-wise grafting of one layer's arrays taken together:
+    P̃ = (‖r‖_F / ‖P‖_F) P, and r where ‖P‖_F = 0."""
+    p_norm = np.sqrt(sum(np.sum(np.square(p)) for p in preconditioned))
+    if p_norm == 0:
+        return [np.asarray(r, np.float64) for r in directions]
+    r_norm = np.sqrt(sum(np.sum(np.square(r)) for r in directions))
+    return [p * (r_norm / p_norm) for p in preconditioned]

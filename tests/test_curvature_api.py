@@ -8,11 +8,16 @@ gradients, leaving unmanaged variables' gradients untouched. BatchNorm's factor 
 named "F". Bad arguments name what is allowed.
 
 `state_dtype="float64"` on a float64 model agrees with the same reference to 1e-9 for the
-factors and 1e-7 for the preconditioned gradients (float32 state: 1e-4), and
-`step_phase` names exactly the work each step did (the
-counters), also for callable intervals. Inside `model.fit`, `summary()["phase_seconds"]`
-charges each phase's work to its own clock (an update made slow on purpose shows in
-"update" only).
+factors and 1e-7 for the preconditioned gradients (float32 state: 1e-4). The trainer's
+per-step phase (`trainers.runner.phase_fn`, read from `KFAC.counters()` after each step of
+`model.fit`) names exactly the work each step did — factors, decompositions, both, or
+stale — for factor and decomposition intervals that differ, fixed and callable: it
+matches the documented schedule (step 0, then s + interval(s) after each due step s)
+and what the step observably changed (the factors `factors()` returns; the result of
+`precondition()` on fixed gradients, which only new decompositions change), also when
+it is created mid-run as on a resumed run. Inside `model.fit`,
+`summary()["phase_seconds"]` charges each phase's work to its own clock (an update made
+slow on purpose shows in "update" only).
 """
 
 import os
@@ -27,6 +32,7 @@ from absl.testing import absltest  # noqa: E402
 
 import tfkfac  # noqa: E402
 from kfac_reference import DAMPING, N, assert_close, kron_precondition  # noqa: E402
+from trainers import runner  # noqa: E402
 
 RNG = np.random.default_rng(0)
 
@@ -55,6 +61,50 @@ def numpy_curvature(model, x, y):
         g = N * ds
         result.append((a_bar.T @ a_bar / N, g.T @ g / N, a_bar.T @ ds))
     return result
+
+
+PHASE_NAMES = {(True, True): "factors_and_decompositions", (True, False): "factors",
+               (False, True): "decompositions", (False, False): "stale"}
+
+
+def due_steps(interval, steps):
+    """The steps below `steps` an interval schedule fires at, by its documented rule
+    (docs/design.md): step 0, then s + interval(s) after each due step s."""
+    due, next_due = set(), 0
+    for step in range(steps):
+        if step >= next_due:
+            due.add(step)
+            next_due = step + (interval(step) if callable(interval) else interval)
+    return due
+
+
+class PhaseObserver(keras.callbacks.Callback):
+    """After each step: the name `phase()` gives it (`trainers.runner.phase_fn`, as
+    `reporting.StepTimer` calls it), whether the factors of every layer changed, and
+    whether `precondition` of fixed gradients changed (only new decompositions do)."""
+
+    def __init__(self, model, optimizer):
+        super().__init__()
+        self.kfac, self.phase = optimizer, None
+        self.layers = model.layers
+        self.variables = model.trainable_variables
+        self.gradients = [tf.constant(RNG.normal(size=v.shape), v.dtype) for v in self.variables]
+        self.names, self.factors_changed, self.preconditioning_changed = [], [], []
+        self.last_factors = self.last_preconditioned = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.names.append(self.phase())
+        factors = [f.numpy() for layer in self.layers
+                   for f in self.kfac.factors(layer).values()]
+        preconditioned = [p.numpy() for p in self.kfac.precondition(self.gradients,
+                                                                    self.variables)]
+        self.factors_changed.append(changed(self.last_factors, factors))
+        self.preconditioning_changed.append(changed(self.last_preconditioned, preconditioned))
+        self.last_factors, self.last_preconditioned = factors, preconditioned
+
+
+def changed(before, after):
+    return before is None or any(not np.array_equal(b, a) for b, a in zip(before, after))
 
 
 class CurvatureApiTest(absltest.TestCase):
@@ -127,28 +177,49 @@ class CurvatureApiTest(absltest.TestCase):
         self.assertEqual(optimizer.factors("head")["G"].dtype, tf.float64)
         self.assertEqual(model.layers[0].kernel.dtype, "float32")
 
-    def test_step_phase_names_the_work_each_step_did(self):
-        for factor_freq, inv_freq in ((2, 4), (lambda s: 1 + s // 3, lambda s: 2 + s // 2)):
-            model = mlp()
-            optimizer = tfkfac.KFAC(factor_update_freq=factor_freq, inv_update_freq=inv_freq,
-                                    xla=False).attach(model)
-            x = RNG.normal(size=(N, 4)).astype(np.float32)
-            done = []
-            for step in range(14):
-                before = optimizer.summary()["counters"] if step else {
-                    "factor_updates": 0, "decomposition_updates": 0}
-                with optimizer.record() as tape:
-                    loss = tf.reduce_mean(model(x, training=True) ** 2)
-                optimizer.minimize(loss, tape=tape)
-                after = optimizer.summary()["counters"]
-                factors, decompositions = (
-                    after[name] > before[name]
-                    for name in ("factor_updates", "decomposition_updates"))
-                done.append({(True, True): "factors_and_decompositions",
-                             (False, True): "decompositions", (True, False): "factors",
-                             (False, False): "stale"}[factors, decompositions])
-            self.assertEqual([optimizer.step_phase(s) for s in range(14)], done)
-            self.assertIn("stale", done)
+    def test_trainer_phases_name_the_work_each_step_did(self):
+        schedules = {
+            # (factor interval, decomposition interval, steps): every kind of step occurs.
+            "fixed": (2, 6, 14),
+            "callable": (lambda s: 1 + s // 4, lambda s: 3 + s // 5, 16),
+        }
+        named = set()
+        for schedule, (factor_freq, decomposition_freq, steps) in schedules.items():
+            with self.subTest(schedule):
+                factor_steps = due_steps(factor_freq, steps)
+                decomposition_steps = due_steps(decomposition_freq, steps)
+                expected = [PHASE_NAMES[s in factor_steps, s in decomposition_steps]
+                            for s in range(steps)]
+                named |= set(expected)
+                model = mlp()
+                optimizer = tfkfac.KFAC(factor_update_freq=factor_freq,
+                                        decomposition_update_freq=decomposition_freq,
+                                        xla=False).attach(model)
+                model.compile(optimizer=optimizer, loss="mse")
+                observer = PhaseObserver(model, optimizer)
+                x = RNG.normal(size=(steps * N, 4)).astype(np.float32)
+                y = RNG.normal(size=(steps * N, 3)).astype(np.float32)
+                half = steps // 2 * N
+                # Two fits, each with a phase function made before it as the trainer's
+                # `train()` does: the second one starts from non-zero counters, as after
+                # a restore.
+                for part in (slice(0, half), slice(half, None)):
+                    observer.phase = runner.phase_fn(optimizer)
+                    model.fit(x[part], y[part], batch_size=N, epochs=1, shuffle=False,
+                              verbose=0, callbacks=[observer])
+                self.assertEqual(observer.names, expected)
+                self.assertEqual(optimizer.counters()["steps"], steps)
+                self.assertEqual(optimizer.counters()["factor_updates"], len(factor_steps))
+                self.assertEqual(optimizer.counters()["decomposition_updates"],
+                                 len(decomposition_steps))
+                # What each step observably changed agrees with its name.
+                self.assertEqual(observer.factors_changed,
+                                 [s in factor_steps for s in range(steps)])
+                self.assertEqual(observer.preconditioning_changed,
+                                 [s in decomposition_steps for s in range(steps)])
+        # Fixed intervals are multiples, so only a callable one has decomposition-only steps.
+        self.assertEqual(named, set(PHASE_NAMES.values()))
+        self.assertEqual(runner.phase_fn(keras.optimizers.SGD(0.1))(), "step")
 
     def test_phase_clocks_charge_each_phase_its_own_work(self):
         # The clocks are tf.timestamp ops, stateful like the variable writes, and a
@@ -213,8 +284,11 @@ class CurvatureApiTest(absltest.TestCase):
         self.assertEqual(factors["F"].shape, (6,))
 
     def test_bad_arguments_say_what_is_allowed(self):
-        with self.assertRaisesRegex(ValueError, r"`layer`.*hidden.*head"):
-            self.optimizer.factors("nope")
+        with self.assertRaisesRegex(RuntimeError, r"KFAC.factors: .*not attached.*attach\("):
+            tfkfac.KFAC(xla=False).factors("hidden")
+        with self.assertRaisesRegex(RuntimeError, "KFAC.factors: .*no state yet.*first "
+                                                  "training step"):
+            self.optimizer.factors("hidden")
         with self.assertRaisesRegex(ValueError, r"`state_dtype` must be one of.*float64"):
             tfkfac.KFAC(state_dtype="float16")
         with self.assertRaisesRegex(ValueError, r"`skip_layers` must be a list"):
@@ -223,7 +297,10 @@ class CurvatureApiTest(absltest.TestCase):
             self.optimizer.precondition([], [])
         x = np.zeros((N, 4), np.float32)
         self.step(x, np.zeros((N, 3), np.float32))
-        with self.assertRaisesRegex(ValueError, "`variables` must hold every"):
+        with self.assertRaisesRegex(ValueError, r"`layer`.*hidden.*head.*received 'nope'"):
+            self.optimizer.factors("nope")
+        with self.assertRaisesRegex(ValueError, r"`variables` must hold all or none of "
+                                    r"layer 'hidden''s weights; missing \['.*/hidden/bias'\]"):
             self.optimizer.precondition([tf.zeros((4, 5))],
                                         [self.model.trainable_variables[0]])
 

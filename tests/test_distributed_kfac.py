@@ -248,7 +248,7 @@ class DistributedKfacTest(absltest.TestCase):
         # Decompositions at steps 0 and 4, recomputed at 6 right after the restore (they
         # are not in the checkpoint), then at the scheduled step 8.
         steps = 2 * worker.RESTORE_STEPS
-        self.assertEqual(worker.RESTORE_INV_FREQ, 4)
+        self.assertEqual(worker.RESTORE_DECOMPOSITION_FREQ, 4)
         self.assert_weights_match("owner_restore", self.restore_reference,
                                   [steps, steps, 4])
 
@@ -285,7 +285,7 @@ class DistributedKfacTest(absltest.TestCase):
         for step in np.flatnonzero(fresh):
             if step >= due:
                 decompositions, due = decompositions + 1, step + worker.FRESH_SETTINGS[
-                    "inv_update_freq"]
+                    "decomposition_update_freq"]
         self.assert_weights_match(name, self.echo_reference,
                                   [STEPS, sum(fresh), decompositions])
         # Stale steps send no factors; the fresh count rides with the gradients.

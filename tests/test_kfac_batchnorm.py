@@ -85,7 +85,7 @@ class BatchNormTest(parameterized.TestCase):
         assert_close(grad, mean_grad, msg="mean of per-example grads vs grad of mean")
 
         opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
-                          bn_damping_multiplier=RHO_BN, xla=False)
+                          diagonal_damping_multiplier=RHO_BN, xla=False)
         opt.attach(model)
         variables = [v for v in (bn.gamma, bn.beta) if v is not None]
         before = np.concatenate([v.numpy() for v in variables])
@@ -98,9 +98,9 @@ class BatchNormTest(parameterized.TestCase):
             opt.minimize(loss, tape=tape)
         delta = np.concatenate([v.numpy() for v in variables]) - before
 
-        kinds = [b.kind for b in opt._curvature.blocks]
-        index = kinds.index("batch_norm")
-        (stored,) = [f.numpy() for f in opt._curvature.states[index].factors]
+        kinds = {m["layer"]: m["kind"] for m in opt.summary()["managed"]}
+        self.assertEqual(kinds[bn.name], "batch_norm")  # its path in the model
+        stored = opt.factors(bn)["F"].numpy()
         self.assertEqual(stored.shape, fisher.shape)
         assert_close(stored, fisher, msg="diagonal Fisher")
         expected = -LR * grad / (fisher + RHO_BN * DAMPING)
@@ -161,14 +161,13 @@ class BatchNormTest(parameterized.TestCase):
         grad = per_example.mean(axis=0)
 
         opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
-                          bn_damping_multiplier=RHO_BN, xla=False).attach(model)
+                          diagonal_damping_multiplier=RHO_BN, xla=False).attach(model)
         before = np.concatenate([bn.gamma.numpy(), bn.beta.numpy()])
         with opt.record() as tape:
             loss = loss_fn()(labels, model(x, training=True))
         opt.minimize(loss, tape=tape)
         delta = np.concatenate([bn.gamma.numpy(), bn.beta.numpy()]) - before
-        index = [b.name for b in opt._curvature.blocks].index("bn1")
-        assert_close(opt._curvature.states[index].factors[0].numpy(), fisher,
+        assert_close(opt.factors("bn1")["F"].numpy(), fisher,
                      msg="diagonal Fisher, later statistics fixed")
         assert_close(delta, -LR * grad / (fisher + RHO_BN * DAMPING), msg="BN update")
 

@@ -30,7 +30,7 @@ from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
 from kfac_reference import (DAMPING, LR, assert_close, kron_precondition,  # noqa: E402
-                            loop_step)
+                            loop_step, managed_factors)
 
 N = 4  # this file's batch size (kfac_reference.N, used elsewhere, is 8)
 C_IN = 2
@@ -159,8 +159,8 @@ class Conv2DTest(parameterized.TestCase):
         opt = plain_kfac()
         opt.attach(model)
         deltas = loop_step(model, opt, ce_loss(), x, labels)
-        self.assertEqual([b.kind for b in opt._curvature.blocks], ["conv2d", "dense"])
-        a, g = [f.numpy() for f in opt._curvature.states[0].factors]
+        self.assertEqual([m["kind"] for m in opt.summary()["managed"]], ["conv2d", "dense"])
+        a, g = (opt.factors(conv)[name].numpy() for name in ("A", "G"))
         assert_close(a, ref["A"], msg="conv A")
         assert_close(g, ref["G"], msg="conv G")
 
@@ -183,7 +183,7 @@ class Conv2DTest(parameterized.TestCase):
         model.compile(optimizer=opt, loss=ce_loss())
         before = conv.kernel.numpy().copy()
         model.fit(x, labels, batch_size=N, epochs=1, shuffle=False, verbose=0)
-        a, g = [f.numpy() for f in opt._curvature.states[0].factors]
+        a, g = (opt.factors(conv)[name].numpy() for name in ("A", "G"))
         assert_close(a, ref["A"])
         assert_close(g, ref["G"])
         p = kron_precondition(ref["A"], ref["G"], ref["grad"], DAMPING)
@@ -234,7 +234,7 @@ class Conv2DTest(parameterized.TestCase):
             opt = plain_kfac()
             opt.attach(model)
             deltas = loop_step(model, opt, ce_loss(), inputs, labels)
-            factors = [f.numpy() for s in opt._curvature.states for f in s.factors]
+            factors = managed_factors(opt)
             results.append((deltas, factors))
         (conv_deltas, conv_factors), (dense_deltas, dense_factors) = results
         for got, want in zip(conv_factors, dense_factors):

@@ -50,7 +50,8 @@ from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
 from kfac_reference import (DAMPING, LR, assert_close,  # noqa: E402
-                            factored_inverse_precondition, kron_precondition, loop_step)
+                            factored_inverse_precondition, kron_precondition, loop_step,
+                            managed_factors)
 
 N = 4
 UPDATE_RTOL = 1e-3
@@ -362,7 +363,7 @@ class OptimizerStepTest(parameterized.TestCase):
         opt = kfac(model, method, sharing)
         deltas = loop_step(model, opt, MSE, x, y)
         self.assertEqual([m["layer"] for m in opt.summary()["managed"]], [conv.name])
-        factors = [f.numpy() for f in opt._curvature.states[0].factors]
+        factors = managed_factors(opt)
         check_against_reference(ref, factors, deltas, ref.results(y, sharing, method), -LR,
                                 f"{name} ({method}, {sharing})")
 

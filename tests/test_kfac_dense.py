@@ -110,11 +110,12 @@ class DenseEigenTest(parameterized.TestCase):
         deltas = one_fit_step(model, opt, x, y, loss)
 
         # Factors stored after the first update equal the batch factors.
-        self.assertLen(opt._curvature.blocks, len(spec))
-        for block, state, ref in zip(opt._curvature.blocks, opt._curvature.states, reference):
-            a, g = [f.numpy() for f in state.factors]
-            assert_close(a, ref["A"], msg=f"A of {block.name}")
-            assert_close(g, ref["G"], msg=f"G of {block.name}")
+        self.assertEqual([m["layer"] for m in opt.summary()["managed"]],
+                         [layer.name for layer in model.layers])
+        for layer, ref in zip(model.layers, reference):
+            factors = opt.factors(layer)
+            assert_close(factors["A"].numpy(), ref["A"], msg=f"A of {layer.name}")
+            assert_close(factors["G"].numpy(), ref["G"], msg=f"G of {layer.name}")
         # The update is -lr * P, split into kernel and bias.
         expected = expected_deltas(reference, spec)
         self.assertLen(deltas, len(expected))
@@ -135,7 +136,7 @@ class DenseEigenTest(parameterized.TestCase):
         self.assertGreater(np.max(np.abs(g_post - g_pre)), 0.2 * np.max(np.abs(g_pre)))
         opt = plain_kfac(xla=False)
         deltas = one_loop_step(model, opt, x, y, "mse")
-        assert_close(opt._curvature.states[0].factors[1].numpy(), reference[0]["G"])
+        assert_close(opt.factors(model.layers[0])["G"].numpy(), reference[0]["G"])
         for got, want in zip(deltas, expected_deltas(reference, spec)):
             assert_close(got, want)
 
@@ -176,7 +177,7 @@ class DenseEigenTest(parameterized.TestCase):
         p = kron_precondition(A, G, rows.T @ ds.reshape(-1, 4), DAMPING)
         opt = plain_kfac(xla=False)
         deltas = one_loop_step(model, opt, x, y, "mse")
-        a, g = [f.numpy() for f in opt._curvature.states[0].factors]
+        a, g = (opt.factors(first)[name].numpy() for name in ("A", "G"))
         assert_close(a, A, msg="A")
         assert_close(g, G, msg="G")
         assert_close(deltas[0], -LR * p[:-1], msg="kernel")

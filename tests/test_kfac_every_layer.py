@@ -136,7 +136,7 @@ class EveryLayerTrainsTest(parameterized.TestCase):
         input_shape, make_layer = LAYERS[name]
         model = build_model(input_shape, make_layer)
         optimizer = tfkfac.KFAC(learning_rate=0.05, factor_update_freq=1,
-                                inv_update_freq=1, xla=False)
+                                decomposition_update_freq=1, xla=False)
         summary, messages = self.check_trains(model, optimizer)
 
         managed = {m["layer"] for m in summary["managed"]}

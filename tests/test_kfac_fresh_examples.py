@@ -67,9 +67,9 @@ def custom_step(optimizer, model, x, y, **fresh):
 
 
 def all_factors(optimizer, model):
-    return {f"{block.path}/{name}": value.numpy()
-            for block in optimizer._curvature.blocks
-            for name, value in optimizer.factors(block.path).items()}
+    return {f"{managed['layer']}/{name}": value.numpy()
+            for managed in optimizer.summary()["managed"]
+            for name, value in optimizer.factors(managed["layer"]).items()}
 
 
 def assert_factors_equal(test, got, expected):
@@ -127,7 +127,7 @@ class EchoedStreamTest(absltest.TestCase):
     """`model.fit` on a real echo pipeline against a lockstep plain-K-FAC reference."""
 
     STEPS, BATCH = 12, 8
-    FREQ = dict(factor_update_freq=1, inv_update_freq=3)
+    FREQ = dict(factor_update_freq=1, decomposition_update_freq=3)
 
     def stream(self, **echo):
         source = tf.data.Dataset.from_tensor_slices({
@@ -190,7 +190,7 @@ class TrainerTest(absltest.TestCase):
     def test_batch_echo_run_updates_factors_on_fresh_batches_only(self):
         # Batch echoing with e = 2: steps 0 and 2 are fresh, 1 and 3 their repeats.
         argv = ["--model=mlp", "--steps=4", "--echo_mode=batch", "--echo_factor=2",
-                "--factor_update_freq=1", "--inv_update_freq=2", *SMALL_FLAGS]
+                "--factor_update_freq=1", "--decomposition_update_freq=2", *SMALL_FLAGS]
         with tempfile.TemporaryDirectory() as directory:
             for factor_examples, factor_updates in (("fresh", 2), ("all", 4)):
                 config, given = config_from_argv(

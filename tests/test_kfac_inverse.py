@@ -58,12 +58,15 @@ class InverseMethodTest(parameterized.TestCase):
         deltas = [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
 
         expected = []
-        for ref, state in zip(reference, opt._curvature.states):
+        # Private: no public API returns the stored decompositions.
+        stored = [state.decompositions for state in opt._curvature.states]
+        self.assertLen(stored, len(reference))
+        for ref, decompositions in zip(reference, stored):
             a_inv, g_inv = pi_inverses(ref["A"], ref["G"], damping)
             # The stored decompositions are the two damped inverses.
-            self.assertLen(state.decompositions, 2)
-            assert_close(state.decompositions[0][0].numpy(), a_inv, msg="A inverse")
-            assert_close(state.decompositions[1][0].numpy(), g_inv, msg="G inverse")
+            self.assertLen(decompositions, 2)
+            assert_close(decompositions[0][0].numpy(), a_inv, msg="A inverse")
+            assert_close(decompositions[1][0].numpy(), g_inv, msg="G inverse")
             p = a_inv @ ref["grad"] @ g_inv
             # The π correction matters here: without it the update differs clearly.
             a1, g1 = pi_inverses(ref["A"], ref["G"], damping, use_pi=False)

@@ -21,6 +21,7 @@ from absl.testing import absltest, parameterized  # noqa: E402
 
 import modern_net  # noqa: E402
 import tfkfac  # noqa: E402
+from kfac_reference import managed_factors  # noqa: E402
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 BATCH = 8
@@ -34,7 +35,7 @@ FACTOR_RTOL = {"mixed_float16": 2e-2, "mixed_bfloat16": 1e-1}
 
 def compiled(**kfac_args):
     model = modern_net.modern_net(seed=0)
-    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, inv_update_freq=2,
+    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, decomposition_update_freq=2,
                             xla=False, **kfac_args).attach(model)
     # float16: a loss scale that does not overflow this model's first step (Keras's
     # default 2^15 does, and the step would be skipped).
@@ -50,13 +51,10 @@ def fit(model, start, steps):
     model.fit(X[part], Y[part], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
 
 
-def factors(optimizer):
-    return [v.numpy().copy() for s in optimizer._curvature.states for v in s.factors]
-
-
 def state(optimizer):
-    """Every block's factors and decompositions (bfloat16 matrices with product_dtype)."""
-    return [v.numpy().copy() for v in optimizer._curvature.variables(saved_only=True)]
+    """Every optimizer variable: the inner SGD's, the counters, every block's factors and
+    decompositions (bfloat16 matrices with product_dtype)."""
+    return [v.numpy().copy() for v in optimizer.variables]
 
 
 class ModernLayersTest(parameterized.TestCase):
@@ -79,16 +77,15 @@ class ModernLayersTest(parameterized.TestCase):
         model, optimizer = compiled()
         fit(model, 0, 1)
         self.assertEqual(optimizer.summary()["counters"]["factor_updates"], 1)
-        for expected, got in zip(factors(reference), factors(optimizer)):
+        for expected, got in zip(managed_factors(reference), managed_factors(optimizer)):
             self.assertEqual(got.dtype, np.float32)
             scale = np.max(np.abs(expected))
             np.testing.assert_allclose(got, expected, atol=FACTOR_RTOL[policy] * scale)
         fit(model, 1, 3)
         for variable in optimizer.variables:
             self.assertTrue(np.all(np.isfinite(variable.numpy())), variable.path)
-        for state in optimizer._curvature.states:
-            for variable in state.factors:
-                self.assertEqual(variable.dtype, "float32")
+        for factor in managed_factors(optimizer):
+            self.assertEqual(factor.dtype, np.float32)
         self.assertTrue(all(np.all(np.isfinite(w)) for w in model.get_weights()))
 
     @parameterized.parameters(None, "bfloat16")
@@ -99,6 +96,7 @@ class ModernLayersTest(parameterized.TestCase):
         model.save(path)
         loaded = keras.models.load_model(path)
         loaded.optimizer.attach(loaded)
+        self.assertLen(state(loaded.optimizer), len(state(optimizer)))
         for expected, got in zip(state(optimizer), state(loaded.optimizer)):
             self.assertEqual(got.dtype, expected.dtype)
             np.testing.assert_array_equal(got.astype(np.float64), expected.astype(np.float64))

@@ -88,14 +88,14 @@ class NormalizationTest(parameterized.TestCase):
         grad = per_example.mean(axis=0)
 
         opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
-                          bn_damping_multiplier=RHO, xla=False).attach(model)
-        index = [b.name for b in opt._curvature.blocks].index(norm.name)
-        self.assertEqual(opt._curvature.blocks[index].kind, kind)
+                          diagonal_damping_multiplier=RHO, xla=False).attach(model)
+        kinds = {m["layer"]: m["kind"] for m in opt.summary()["managed"]}
+        self.assertEqual(kinds[norm.name], kind)  # its path in the model
         deltas = loop_step(model, opt, LOSS, x, labels)
         index_of = {id(v): i for i, v in enumerate(model.trainable_variables)}
         delta = np.concatenate([deltas[index_of[id(v)]].ravel() for v in variables])
 
-        assert_close(opt._curvature.states[index].factors[0].numpy(), fisher,
+        assert_close(opt.factors(norm)["F"].numpy(), fisher,
                      msg="diagonal Fisher")
         expected = -LR * grad / (fisher + RHO * DAMPING)
         assert_close(delta, expected, msg="update")

@@ -8,9 +8,9 @@ kfac_reference.py):
 - Running average: F₂ = ξ F₁ + (1-ξ) F_batch₂, with F₁ and F_batch₂ from a float64 numpy
   forward/backward at the weights of each step; the second update must be
   -lr (A₂ ⊗ G₂ + λ₂ I)⁻¹ vec(∇₂) (np.kron) with the averaged factors.
-- Frequencies: with factor_update_freq=2, inv_update_freq=4, factors change only on
-  steps 0, 2, 4, ... and decompositions only on 0, 4, 8, ...; the stored eigenbasis
-  reconstructs the factors of the last inverse step; counters match.
+- Frequencies: with factor_update_freq=2, decomposition_update_freq=4, factors change
+  only on steps 0, 2, 4, ... and decompositions only on 0, 4, 8, ...; the stored
+  eigenbasis reconstructs the factors of the last decomposition step; counters match.
 - WarmupDamping against the Python recursion γ ← (1-α)γ + α γ_target,
   α = 2 log10(γ0/γ_target)/t_warmup (Osawa eq. 13-14); OsawaInterval against
   min(20, 5 floor(e/5) + 1) (eq. 20).
@@ -31,7 +31,7 @@ from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
 from kfac_reference import (DAMPING, LR, N, assert_close, dense_layers,  # noqa: E402
-                            kron_precondition, loop_step, mlp_reference)
+                            kron_precondition, loop_step, managed_factors, mlp_reference)
 
 
 def warmup_recursion(gamma0, target, warmup, steps):
@@ -63,10 +63,10 @@ MSE = keras.losses.MeanSquaredError()
 
 
 def snapshot(opt):
-    factors = [f.numpy().copy() for s in opt._curvature.states for f in s.factors]
+    # Decompositions are private: no public API returns them.
     decomps = [v.numpy().copy() for s in opt._curvature.states
                for d in s.decompositions for v in d]
-    return factors, decomps
+    return managed_factors(opt), decomps
 
 
 class KLClipTest(parameterized.TestCase):
@@ -116,7 +116,7 @@ class RunningAverageTest(parameterized.TestCase):
             damping, dampings = DAMPING, [DAMPING, DAMPING]
         model = make_model(1)
         opt = tfkfac.KFAC(learning_rate=LR, damping=damping, momentum=0.0, kl_clip=None,
-                          factor_decay=xi, inv_update_freq=1, xla=False)
+                          factor_decay=xi, decomposition_update_freq=1, xla=False)
         opt.attach(model)
         (x1, y1), (x2, y2) = batch(201), batch(202)
 
@@ -128,12 +128,13 @@ class RunningAverageTest(parameterized.TestCase):
         deltas2 = loop_step(model, opt, MSE, x2, y2)
 
         expected1, expected2 = [], []
-        for k, state in enumerate(opt._curvature.states):
+        for k, layer in enumerate(model.layers):
             a1, g1 = ref1[k]["A"], ref1[k]["G"]
             a2 = xi * a1 + (1 - xi) * ref2[k]["A"]
             g2 = xi * g1 + (1 - xi) * ref2[k]["G"]
-            assert_close(state.factors[0].numpy(), a2, msg="A after two steps")
-            assert_close(state.factors[1].numpy(), g2, msg="G after two steps")
+            factors = opt.factors(layer)
+            assert_close(factors["A"].numpy(), a2, msg="A after two steps")
+            assert_close(factors["G"].numpy(), g2, msg="G after two steps")
             p1 = kron_precondition(a1, g1, ref1[k]["grad"], dampings[0])
             p2 = kron_precondition(a2, g2, ref2[k]["grad"], dampings[1])
             expected1 += [-LR * p1[:-1], -LR * p1[-1]]
@@ -180,7 +181,7 @@ class FrequencyTest(parameterized.TestCase):
     def test_freq_2_and_4_custom_loop(self):
         model = make_model(2)
         opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, factor_update_freq=2,
-                          inv_update_freq=4, xla=False)
+                          decomposition_update_freq=4, xla=False)
         opt.attach(model)
         history = []
         for step in range(9):
@@ -192,7 +193,7 @@ class FrequencyTest(parameterized.TestCase):
         # Inside model.fit the step is a tf.function: the frequency logic runs in graph.
         model = make_model(3)
         opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, factor_update_freq=2,
-                          inv_update_freq=4, xla=False)
+                          decomposition_update_freq=4, xla=False)
         opt.attach(model)
         model.compile(optimizer=opt, loss=MSE)
         history = []
@@ -212,7 +213,7 @@ class FrequencyTest(parameterized.TestCase):
         interval = tfkfac.OsawaInterval(1)
         model = make_model(4)
         opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, factor_update_freq=interval,
-                          inv_update_freq=interval, xla=False)
+                          decomposition_update_freq=interval, xla=False)
         opt.attach(model)
         expected, next_step = set(), 0
         for step in range(13):

@@ -11,6 +11,7 @@ import tensorflow as tf
 from absl.testing import absltest, parameterized
 
 import tfkfac
+from kfac_reference import managed_factors
 
 RNG = np.random.default_rng(0)
 X = RNG.random((64, 6, 6, 1), dtype=np.float32)
@@ -31,7 +32,8 @@ def small_cnn(seed=0):
 
 
 def compiled(model, **kfac_args):
-    kfac_args.setdefault("learning_rate", 0.05)
+    if "inner_optimizer" not in kfac_args:  # else the inner optimizer has the rate
+        kfac_args.setdefault("learning_rate", 0.05)
     kfac_args.setdefault("damping", 1e-2)
     optimizer = tfkfac.KFAC(**kfac_args).attach(model)
     model.compile(optimizer=optimizer, loss=LOSS)
@@ -47,10 +49,6 @@ def max_difference(weights_a, weights_b):
     return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))
 
 
-def factor_values(optimizer):
-    return [v.numpy().copy() for s in optimizer._curvature.states for v in s.factors]
-
-
 class PrecisionTest(parameterized.TestCase):
 
     def tearDown(self):
@@ -63,10 +61,9 @@ class PrecisionTest(parameterized.TestCase):
         fit(model, steps=4)
         for weight in model.get_weights():
             self.assertTrue(np.all(np.isfinite(weight)))
-        for state in optimizer._curvature.states:
-            for variable in state.factors:
-                self.assertEqual(variable.dtype, "float32")
-                self.assertTrue(np.all(np.isfinite(variable.numpy())))
+        for factor in managed_factors(optimizer):
+            self.assertEqual(factor.dtype, np.float32)
+            self.assertTrue(np.all(np.isfinite(factor)))
         self.assertEqual(optimizer.summary()["counters"]["factor_updates"], 4)
 
     def test_mixed_float16_unscales_output_gradients(self):
@@ -77,7 +74,7 @@ class PrecisionTest(parameterized.TestCase):
         mixed_model, mixed_opt = compiled(small_cnn())
         self.assertIsInstance(mixed_model.optimizer, keras.optimizers.LossScaleOptimizer)
         fit(mixed_model, steps=1)
-        for reference, mixed in zip(factor_values(float32_opt), factor_values(mixed_opt)):
+        for reference, mixed in zip(managed_factors(float32_opt), managed_factors(mixed_opt)):
             scale = np.max(np.abs(reference))
             np.testing.assert_allclose(mixed, reference, atol=2e-2 * scale)
 
@@ -85,27 +82,28 @@ class PrecisionTest(parameterized.TestCase):
         keras.mixed_precision.set_global_policy("mixed_float16")
         model, optimizer = compiled(small_cnn())
         fit(model, steps=1)
-        weights, factors = model.get_weights(), factor_values(optimizer)
+        weights, factors = model.get_weights(), managed_factors(optimizer)
         huge = np.full_like(X[:16], 6e4)  # overflows float16 activations
         model.fit(huge, Y[:16], batch_size=16, epochs=1, verbose=0)
         trainable_after = [w.numpy() for w in model.trainable_weights]
         trainable_before = [w for w, v in zip(weights, model.weights) if v.trainable]
         self.assertEqual(max_difference(trainable_before, trainable_after), 0.0)
-        self.assertEqual(max_difference(factors, factor_values(optimizer)), 0.0)
+        self.assertEqual(max_difference(factors, managed_factors(optimizer)), 0.0)
         self.assertEqual(optimizer.summary()["counters"]["factor_updates"], 1)
 
 
 class StateTest(absltest.TestCase):
 
     def test_save_load_then_one_more_step_matches_uninterrupted(self):
-        model, optimizer = compiled(small_cnn(), inv_update_freq=2)
+        model, optimizer = compiled(small_cnn(), decomposition_update_freq=2)
         fit(model, steps=3)
         path = os.path.join(tempfile.mkdtemp(), "model.keras")
         model.save(path)
         loaded = keras.models.load_model(path)
         self.assertIsInstance(loaded.optimizer, tfkfac.KFAC)
         loaded.optimizer.attach(loaded)
-        self.assertEqual(max_difference(factor_values(loaded.optimizer), factor_values(optimizer)), 0.0)
+        self.assertEqual(max_difference(managed_factors(loaded.optimizer),
+                                        managed_factors(optimizer)), 0.0)
         fit(model, steps=1)
         fit(loaded, steps=1)
         self.assertLess(max_difference(model.get_weights(), loaded.get_weights()), 1e-6)
@@ -124,10 +122,11 @@ class StateTest(absltest.TestCase):
         self.assertLess(max_difference(model.get_weights(), restored.get_weights()), 1e-6)
 
     def test_owner_placement_saves_no_decompositions_and_recomputes_them(self):
-        replicated_model, replicated = compiled(small_cnn(), inv_update_freq=4)
+        replicated_model, replicated = compiled(small_cnn(), decomposition_update_freq=4)
         replicated.build(replicated_model.trainable_variables)
-        model, optimizer = compiled(small_cnn(), placement="owner", inv_update_freq=4)
+        model, optimizer = compiled(small_cnn(), placement="owner", decomposition_update_freq=4)
         fit(model, steps=3)  # decomposed at step 0; the next at step 4
+        # Private: no public API tells the decompositions a rank holds.
         held = [v for s in optimizer._curvature.states for d in s.decompositions for v in d]
         # One process owns every layer: it holds all decompositions, but saves none.
         self.assertEqual(optimizer.summary()["state_bytes"],
@@ -137,12 +136,14 @@ class StateTest(absltest.TestCase):
         model.save(path)
         loaded = keras.models.load_model(path)
         loaded.optimizer.attach(loaded)
-        counters = lambda opt: (opt.summary()["counters"]["decomposition_updates"],
+        # Private: the next due step is schedule state that `counters()` does not report.
+        counters = lambda opt: (opt.counters()["decomposition_updates"],
                                 int(opt._counters.next_decomposition_step.numpy()))
         self.assertEqual(counters(loaded.optimizer), (1, 4))
         fit(loaded, steps=1)  # step 3: recomputed from the restored factors...
         self.assertEqual(counters(loaded.optimizer), (2, 4))  # ...keeping the schedule
-        for state in loaded.optimizer._curvature.states:  # (BatchNorm has no decomposition)
+        # Private: decompositions have no public API. (BatchNorm has no decomposition.)
+        for state in loaded.optimizer._curvature.states:
             for factor, decomposition in zip(state.factors, state.decompositions):
                 vectors, values = (v.numpy() for v in decomposition)
                 np.testing.assert_allclose(vectors @ np.diag(values) @ vectors.T,
@@ -151,28 +152,35 @@ class StateTest(absltest.TestCase):
         self.assertEqual(counters(loaded.optimizer), (3, 8))
 
     def test_get_config_round_trip_with_schedules_and_inner_optimizer(self):
-        optimizer = tfkfac.KFAC(
-            learning_rate=keras.optimizers.schedules.ExponentialDecay(0.1, 100, 0.5),
-            damping=tfkfac.WarmupDamping(1e-1, 1e-3, warmup_steps=100),
-            factor_update_freq=tfkfac.OsawaInterval(steps_per_epoch=50),
-            inv_update_freq=tfkfac.OsawaInterval(steps_per_epoch=50),
-            method="inverse", kl_clip=None, skip_layers=["logits"],
-            inner_optimizer=keras.optimizers.Adam(1e-3))
-        config = optimizer.get_config()
-        rebuilt = tfkfac.KFAC.from_config(config)
-        self.assertEqual(rebuilt.get_config(), config)
-        self.assertIsInstance(rebuilt.damping, tfkfac.WarmupDamping)
-        self.assertIsInstance(rebuilt.inner_optimizer, keras.optimizers.Adam)
+        decay = lambda: keras.optimizers.schedules.ExponentialDecay(0.1, 100, 0.5)
+        settings = dict(damping=tfkfac.WarmupDamping(1e-1, 1e-3, warmup_steps=100),
+                        factor_update_freq=tfkfac.OsawaInterval(steps_per_epoch=50),
+                        decomposition_update_freq=tfkfac.OsawaInterval(steps_per_epoch=50),
+                        method="inverse", kl_clip=None, skip_layers=["logits"])
+        for inner_class, optimizer in (
+                (keras.optimizers.Adam, tfkfac.KFAC(
+                    inner_optimizer=keras.optimizers.Adam(decay()), **settings)),
+                (keras.optimizers.SGD, tfkfac.KFAC(learning_rate=decay(), **settings))):
+            config = optimizer.get_config()
+            rebuilt = tfkfac.KFAC.from_config(config)
+            self.assertEqual(rebuilt.get_config(), config)
+            self.assertEqual(rebuilt.config, optimizer.config)
+            self.assertIsInstance(rebuilt.damping, tfkfac.WarmupDamping)
+            self.assertIsInstance(rebuilt.inner_optimizer, inner_class)
+            self.assertIsInstance(rebuilt.learning_rate,
+                                  keras.optimizers.schedules.ExponentialDecay)
 
 
 class UpdateRuleTest(absltest.TestCase):
 
-    def test_inner_sgd_equals_builtin_update(self):
-        builtin, _ = compiled(small_cnn(), momentum=0.5)
+    def test_kfac_level_arguments_build_the_inner_sgd(self):
+        default, optimizer = compiled(small_cnn(), momentum=0.5)
+        self.assertIsInstance(optimizer.inner_optimizer, keras.optimizers.SGD)
+        self.assertEqual(optimizer.inner_optimizer.momentum, 0.5)
         inner, _ = compiled(small_cnn(), inner_optimizer=keras.optimizers.SGD(0.05, 0.5))
-        fit(builtin, steps=3)
+        fit(default, steps=3)
         fit(inner, steps=3)
-        self.assertLess(max_difference(builtin.get_weights(), inner.get_weights()), 1e-5)
+        self.assertEqual(max_difference(default.get_weights(), inner.get_weights()), 0.0)
 
     def test_inner_adam_gets_preconditioned_gradients(self):
         model, optimizer = compiled(small_cnn(), inner_optimizer=keras.optimizers.Adam(1e-3))
@@ -201,16 +209,17 @@ class UpdateRuleTest(absltest.TestCase):
         self.assertLess(max_difference(fitted.get_weights(), looped.get_weights()), 1e-5)
 
     def test_stale_steps_do_no_factor_or_decomposition_work(self):
-        model, optimizer = compiled(small_cnn(), factor_update_freq=2, inv_update_freq=4)
+        model, optimizer = compiled(small_cnn(), factor_update_freq=2,
+                                    decomposition_update_freq=4)
         fit(model, steps=4)
         counters = optimizer.summary()["counters"]
         self.assertEqual(counters["steps"], 4)
         self.assertEqual(counters["factor_updates"], 2)       # steps 0 and 2
         self.assertEqual(counters["decomposition_updates"], 1)  # step 0
-        factors = factor_values(optimizer)
+        factors = managed_factors(optimizer)
         fit(model, steps=1)  # step 4: factors and decompositions
         fit(model, steps=1)  # step 5: stale
-        after_stale = factor_values(optimizer)
+        after_stale = managed_factors(optimizer)
         fit(model, steps=1)  # step 6: factors only
         self.assertGreater(max_difference(factors, after_stale), 0.0)
         self.assertEqual(optimizer.summary()["counters"]["factor_updates"], 4)
@@ -222,20 +231,23 @@ class UpdateRuleTest(absltest.TestCase):
         model, optimizer = compiled(small_cnn())
         fit(model, steps=1)
         trainable = lambda: [w.numpy().copy() for w in model.trainable_weights]
-        weights, factors = trainable(), factor_values(optimizer)
+        weights, factors = trainable(), managed_factors(optimizer)
         poisoned = X[:16].copy()
         poisoned[3, 2, 2, 0] = np.nan
         model.fit(poisoned, Y[:16], batch_size=16, epochs=1, verbose=0)
         self.assertEqual(max_difference(weights, trainable()), 0.0)
-        self.assertEqual(max_difference(factors, factor_values(optimizer)), 0.0)
+        self.assertEqual(max_difference(factors, managed_factors(optimizer)), 0.0)
         counters = optimizer.summary()["counters"]
         self.assertEqual((counters["steps"], counters["skipped_steps"]), (1, 1))
         fit(model, steps=1)  # training goes on with clean data
         self.assertEqual(optimizer.summary()["counters"]["steps"], 2)
 
     def test_failed_decomposition_keeps_the_previous_one(self):
-        model, optimizer = compiled(small_cnn(), factor_update_freq=2, inv_update_freq=2)
+        model, optimizer = compiled(small_cnn(), factor_update_freq=2,
+                                    decomposition_update_freq=2)
         fit(model, steps=1)
+        # Private, white-box: poisons a stored factor, forces the schedule and reads the
+        # decompositions, for which there is no public API.
         state = optimizer._curvature.states[-1]
         previous = [v.numpy().copy() for v in state.decompositions[0]]
         # Corrupt a stored factor directly (the finite check on new statistics is

@@ -101,6 +101,7 @@ class ModelTest(absltest.TestCase):
             optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, xla=False,
                                     method=method, product_dtype="bfloat16").attach(model)
             custom_step(optimizer, model, x, y)
+            # Private: the stored decompositions and their blocks have no public API.
             curvature, damping = optimizer._curvature, optimizer.current_damping()
             for block, state in zip(curvature.blocks, curvature.states):
                 for j, stored in zip(block.symmetric_factors(), state.decompositions):
@@ -145,6 +146,7 @@ class SettingsTest(absltest.TestCase):
         config.validate(given)
         optimizer = runner.Trainer(config).optimizer
         self.assertEqual(optimizer.product_dtype, "bfloat16")
+        # Private: which dtype each block computes in has no public API.
         self.assertTrue(all(b.product_dtype == "bfloat16"
                             for b in optimizer._curvature.blocks))
         sgd, given = config_from_argv("--optimizer=sgd", "--product_dtype=bfloat16")

@@ -72,8 +72,9 @@ class DenseCountTest(absltest.TestCase):
 
     def test_schedule_and_communication(self):
         parameters = 21 * 30
-        floor = floor_model.model_floor({"dense": self.block}, [], parameters, "inverse",
-                                        factor_update_freq=10, inv_update_freq=100, ranks=2)
+        floor = floor_model.model_floor(
+            {"dense": self.block}, [], parameters, "inverse", factor_update_freq=10,
+            decomposition_update_freq=100, ranks=2)
         rates = {"matmul": 1e9, "bandwidth": 1e9, "eigh": 1e9, "cholesky_inverse": 1e9}
         summary = floor_model.phase_summary(floor, rates)
         self.assertEqual(summary["factors"]["flops_per_step"],

@@ -64,7 +64,7 @@ class FlagValidationTest(parameterized.TestCase):
         (["--echo_factor=2"], "echo_factor=2.0 needs an echo_mode"),
         (["--optimizer=sgd", "--damping=0.01", "--kl_clip=0.01"],
          "damping, kl_clip only apply to optimizer=kfac"),
-        (["--factor_update_freq=10", "--inv_update_freq=15"], "must be a multiple"),
+        (["--factor_update_freq=10", "--decomposition_update_freq=15"], "must be a multiple"),
         (["--target_accuracy=1.5"], r"`target_accuracy` must be a finite number in \(0, 1\]"),
         (["--model=autoencoder", "--target_accuracy=0.5"], "applies to classifiers"),
         (["--stop_at_target"], "stop_at_target needs a target_accuracy"),
@@ -72,11 +72,11 @@ class FlagValidationTest(parameterized.TestCase):
         (["--lr_schedule=step", "--lr_decay_epochs=5,2"], "strictly increasing"),
         (["--lr_schedule=warmup"], "needs warmup_epochs > 0"),
         (["--lr_decay_epochs=3"], "only applies to lr_schedule=step"),
-        (["--batch_size=0"], "batch_size must be a finite number > 0"),
+        (["--batch_size=0"], "`batch_size` must be a positive integer; received 0"),
         (["--learning_rate=-1"], "learning_rate` must be a finite number > 0"),
         (["--learning_rate=nan"], "learning_rate` must be a finite number > 0"),
         (["--damping=inf"], "damping` must be a finite number > 0"),
-        (["--momentum=nan"], r"momentum` must be in \[0, 1\)"),
+        (["--momentum=nan"], r"`momentum` must be a finite number in \[0, 1\); received nan"),
         (["--optimizer=adamw", "--weight_decay=-0.1"],
          "weight_decay` must be a finite number >= 0"),
         (["--optimizer=sgd", "--weight_sharing=reduce"],
@@ -96,14 +96,39 @@ class FlagValidationTest(parameterized.TestCase):
         (["--optimizer=adamw", "--weight_decay=0.01"], keras.optimizers.AdamW, 0.01),
         (["--optimizer=adamw"], keras.optimizers.AdamW, 0.004),  # Keras's default
         (["--optimizer=sgd"], keras.optimizers.SGD, None),
-        (["--optimizer=kfac", "--weight_decay=0.001"], tfkfac.KFAC, 0.001),
+        # K-FAC: the update rule and its weight decay are the inner optimizer's.
+        (["--optimizer=kfac", "--weight_decay=0.001"], keras.optimizers.SGD, 0.001),
+        (["--kfac_inner_optimizer=adamw"], keras.optimizers.AdamW, 0.004),
+        (["--kfac_inner_optimizer=adam", "--weight_decay=0.01"], keras.optimizers.Adam, 0.01),
     )
-    def test_weight_decay_reaches_the_optimizer(self, argv, optimizer_class, weight_decay):
+    def test_weight_decay_reaches_the_optimizer(self, argv, update_class, weight_decay):
         config, _ = config_from_argv("--learning_rate=0.002", *argv)
         optimizer = runner._build_optimizer(config, 10, 100, distributed.get_communicator())
-        self.assertIsInstance(optimizer, optimizer_class)
-        self.assertEqual(optimizer.weight_decay, weight_decay)
+        update = optimizer
+        if config.optimizer == "kfac":
+            self.assertIsInstance(optimizer, tfkfac.KFAC)
+            update = optimizer.inner_optimizer
+            self.assertIs(type(update), update_class)  # Keras's own (AdamW is an Adam)
+        self.assertIsInstance(update, update_class)
+        self.assertEqual(update.weight_decay, weight_decay)
         self.assertAlmostEqual(float(optimizer.learning_rate), 0.002)
+        self.assertAlmostEqual(float(update.learning_rate), 0.002)
+        if update_class is keras.optimizers.SGD:
+            self.assertEqual(update.momentum, config.momentum)
+
+    @parameterized.parameters(
+        ("inv_update_freq", "decomposition_update_freq", "30", 30),
+        ("bn_damping_multiplier", "diagonal_damping_multiplier", "3", 3.0),
+        ("eigen_wire_dtype", "decomposition_wire_dtype", "float16", "float16"),
+    )
+    def test_renamed_flag_still_works_with_a_deprecation_warning(self, old, new, text, value):
+        with self.assertLogs("absl", "WARNING") as logs:
+            config, explicitly_set = config_from_argv(f"--{old}={text}")
+        self.assertIn(f"--{old} is deprecated; use --{new}", "\n".join(logs.output))
+        self.assertEqual(getattr(config, new), value)
+        self.assertIn(new, explicitly_set)
+        self.assertEqual(getattr(runner.check(config, explicitly_set).kfac_config(), new),
+                         value)
 
     def test_non_numeric_decay_epochs(self):
         with self.assertRaisesRegex(ValueError, "lr_decay_epochs must be numbers"):
@@ -129,7 +154,7 @@ class TrainerRunTest(parameterized.TestCase):
     def test_short_kfac_run_writes_all_outputs(self, model):
         model_dir = self.create_tempdir().full_path
         summary = self.run_trainer(model_dir, model=model, steps=30, learning_rate=0.01,
-                                   factor_update_freq=10, inv_update_freq=30)
+                                   factor_update_freq=10, decomposition_update_freq=30)
         metric = "squared_error" if model == "autoencoder" else "accuracy"
 
         rows = read_csv(os.path.join(model_dir, "metrics.csv"))
@@ -167,7 +192,7 @@ class TrainerRunTest(parameterized.TestCase):
 
     def test_resume_ends_with_the_weights_of_an_uninterrupted_run(self):
         # Mid-epoch evaluations must leave training untouched, so they run here too.
-        settings = dict(factor_update_freq=5, inv_update_freq=10, learning_rate=0.01,
+        settings = dict(factor_update_freq=5, decomposition_update_freq=10, learning_rate=0.01,
                         eval_every_steps=7)
         straight = self.create_tempdir().full_path
         resumed = self.create_tempdir().full_path
@@ -281,7 +306,7 @@ class RecorderBookkeepingTest(absltest.TestCase):
         recorder = reporting.EpochRecorder(
             counters, distributed.SingleProcess(), scalars_fn=lambda: {"learning_rate": 0.1},
             fresh_examples_fn=lambda: fresh_per_epoch["count"],
-            phase_fn=lambda step: "step", evaluate_fn=lambda: next(mid_epoch),
+            phase_fn=lambda: "step", evaluate_fn=lambda: next(mid_epoch),
             eval_every_steps=2, target_accuracy=0.75, stop_at_target=False)
         recorder.set_model(_FakeModel())
         recorder.set_params({"steps": 4})

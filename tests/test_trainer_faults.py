@@ -29,7 +29,8 @@ import trainer_testing as tt
 from trainers import checkpoints, config as config_lib, runner, train
 
 FLAGS = flags.FLAGS
-KFAC = dict(model="mlp", factor_update_freq=5, inv_update_freq=10, learning_rate=0.01)
+KFAC = dict(model="mlp", factor_update_freq=5, decomposition_update_freq=10,
+            learning_rate=0.01)
 # What a user types on resume; everything else comes from the run itself.
 RESUME_GIVEN = {"model_dir", "resume", "steps"}
 
@@ -234,10 +235,24 @@ class CheckpointFaultTest(parameterized.TestCase):
         self.assertEqual(summary["steps"], 40)
         assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
 
+    def test_run_with_the_setting_names_before_0_2_resumes(self):
+        # config.json of a run started before the renames names the decomposition interval
+        # `inv_update_freq`: it resumes exactly, under today's name.
+        model_dir = self.damaged_copy(shutil.rmtree)  # keep only step-20
+        config_path = os.path.join(model_dir, checkpoints.CONFIG_FILE)
+        config = tt.read_json(config_path)
+        config["inv_update_freq"] = config.pop("decomposition_update_freq")
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        summary = resume(model_dir, 40)
+        self.assertEqual(summary["config"]["decomposition_update_freq"], 10)
+        self.assertNotIn("inv_update_freq", summary["config"])
+        assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
+
     def test_killed_while_writing_a_checkpoint(self):
         model_dir = os.path.join(self.create_tempdir().full_path, "run")
         argv = [f"--model_dir={model_dir}", "--steps=40", "--model=mlp", "--learning_rate=0.01",
-                "--factor_update_freq=5", "--inv_update_freq=10", *tt.SMALL_FLAGS]
+                "--factor_update_freq=5", "--decomposition_update_freq=10", *tt.SMALL_FLAGS]
         killed = tt.run_binary(*argv, env={checkpoints.FAULT_ENV: "before_rename@40"})
         self.assertEqual(killed.returncode, -9, killed.stderr[-2000:])
         listing = sorted(os.listdir(os.path.join(model_dir, "checkpoints")))
@@ -272,7 +287,7 @@ class FloatValidationTest(parameterized.TestCase):
 
     @parameterized.product(
         name=["learning_rate", "damping", "momentum", "factor_decay", "kl_clip",
-              "bn_damping_multiplier", "weight_decay"],
+              "diagonal_damping_multiplier", "factor_batch_fraction", "weight_decay"],
         value=[math.nan, math.inf])
     def test_kfac_argument(self, name, value):
         with self.assertRaisesRegex(ValueError, f"`{name}` must be .*received {value}"):

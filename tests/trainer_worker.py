@@ -22,7 +22,7 @@ OPTIMIZERS = ("kfac", "sgd")
 STEPS, BATCH = 12, 32
 # 1280 examples: 640 per rank, 20 steps per epoch, so 12 steps stay in one epoch.
 SETTINGS = dict(train_split="train[:1280]", eval_split="test[:512]", batch_size=BATCH,
-                steps=STEPS, factor_update_freq=5, inv_update_freq=10, verbose=2)
+                steps=STEPS, factor_update_freq=5, decomposition_update_freq=10, verbose=2)
 
 
 def main():
