@@ -16,7 +16,7 @@ from tfkfac import blocks, distributed, optimizer as kfac_optimizer, validation
 from trainers import models
 
 OPTIMIZERS = ("kfac", "sgd", "adam", "adamw")
-LR_SCHEDULES = ("constant", "warmup", "step", "polynomial")
+LR_SCHEDULES = ("constant", "warmup", "step", "polynomial", "cosine")
 # The choices the optimizer and the pipelines accept, so the flags never drift from them.
 KFAC_METHODS = kfac_optimizer.METHODS
 KFAC_PLACEMENTS = kfac_optimizer.PLACEMENTS
