@@ -309,11 +309,11 @@ def record_geometries(model, batch_size, weight_sharing="expand"):
     import keras
     import numpy as np
 
-    from tfkfac import blocks as blocks_lib, keras_integration
+    from tfkfac import KFACConfig, blocks as blocks_lib, keras_integration
     from tfkfac.capture import Recorder
 
     blocks, skipped = blocks_lib.discover(keras_integration.leaf_layers(model),
-                                          weight_sharing=weight_sharing)
+                                          KFACConfig(weight_sharing=weight_sharing))
     recorder = Recorder(blocks)
     inputs = np.zeros((batch_size,) + tuple(model.input_shape[1:]), model.inputs[0].dtype)
     with recorder.recording():

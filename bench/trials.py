@@ -20,7 +20,7 @@ from trainers import checkpoints, config as config_lib, runner
 TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
 # K-FAC's curvature schedule, pinned so that changing the trainer's defaults (issue 27
 # item 7) does not change what an entry measures.
-_KFAC = dict(optimizer="kfac", factor_update_freq=10, inv_update_freq=100)
+_KFAC = dict(optimizer="kfac", factor_update_freq=10, decomposition_update_freq=100)
 # Benchmark entry -> the trainer settings that make it. Every entry but those in
 # CONSTANT_LEARNING_RATE trains on the protocol's schedule with its weight decay
 # (`protocol`).
@@ -32,7 +32,8 @@ OPTIMIZERS = {
     # The protocol before issue 27, for reference: constant learning rate 0.05, KL clip
     # 1e-3 (chosen on the CNN), no weight decay, damping tuned.
     "kfac_constant": dict(_KFAC, kfac_method="inverse", learning_rate=0.05, kl_clip=1e-3),
-    # Issue 27's library features (docs/design.md §2c), named by the trainer settings
+    # K-FAC in front of AdamW (the protocol's weight decay goes to the inner AdamW), and
+    # issue 27's library features (docs/design.md §2c), named by the trainer settings
     # they are to have; `check_entry` says which this trainer lacks. Their step length
     # is Adam's (an inner AdamW, a graft, Adam's rule in the eigenbasis), so the KL clip
     # is off.

@@ -22,7 +22,7 @@ from tfkfac import _compat
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TF_RANGE = ">=2.16,<2.22"
-KERAS_RANGE = ">=3.14,<4"
+KERAS_RANGE = ">=3.14,<3.16"
 
 
 def import_tfkfac_in_subprocess(test, setup_code="", fake_tensorflow_version=None):
@@ -96,11 +96,20 @@ class ImportCheckTest(absltest.TestCase):
 
     def test_supported_versions_pass(self):
         for tensorflow_version, keras_version in [("2.16.1", "3.14.0"), ("2.21.0", "3.15.1"),
-                                                  ("2.16.0rc0", "3.99.0")]:
+                                                  ("2.16.0rc0", "3.15.0rc1")]:
             self.assertIsNone(_compat.problem(tensorflow_version, None, keras_version, "0"),
                               msg=(tensorflow_version, keras_version))
         # The running environment is supported, or tfkfac would not have imported.
         _compat.require_supported(tfkfac.__version__)
+
+    def test_keras_above_the_tested_minor_version_names_the_override(self):
+        # Keras is capped at the newest minor version tested (tfkfac installs a train step).
+        message = _compat.problem("2.21.0", None, "3.16.0", "0")
+        self.assertIn("found TensorFlow 2.21.0, Keras 3.16.0", message)
+        self.assertIn(f'Install a supported pair with: pip install "keras{KERAS_RANGE}".',
+                      message)
+        self.assertIn(f"{_compat.SKIP_VARIABLE}=1", message)
+        self.assertIsNone(_compat.problem("2.21.0", None, "3.16.0", "0", skip=True))
 
     def test_command_upgrades_the_users_own_tensorflow_flavour(self):
         # A user with the GPU `tensorflow` distribution must not be told to add tensorflow-cpu.

@@ -99,7 +99,7 @@ class BatchNormTest(parameterized.TestCase):
         delta = np.concatenate([v.numpy() for v in variables]) - before
 
         kinds = [b.kind for b in opt._curvature.blocks]
-        index = kinds.index("batchnorm")
+        index = kinds.index("batch_norm")
         (stored,) = [f.numpy() for f in opt._curvature.states[index].factors]
         self.assertEqual(stored.shape, fisher.shape)
         assert_close(stored, fisher, msg="diagonal Fisher")

@@ -341,7 +341,7 @@ class BlockMathTest(parameterized.TestCase):
         for method in ("eigen", "inverse") for sharing in ("expand", "reduce")])
     def test_factors_and_preconditioned_gradient(self, name, method, sharing):
         conv, x, y, ref = built(name)
-        block, _ = tfkfac.blocks.block_for(conv, weight_sharing=sharing)
+        block, _ = tfkfac.blocks.block_for(conv, tfkfac.KFACConfig(weight_sharing=sharing))
         inputs, out_grads, grads = capture(block, x, y)
         results = ref.results(y, sharing, method)
         for matrix, result in zip(ref.matrices([g.numpy() for g in grads]), results):

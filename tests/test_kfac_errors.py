@@ -1,6 +1,11 @@
 """tfkfac.KFAC: bad input, unattached use, unsupported / skipped / shared layers.
 
-- Every bad hyperparameter raises a ValueError whose message names the argument.
+- Every bad hyperparameter raises a ValueError worded "`name` must be ...; received X",
+  from `KFAC(...)` and from `tfkfac.KFACConfig(...)` alike (NaN and inf never pass).
+  An unknown argument is a TypeError as Python words it; an inner optimizer together
+  with KFAC-level learning_rate / momentum / weight_decay, a Keras-level option
+  (clipnorm, ...) on KFAC, or `config` together with settings are ValueErrors that say
+  what to do instead. Renamed arguments still work with a DeprecationWarning.
 - A KFAC compiled on a model it was not attached to fails on fit with the attach hint.
 - Layers without a K-FAC block (PReLU, SimpleRNN) are listed in
   summary()["skipped"] with a reason, one warning names them at attach, and they get the
@@ -17,6 +22,7 @@ Tolerances: rtol 1e-4 with an absolute floor of 1e-5 * max|ref| (float32 vs floa
 """
 
 import os
+import re
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -64,9 +70,11 @@ class BadInputTest(parameterized.TestCase):
         ("factor_freq_negative", "factor_update_freq", -2),
         ("factor_freq_float", "factor_update_freq", 1.5),
         ("factor_freq_bool", "factor_update_freq", True),
-        ("inv_freq_zero", "inv_update_freq", 0),
-        ("inv_freq_float", "inv_update_freq", 10.0),
-        ("inv_freq_string", "inv_update_freq", "10"),
+        ("decomposition_freq_zero", "decomposition_update_freq", 0),
+        ("decomposition_freq_float", "decomposition_update_freq", 10.0),
+        ("decomposition_freq_string", "decomposition_update_freq", "10"),
+        ("diagonal_damping_zero", "diagonal_damping_multiplier", 0.0),
+        ("diagonal_damping_nan", "diagonal_damping_multiplier", float("nan")),
         ("method", "method", "cholesky"),
         ("kl_clip_zero", "kl_clip", 0.0),
         ("kl_clip_negative", "kl_clip", -1e-3),
@@ -81,9 +89,17 @@ class BadInputTest(parameterized.TestCase):
         ("placement", "placement", "sharded"),
         ("wire_dtype", "decomposition_wire_dtype", "float8"),
         ("xla", "xla", "yes"),
+        ("momentum_one", "momentum", 1.0),
+        ("weight_decay_negative", "weight_decay", -1e-4),
+        ("weight_decay_inf", "weight_decay", float("inf")),
+        ("inner_optimizer", "inner_optimizer", "sgd"),
+        ("factor_batch_fraction_zero", "factor_batch_fraction", 0.0),
+        ("product_dtype", "product_dtype", "float16"),
+        ("phase_clocks", "phase_clocks", 1),
+        ("skip_layers_string", "skip_layers", "dense"),
     )
     def test_value_error_names_argument(self, argument, value):
-        with self.assertRaisesRegex(ValueError, f"`?{argument}`?"):
+        with self.assertRaisesRegex(ValueError, f"^`{argument}` must be .*; received "):
             tfkfac.KFAC(**{argument: value})
 
     def test_allowed_ranges_in_messages(self):
@@ -94,24 +110,96 @@ class BadInputTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, r"method.*eigen.*inverse"):
             tfkfac.KFAC(method="svd")
 
-    def test_renamed_wire_dtype_argument_still_works_with_a_deprecation_warning(self):
-        with self.assertWarnsRegex(DeprecationWarning, "decomposition_wire_dtype"):
-            opt = tfkfac.KFAC(eigen_wire_dtype="float16")
-        self.assertEqual(opt.decomposition_wire_dtype, "float16")
-        self.assertEqual(opt.get_config()["decomposition_wire_dtype"], "float16")
+    @parameterized.named_parameters(
+        ("config_damping_nan", "damping", float("nan")),
+        ("config_damping_inf", "damping", float("inf")),
+        ("config_decay_nan", "factor_decay", float("nan")),
+        ("config_kl_clip_inf", "kl_clip", float("inf")),
+        ("config_kl_clip_nan", "kl_clip", float("nan")),
+        ("config_fraction_nan", "factor_batch_fraction", float("nan")),
+        ("config_fraction_above_one", "factor_batch_fraction", 1.5),
+        ("config_diagonal_inf", "diagonal_damping_multiplier", float("inf")),
+        ("config_method", "method", "svd"),
+        ("config_placement", "placement", "sharded"),
+        ("config_state_dtype", "state_dtype", "float16"),
+        ("config_factor_examples", "factor_examples", "echoed"),
+        ("config_wire_dtype", "factor_wire_dtype", "int8"),
+        ("config_xla_string", "xla", "true"),
+        ("config_factor_freq_inf", "factor_update_freq", float("inf")),
+    )
+    def test_config_rejects_bad_values_naming_the_setting(self, setting, value):
+        with self.assertRaisesRegex(ValueError, f"^`{setting}` must be .*; received "
+                                                f"{re.escape(repr(value))}"):
+            tfkfac.KFACConfig(**{setting: value})
 
-    def test_inv_freq_must_be_multiple_of_factor_freq(self):
-        with self.assertRaisesRegex(ValueError, "inv_update_freq.*factor_update_freq"):
-            tfkfac.KFAC(factor_update_freq=2, inv_update_freq=3)
-        tfkfac.KFAC(factor_update_freq=2, inv_update_freq=6)  # a multiple is fine
+    def test_allowed_ranges_in_messages(self):
+        with self.assertRaisesRegex(ValueError, r"factor_decay.*\[0, 1\)"):
+            tfkfac.KFAC(factor_decay=1.0)
+        with self.assertRaisesRegex(ValueError, r"learning_rate.*> 0"):
+            tfkfac.KFAC(learning_rate=0.0)
+        with self.assertRaisesRegex(ValueError, r"method.*eigen.*inverse"):
+            tfkfac.KFAC(method="svd")
+        with self.assertRaisesRegex(ValueError, r"kl_clip.*> 0.*None disables it"):
+            tfkfac.KFACConfig(kl_clip=0.0)
+
+    @parameterized.named_parameters(
+        ("decomposition_interval", "inv_update_freq", "decomposition_update_freq", 20),
+        ("diagonal_damping", "bn_damping_multiplier", "diagonal_damping_multiplier", 3.0),
+        ("wire_dtype", "eigen_wire_dtype", "decomposition_wire_dtype", "float16"),
+    )
+    def test_renamed_argument_still_works_with_a_deprecation_warning(self, old, new, value):
+        with self.assertWarnsRegex(DeprecationWarning, f"`{old}` is deprecated, use `{new}`"):
+            opt = tfkfac.KFAC(**{old: value})
+        self.assertEqual(getattr(opt, new), value)
+        self.assertEqual(opt.config, tfkfac.KFACConfig(**{new: value}))
+        self.assertEqual(opt.get_config()[new], value)
+        self.assertNotIn(old, opt.get_config())
+
+    def test_decomposition_freq_must_be_multiple_of_factor_freq(self):
+        with self.assertRaisesRegex(ValueError,
+                                    "decomposition_update_freq.*factor_update_freq"):
+            tfkfac.KFAC(factor_update_freq=2, decomposition_update_freq=3)
+        tfkfac.KFAC(factor_update_freq=2, decomposition_update_freq=6)  # a multiple is fine
 
     def test_valid_defaults_construct(self):
         opt = tfkfac.KFAC()
         self.assertEqual(opt.method, "eigen")
-        self.assertEqual(opt.momentum, 0.9)
         self.assertEqual(opt.factor_decay, 0.95)
         self.assertEqual(opt.kl_clip, 1e-3)
-        self.assertEqual((opt.factor_update_freq, opt.inv_update_freq), (1, 10))
+        self.assertEqual((opt.factor_update_freq, opt.decomposition_update_freq), (1, 10))
+        self.assertEqual(opt.config, tfkfac.KFACConfig())
+        # The default update rule: Keras's momentum SGD at KFAC's learning rate.
+        self.assertIsInstance(opt.inner_optimizer, keras.optimizers.SGD)
+        self.assertEqual(opt.inner_optimizer.momentum, 0.9)
+        np.testing.assert_allclose(float(opt.learning_rate), 0.01, rtol=1e-7)
+        np.testing.assert_allclose(float(opt.inner_optimizer.learning_rate), 0.01, rtol=1e-7)
+
+    def test_settings_come_from_keywords_or_a_config_not_both(self):
+        config = tfkfac.KFACConfig(damping=0.1, method="inverse")
+        self.assertEqual(tfkfac.KFAC(config=config).config, config)
+        self.assertEqual(tfkfac.KFAC(damping=0.1, method="inverse").damping, 0.1)
+        with self.assertRaisesRegex(ValueError, r"either `config` or .*\['damping'\]"):
+            tfkfac.KFAC(config=config, damping=0.2)
+        with self.assertRaisesRegex(ValueError, "`config` must be a tfkfac.KFACConfig"):
+            tfkfac.KFAC(config={"damping": 0.1})
+
+    def test_unknown_argument_is_a_type_error(self):
+        with self.assertRaisesRegex(TypeError,
+                                    r"KFAC\(\) got an unexpected keyword argument 'dampnig'"):
+            tfkfac.KFAC(dampnig=1e-3)
+
+    @parameterized.parameters("learning_rate", "momentum", "weight_decay")
+    def test_inner_optimizer_with_a_kfac_level_update_argument_is_an_error(self, argument):
+        inner = keras.optimizers.AdamW(1e-3)
+        value = {"learning_rate": 0.5, "momentum": 0.5, "weight_decay": 1e-4}[argument]
+        with self.assertRaisesRegex(ValueError, f"inner_optimizer.*{argument}"):
+            tfkfac.KFAC(inner_optimizer=inner, **{argument: value})
+
+    @parameterized.parameters("clipnorm", "clipvalue", "global_clipnorm", "use_ema")
+    def test_keras_update_options_belong_on_the_inner_optimizer(self, argument):
+        with self.assertRaisesRegex(ValueError, f"`{argument}`.*set it on the "
+                                                "`inner_optimizer`"):
+            tfkfac.KFAC(**{argument: 1.0 if argument != "use_ema" else True})
 
     def test_attach_needs_a_built_model(self):
         model = keras.Sequential([keras.layers.Dense(2)])
@@ -267,7 +355,8 @@ class SharedLayerTest(absltest.TestCase):
         p = kron_precondition(A, G, grad, DAMPING)
 
         deltas = loop_step(model, opt, MSE, [x1, x2], y)
-        stored_a, stored_g = [f.numpy() for f in opt._curvature.states[0].factors]
+        factors = opt.factors("shared")
+        stored_a, stored_g = factors["A"].numpy(), factors["G"].numpy()
         assert_close(stored_a, A, msg="shared A")
         assert_close(stored_g, G, msg="shared G")
         assert_close(deltas[0], -LR * p[:-1], msg="shared kernel")

@@ -36,11 +36,14 @@ class SavedStateCompatTest(parameterized.TestCase):
 
     def check_resumes(self, model, optimizer, expected):
         paths = [str(p) for p in expected["optimizer_paths"]]
-        # Momentum slots are named after the model's variable paths (Keras's choice,
-        # "sequential_" in the original model); K-FAC's own names must not change.
-        kfac_names = lambda names: [n for n in names if not n.endswith("_momentum")]
+        # 0.1's KFAC was its own momentum SGD: its iterations, learning rate and momenta
+        # are now the inner SGD's, first and in the same order, under the inner
+        # optimizer's names; K-FAC's own names must not change.
+        inner = len(optimizer.inner_optimizer.variables)
+        self.assertEqual(paths[:2], ["kfac/iteration", "kfac/learning_rate"])
+        self.assertTrue(all(p.endswith("_momentum") for p in paths[2:inner]))
         self.assertLen(optimizer.variables, len(paths))
-        self.assertEqual(kfac_names([v.path for v in optimizer.variables]), kfac_names(paths))
+        self.assertEqual([v.path for v in optimizer.variables][inner:], paths[inner:])
         for i, variable in enumerate(optimizer.variables):
             np.testing.assert_array_equal(variable.numpy(), expected[f"optimizer{i:03d}"],
                                           err_msg=paths[i])

@@ -18,6 +18,8 @@ import tensorflow as tf
 from tfkfac.blocks.base import as_float, batch_size
 from tfkfac.capture import Recorder
 
+NOT_ATTACHED = ("the optimizer is not attached to a model; call `optimizer.attach(model)` "
+                "first (or pass `tfkfac.KFAC(..., model=model)`)")
 ATTACH_HINT = (
     "KFAC has no layer captures for this step: it needs its own train step. Attach it "
     "to the model before training with `optimizer.attach(model)` (or "

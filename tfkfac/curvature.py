@@ -3,9 +3,8 @@
 `Curvature` runs the three K-FAC phases of a step on its blocks' state (docs/design.md):
 running averages of the factor statistics (one grouped reduction over ranks), damped
 decompositions spread over ranks by the placement, and the preconditioning of gradients.
-Factors and decompositions are updated when their interval schedule says they are due
-(`tfkfac.schedules.DueSteps` answers the same question in Python). It holds no Keras
-optimizer logic.
+Factors and decompositions are updated when their interval schedule says they are due.
+It holds no Keras optimizer logic.
 """
 
 import sys
@@ -30,23 +29,26 @@ def warn_if(condition, *message):
 class Curvature:
     """Blocks, their state (`state.BlockState` each) and the phases that update it.
 
-    Factors, decompositions and preconditioning run in `dtype` (float32, or float64 for
-    checks against a float64 reference). `xla` (True, False or "auto": when a GPU is
-    visible) compiles the factor statistics and the preconditioning. Decompositions
-    never use XLA: XLA:CPU lowers eigh to a Jacobi solver (docs/benchmarks.md), and on
-    CPU they run in LAPACK (`tfkfac.linalg`).
+    `config` (a `tfkfac.KFACConfig`) gives the method, the factors' decay, the wire
+    dtypes, the share of each batch the factors use and the state dtype (float32, or
+    float64 for checks against a float64 reference) that factors, decompositions and
+    preconditioning run in. `config.xla` (True, False or "auto": when a GPU is visible)
+    compiles the factor statistics and the preconditioning. Decompositions never use
+    XLA: XLA:CPU lowers eigh to a Jacobi solver (docs/benchmarks.md), and on CPU they run
+    in LAPACK (`tfkfac.linalg`).
     """
 
-    def __init__(self, blocks, placement, comm, method, factor_decay, factor_wire_dtype,
-                 decomposition_wire_dtype, xla, dtype="float32", factor_batch_fraction=1.0):
-        self.blocks, self.placement, self.comm, self.method = blocks, placement, comm, method
-        self.factor_decay = factor_decay
-        self.factor_wire_dtype = factor_wire_dtype
-        self.decomposition_wire_dtype = decomposition_wire_dtype
-        self.dtype = tf.as_dtype(dtype)
-        self.factor_batch_fraction = factor_batch_fraction
+    def __init__(self, blocks, placement, comm, config):
+        self.blocks, self.placement, self.comm = blocks, placement, comm
+        self.method = config.method
+        self.factor_decay = config.factor_decay
+        self.factor_wire_dtype = config.factor_wire_dtype
+        self.decomposition_wire_dtype = config.decomposition_wire_dtype
+        self.dtype = tf.as_dtype(config.state_dtype)
+        self.factor_batch_fraction = config.factor_batch_fraction
         self.states = None
         self.counters = None
+        xla = config.xla
         jit = bool(tf.config.list_physical_devices("GPU")) if xla == "auto" else xla
         self._statistics_fn = tf.function(self._batch_statistics, jit_compile=jit)
         self._decompose_fn = tf.function(self._decompose)
@@ -282,7 +284,7 @@ def kept_examples(examples, fraction, step, rank):
     return tf.sort(order[:tf.maximum(count, 1)])
 
 
-def kl_clip_scale(learning_rate, kl_clip):
+def kl_clip(learning_rate, kappa):
     """The KL clip as a `Curvature.precondition` scale (docs/design.md §5)."""
     return lambda preconditioned, raw: linalg.kl_clip_scale(preconditioned, raw,
-                                                            learning_rate, kl_clip)
+                                                            learning_rate, kappa)

@@ -1,10 +1,21 @@
-"""Everything tfkfac needs from Keras beyond its public API, in one place.
+"""Everything tfkfac needs from Keras and TensorFlow beyond their public API, in one place.
 
 K-FAC needs the layers' activations and output gradients, which Keras's own train step
-never shows an optimizer; so tfkfac installs its own train step on the attached model.
-Each private name used here says why no public API serves. Nothing else in tfkfac
-touches `keras.src` or a private attribute of a Keras object.
+never shows an optimizer; so tfkfac installs its own train step on the attached model,
+built from public Keras (`Model.compute_loss`, `compute_metrics`, `metrics`). The private
+names that remain, each because no public API serves:
+- `keras.src.utils.tracking.no_automatic_dependency_tracking`: K-FAC's Python state must
+  not be tracked (its variables would be saved twice or in another order);
+- `keras.src.backend.name_scope(..., caller=)`: the scope `Optimizer.apply` builds in;
+- `Layer._flatten_layers`: the only traversal that sees nested layers;
+- `Optimizer._learning_rate`: the inner optimizer's learning-rate variable, for the
+  checkpoint layout of `checkpoint_children`;
+- `Trackable._trackable_children`: the hook that chooses a checkpoint's layout.
+Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras object.
 """
+
+import inspect
+import warnings
 
 import keras
 import tensorflow as tf
@@ -22,12 +33,6 @@ def set_untracked(obj, name, value):
 def name_scope(optimizer):
     """The scope Keras's `Optimizer.apply` builds variables in (no public equivalent)."""
     return keras.src.backend.name_scope(optimizer.name, caller=optimizer)
-
-
-def slot_index(optimizer, variable):
-    """Index of `variable` in the optimizer's per-variable slots. Keras's own optimizers
-    call this protected method from `update_step`; there is no public equivalent."""
-    return optimizer._get_variable_index(variable)
 
 
 def leaf_layers(model):
@@ -54,16 +59,19 @@ def leaf_layers(model):
 
 
 def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weight=False):
-    """Replace this model's train step by Keras's, with K-FAC's tape and update.
+    """Replace this model's train step by one with K-FAC's tape and update.
 
     `step_with_tape(forward, fresh)` runs `forward()` (returning the scaled loss and
     y_pred) under K-FAC's recording tape, applies the update and returns y_pred;
     `reduce_logs` averages the step's logs over ranks. With `fresh_in_sample_weight`
     the batch's sample-weight slot holds the fresh flags: they go to `step_with_tape`
-    (None otherwise), and the loss and metrics get no sample weights. The loss and
-    metrics bookkeeping is the TensorFlow backend's own `train_step`, which calls these
-    private helpers; only `model` is changed.
+    (None otherwise), and the loss and metrics get no sample weights. The loss and its
+    metric are Keras's public `Model.compute_loss` and `Model.metrics`, as in Keras's
+    own TensorFlow train step; only `model` is changed.
     """
+    with_training_arg = "training" in inspect.signature(model.compute_loss).parameters
+    loss_metric = lambda: next((m for m in model.metrics if m.name == "loss"), None)
+
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         fresh = None
@@ -71,25 +79,55 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
             fresh, sample_weight = sample_weight, None
 
         def forward():
-            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-            loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
-                                       sample_weight=sample_weight, training=True)
-            batch = tf.shape(tf.nest.flatten(x)[0])[0]
-            model._loss_tracker.update_state(
-                keras.src.losses.loss.unscale_loss_for_distribution(loss),
-                sample_weight=batch)
+            y_pred = model(x, training=True)
+            options = {"training": True} if with_training_arg else {}
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                      **options)
+            tracker = loss_metric()
+            if tracker is not None:
+                # Keras scales the loss down by the replicas in sync; the metric shows it
+                # per replica, as Keras's train step does.
+                replicas = tf.distribute.get_strategy().num_replicas_in_sync
+                batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+                tracker.update_state(loss * tf.cast(replicas, loss.dtype), sample_weight=batch)
             return model.optimizer.scale_loss(loss), y_pred
 
         y_pred = step_with_tape(forward, fresh)
         return reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
 
-    # K-FAC compiles its own local stages with XLA and communicates between them, so
-    # the outer train function must stay a plain tf.function.
     keras_make_train_function = type(model).make_train_function.__get__(model)
 
     def make_train_function(force=False):
-        model.jit_compile = False
+        # K-FAC's step calls LAPACK and collectives, which XLA cannot compile: it runs as
+        # a tf.function and compiles its own local stages (`KFACConfig.xla`).
+        if model.jit_compile:
+            warnings.warn(
+                "KFAC: the K-FAC train step cannot be compiled with XLA as a whole (it calls "
+                "LAPACK and collectives); it runs as a tf.function with jit_compile=False, "
+                "and K-FAC compiles its own local stages (the `xla` setting). Pass "
+                "`jit_compile=False` to `model.compile` to say so and silence this.",
+                stacklevel=2)
+            model.jit_compile = False
         return keras_make_train_function(force)
 
     set_untracked(model, "train_step", train_step)
     set_untracked(model, "make_train_function", make_train_function)
+
+
+def checkpoint_children(children, kfac):
+    """`tf.train.Checkpoint` children of a KFAC, laid out as they were when KFAC was its
+    own momentum SGD (0.1), so those checkpoints still restore: the inner optimizer's
+    iterations and learning rate under KFAC's names, and every variable (inner's, then
+    K-FAC's) in `_variables`. TensorFlow's `Trackable._trackable_children` is the only
+    hook that lets an object choose its checkpoint layout."""
+    children = dict(children)
+    children.pop("inner_optimizer", None)
+    inner = kfac.inner_optimizer
+    children["_iterations"] = inner.iterations
+    learning_rate = inner._learning_rate  # a variable unless it is a schedule
+    if isinstance(learning_rate, tf.__internal__.tracking.Trackable):
+        children["_learning_rate"] = learning_rate
+    else:
+        children.pop("_learning_rate", None)
+    children["_variables"] = tf.__internal__.tracking.wrap(list(kfac.variables))
+    return children

@@ -1,19 +1,15 @@
-"""`tfkfac.KFAC`: a Keras 3 optimizer that preconditions gradients with K-FAC.
+"""`tfkfac.KFAC`: K-FAC preconditioning in front of a Keras optimizer.
 
-Usage::
-
-    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-3)
-    optimizer.attach(model)            # installs the K-FAC train step on this model only
+    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-3).attach(model)
     model.compile(optimizer=optimizer, loss=..., metrics=[...])
     model.fit(dataset, epochs=...)
 
-This module is the Keras optimizer: arguments, state, update and config. One step
-(docs/design.md §1): `attachment` records the managed layers' inputs and output
+One step (docs/design.md §1): `attachment` records the managed layers' inputs and output
 gradients, `curvature` updates factors and decompositions when due and preconditions the
-gradients, and the update rule (momentum SGD or `inner_optimizer`) applies them.
+gradients, and the inner optimizer — any Keras optimizer, momentum SGD by default —
+applies them. Like Keras's `LossScaleOptimizer`, KFAC forwards `learning_rate` and
+`iterations` to the inner optimizer, so schedules and callbacks act on the update rule.
 """
-
-import warnings
 
 import keras
 import tensorflow as tf
@@ -22,128 +18,95 @@ from tfkfac import blocks as blocks_lib
 from tfkfac import curvature as curvature_lib
 from tfkfac import distributed, keras_integration, placement as placement_lib, schedules
 from tfkfac import state as state_lib, validation
-from tfkfac.attachment import ATTACH_HINT, Attachment
+from tfkfac.attachment import ATTACH_HINT, NOT_ATTACHED, Attachment
+from tfkfac.config import KFACConfig, signature_with_settings
 
-METHODS = validation.METHODS
-PLACEMENTS = placement_lib.PLACEMENTS
-# The constructor arguments kept as attributes of the same name and saved in the config.
-SETTINGS = ("damping", "momentum", "factor_decay", "kl_clip", "factor_update_freq",
-            "inv_update_freq", "method", "bn_damping_multiplier", "weight_sharing",
-            "skip_layers", "xla", "placement", "factor_wire_dtype",
-            "decomposition_wire_dtype", "state_dtype", "factor_examples",
-            "factor_batch_fraction", "product_dtype", "phase_clocks")
+# Keras optimizer arguments that belong to the optimizer applying the update.
+_INNER_ONLY = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
+               "ema_overwrite_frequency", "loss_scale_factor", "gradient_accumulation_steps")
 
 
 @keras.saving.register_keras_serializable(package="tfkfac")
 class KFAC(keras.optimizers.Optimizer):
-    """K-FAC preconditioned optimizer (Martens & Grosse 2015; Grosse & Martens 2016).
+    """K-FAC (Martens & Grosse 2015; Grosse & Martens 2016) in front of `inner_optimizer`.
 
     Args:
-      learning_rate: step size η (number, schedule, or callable of the step).
-      damping: Tikhonov damping λ (number, schedule, or callable of the step).
-      momentum: momentum of the built-in SGD update (ignored with `inner_optimizer`).
-      factor_decay: ξ of the factors' running average, in [0, 1).
-      kl_clip: κ of the KL clip; `None` disables it.
-      factor_update_freq: update factors every this many steps (int or callable).
-      inv_update_freq: recompute decompositions every this many steps (int or callable).
-      method: "eigen" (exact damped Kronecker inverse) or "inverse" (π-corrected
-        factored Tikhonov damping).
-      bn_damping_multiplier: ρ of the diagonal blocks (BatchNorm, LayerNorm,
-        GroupNorm), preconditioned by 1/(F + ρ λ).
-      weight_sharing: how a layer whose weights act at several positions per example
-        (a Dense layer on sequences, EinsumDense, convolutions) counts them: "expand"
-        (every position like an example) or "reduce" (positions summed per example
-        first; cheaper). See docs/design.md.
-      skip_layers: layer names, paths or class names (regular expressions, full match)
-        that get the plain gradient.
-      inner_optimizer: a Keras optimizer that receives the preconditioned gradients
-        instead of the built-in momentum SGD.
-      weight_decay: decoupled weight decay of the built-in update (Keras semantics).
-      xla: compile the factor statistics and the preconditioning with XLA: True, False,
-        or "auto" (XLA when a GPU is visible; on CPU it measured slower, see
-        docs/benchmarks.md). Decompositions never use XLA (`tfkfac.linalg`).
-      placement: "replicated" (Pauloski et al.: every rank holds every decomposition and
-        preconditions every layer; stale steps send only gradients) or "owner" (Osawa et
-        al.: each layer's owner preconditions it and the results are gathered every
-        step; decompositions are recomputed from the factors after a restore). See
-        docs/design.md §6.
-      factor_wire_dtype: dtype of the packed factors on the wire ("float32",
-        "float16", "bfloat16"); accumulation and storage stay float32.
-      decomposition_wire_dtype: dtype of decompositions (eigenbases or inverses) and of
-        preconditioned gradients on the wire. Formerly `eigen_wire_dtype`, still
-        accepted with a DeprecationWarning.
-      state_dtype: dtype of the factors, decompositions and preconditioning: "float32",
-        or "float64" to check results against a float64 reference (slower).
-      factor_examples: which examples the factor statistics count: "all" (default), or
-        "fresh" for data echoing: each source example once, so echoed repeats do not make
-        the curvature look more certain than it is. Every training batch then carries
-        its examples' fresh flags, (x, y, fresh) in `fit` (in place of sample weights;
-        `pipelines.build(..., fresh_flags=True)`) or `minimize(..., fresh=flags)`; a
-        step without a fresh example on any rank (a batch-echo repeat) is a stale step.
-        The loss and gradients still use every example. Its effect on time to accuracy
-        is not measured yet. See docs/design.md §7.
-      factor_batch_fraction: share of each rank's batch the factor statistics are taken
-        from, in (0, 1]: at 1 (default) every example, exactly; below 1 a random subset
-        of ceil(fraction · N) examples per factor step, an unbiased estimate of the
-        batch's statistics at about that fraction of their cost. The loss and gradients
-        still use every example. See docs/design.md §8.
-      product_dtype: dtype of the operands of the factor Gram products and the
-        preconditioning products: None (default; the state dtype, exact) or "bfloat16"
-        for CPUs with native bfloat16 (AVX512-BF16, AMX), each product rounded to
-        bfloat16; the decompositions' matrices are stored in bfloat16 (rounded once,
-        when computed), factors, eigenvalues and updates stay in `state_dtype`. Measured
-        in docs/benchmarks.md; see docs/design.md §9.
-      phase_clocks: time each phase (factors, decomposition, precondition, update) into
-        `summary()["phase_seconds"]`; off by default, the timestamps cost 0.2-0.6 ms a
-        step (docs/benchmarks.md).
+      learning_rate, momentum, weight_decay: of the default inner optimizer,
+        `keras.optimizers.SGD(learning_rate, momentum, weight_decay=...)` (defaults 0.01,
+        0.9, None); give them only when `inner_optimizer` is not given.
+      inner_optimizer: the Keras optimizer that applies the preconditioned gradients.
       communicator: a `tfkfac.distributed` communicator; default
         `tfkfac.distributed.get_communicator("auto")` (Horovod under horovodrun).
       model: if given, `attach(model)` is called.
+      config: a `tfkfac.KFACConfig`, in place of its settings as keyword arguments.
+      **settings: the fields of `tfkfac.KFACConfig` (docs/arguments.md lists them).
     """
 
-    def __init__(self, learning_rate=0.01, damping=1e-3, momentum=0.9, factor_decay=0.95,
-                 kl_clip=1e-3, factor_update_freq=1, inv_update_freq=10, method="eigen",
-                 bn_damping_multiplier=1.0, skip_layers=(), inner_optimizer=None,
-                 weight_decay=None, xla="auto", placement="replicated",
-                 factor_wire_dtype="float32", decomposition_wire_dtype="float32",
-                 communicator=None, model=None, weight_sharing="expand",
-                 state_dtype="float32", factor_examples="all", factor_batch_fraction=1.0,
-                 product_dtype=None, phase_clocks=False, name="kfac", **kwargs):
-        if "eigen_wire_dtype" in kwargs:  # the name before 0.2; old saves' configs hold it
-            warnings.warn("KFAC: `eigen_wire_dtype` is deprecated, use "
-                          "`decomposition_wire_dtype` (it also carries inverses and "
-                          "preconditioned gradients)", DeprecationWarning, stacklevel=2)
-            decomposition_wire_dtype = kwargs.pop("eigen_wire_dtype")
-        settings = dict(
-            damping=damping, momentum=momentum, factor_decay=factor_decay, kl_clip=kl_clip,
-            factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq,
-            method=method, bn_damping_multiplier=bn_damping_multiplier,
-            weight_sharing=weight_sharing, skip_layers=skip_layers, xla=xla,
-            placement=placement, factor_wire_dtype=factor_wire_dtype,
-            decomposition_wire_dtype=decomposition_wire_dtype, state_dtype=state_dtype,
-            factor_examples=factor_examples, factor_batch_fraction=factor_batch_fraction,
-            product_dtype=product_dtype, phase_clocks=phase_clocks)
-        validation.validate(learning_rate=learning_rate, inner_optimizer=inner_optimizer,
-                            weight_decay=weight_decay, **settings)
-        super().__init__(learning_rate=schedules.as_learning_rate(learning_rate),
-                         weight_decay=weight_decay, name=name, **kwargs)
-        for setting, value in settings.items():  # each is also a `get_config` entry
-            setattr(self, setting, value)
-        self.skip_layers = tuple(skip_layers)
+    def __init__(self, learning_rate=None, momentum=None, weight_decay=None, *,
+                 inner_optimizer=None, communicator=None, model=None, config=None,
+                 name="kfac", **settings):
+        for argument in _INNER_ONLY:
+            if argument in settings:
+                raise ValueError(f"KFAC does not take `{argument}`: set it on the "
+                                 "`inner_optimizer`, which applies the update.")
+        if config is not None and settings:
+            raise ValueError("Pass either `config` or K-FAC settings as keyword arguments "
+                             f"(received both `config` and {sorted(settings)})")
+        config = config if config is not None else KFACConfig.from_arguments(**settings)
+        if not isinstance(config, KFACConfig):
+            raise ValueError(f"`config` must be a tfkfac.KFACConfig; received "
+                             f"{type(config).__name__}")
+        inner_optimizer = _inner(inner_optimizer, learning_rate, momentum, weight_decay)
+        super().__init__(learning_rate=0.0, name=name)
+        self.config = config
         self.inner_optimizer = inner_optimizer
         self._comm = communicator or distributed.get_communicator("auto")
         self._init_kfac_fields()
         if model is not None:
             self.attach(model)
 
+    def __getattr__(self, name):
+        # Settings read as attributes (`optimizer.damping`), one source: the config.
+        config = self.__dict__.get("config")
+        if config is not None and name in KFACConfig.__dataclass_fields__:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @keras_integration.no_tracking
     def _init_kfac_fields(self):
         self._curvature = None
+        self._counters = None
         self._skipped = []
         self._stashed_state = None
         self._attachment = None
-        self._due = None
-        self._clocks = state_lib.PhaseClocks(self.phase_clocks)
+        self._clocks = state_lib.PhaseClocks(self.config.phase_clocks)
+
+    # ------------------------------------------- forwarded to the inner optimizer
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def variables(self):
+        """The inner optimizer's variables, then K-FAC's (the save format's order)."""
+        return self.inner_optimizer.variables + self._kfac_variables()
+
+    def _kfac_variables(self):
+        if self._counters is None:
+            return []
+        return self._counters.variables() + self._curvature.variables(saved_only=True)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        return keras_integration.checkpoint_children(
+            super()._trackable_children(save_type, **kwargs), self)
 
     # ------------------------------------------------------------------ attach
     @keras_integration.no_tracking
@@ -160,18 +123,15 @@ class KFAC(keras.optimizers.Optimizer):
         if self._attachment is not None:
             raise ValueError("This KFAC optimizer is already attached to a model.")
         layers = keras_integration.leaf_layers(model)
-        blocks, self._skipped = blocks_lib.discover(
-            layers, self.skip_layers, self.bn_damping_multiplier, self.weight_sharing,
-            self.product_dtype)
+        blocks, self._skipped = blocks_lib.discover(layers, self.config)
         self._curvature = curvature_lib.Curvature(
-            blocks, placement_lib.make_placement(self.placement, blocks, self._comm,
-                                                 self.method, self.state_dtype),
-            self._comm, self.method, self.factor_decay, self.factor_wire_dtype,
-            self.decomposition_wire_dtype, self.xla, self.state_dtype,
-            self.factor_batch_fraction)
+            blocks, placement_lib.make_placement(self.config.placement, blocks, self._comm,
+                                                 self.config.method,
+                                                 self.config.state_dtype),
+            self._comm, self.config)
         self._comm.broadcast_variables(model.variables, root_rank=0)
         self._attachment = Attachment(model, list(layers.values()), blocks, self._comm,
-                                      fresh_only=self.factor_examples == "fresh")
+                                      fresh_only=self.config.factor_examples == "fresh")
         keras_integration.install_train_step(model, self._attachment.train_step,
                                              self._attachment.averaged_over_ranks,
                                              self._attachment.fresh_only)
@@ -205,17 +165,14 @@ class KFAC(keras.optimizers.Optimizer):
     # ---------------------------------------------------------------- state
     def build(self, var_list):
         super().build(var_list)
-        uses_momentum = self.inner_optimizer is None and self.momentum > 0
-        self._momenta = (self.add_optimizer_variables(var_list, "momentum")
-                         if uses_momentum else None)
-        if self.inner_optimizer is not None:
+        if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         if self._attachment is not None:
             self._create_kfac_state()
 
     def _create_kfac_state(self):
-        """K-FAC variables, after the base ones: counters, then per block (docs: state.py)."""
-        if self._curvature.states is not None:
+        """K-FAC variables: counters, then per block its state (docs: state.py)."""
+        if self._counters is not None:
             return
         counters = state_lib.Counters(self.add_variable)
         keras_integration.set_untracked(self, "_counters", counters)
@@ -228,21 +185,20 @@ class KFAC(keras.optimizers.Optimizer):
                                                        dtype=dtype, name=name))
         if self._stashed_state is not None:
             stashed, self._stashed_state = self._stashed_state, None
-            state_lib.restore(
-                counters.variables() + self._curvature.variables(saved_only=True), stashed)
+            state_lib.restore(self._kfac_variables(), stashed)
 
     def load_own_variables(self, store):
-        """Load saved state; K-FAC state waits for `attach` if the model is not known."""
-        count = len(store.keys())
-        kfac_state_missing = self._curvature is None or self._curvature.states is None
-        if kfac_state_missing and self.built and count > len(self.variables):
-            base = len(self.variables)
-            for i, variable in enumerate(self.variables):
-                variable.assign(store[str(i)])
-            keras_integration.set_untracked(
-                self, "_stashed_state", [store[str(i)][...] for i in range(base, count)])
-            return
-        super().load_own_variables(store)
+        """Load a save (inner optimizer's variables first); K-FAC's state waits for
+        `attach` if the model is not known yet."""
+        values = [store[str(i)][...] for i in range(len(store.keys()))]
+        inner = self.inner_optimizer.variables
+        for variable, value in zip(inner, values):
+            variable.assign(value)
+        kfac_values = values[len(inner):]
+        if self._counters is None:
+            keras_integration.set_untracked(self, "_stashed_state", kfac_values or None)
+        else:
+            state_lib.restore(self._kfac_variables(), kfac_values)
 
     # ---------------------------------------------------------------- update
     def apply(self, grads, trainable_variables=None):
@@ -256,6 +212,7 @@ class KFAC(keras.optimizers.Optimizer):
         grads = list(grads)
         step = self.iterations
         damping = self._damping_at(step)
+        config, curvature, clocks = self.config, self._curvature, self._clocks
 
         def kfac_step():
             # Every gradient must be a tensor of this branch's graph: Keras's update sums
@@ -263,18 +220,16 @@ class KFAC(keras.optimizers.Optimizer):
             # tensors captured from the outer graph (plain-gradient layers) and ones made
             # in the branch (preconditioned layers).
             branch_grads = [None if g is None else tf.identity(g) for g in grads]
-            curvature = self._curvature
-            self._clocks.timed("factors", lambda: curvature.update_factors_if_due(
-                step, captures.calls, self._interval(self.factor_update_freq),
+            clocks.timed("factors", lambda: curvature.update_factors_if_due(
+                step, captures.calls, _interval(config.factor_update_freq),
                 captures.weights, captures.ready))
-            self._clocks.timed("decomposition", lambda: curvature.update_decompositions_if_due(
-                step, damping, self._interval(self.inv_update_freq), captures.ready))
-            optimizer = self.inner_optimizer or self
-            clip = (None if self.kl_clip is None else
-                    curvature_lib.kl_clip_scale(optimizer.learning_rate, self.kl_clip))
-            preconditioned = self._clocks.timed("precondition", lambda: curvature.precondition(
+            clocks.timed("decomposition", lambda: curvature.update_decompositions_if_due(
+                step, damping, _interval(config.decomposition_update_freq), captures.ready))
+            clip = None if config.kl_clip is None else curvature_lib.kl_clip(
+                self.learning_rate, config.kl_clip)
+            preconditioned = clocks.timed("precondition", lambda: curvature.precondition(
                 branch_grads, variables, damping, clip))
-            self._clocks.timed("update", lambda: self._apply_update(preconditioned, variables))
+            clocks.timed("update", lambda: self._inner_update(preconditioned, variables))
             return tf.constant(True)
 
         def skip_step():
@@ -289,28 +244,9 @@ class KFAC(keras.optimizers.Optimizer):
                                 for g in grads if g is not None])
         tf.cond(finite, kfac_step, skip_step)
 
-    @staticmethod
-    def _interval(value):
-        return lambda step: tf.cast(schedules.value_at(value, step), tf.int64)
-
-    def _apply_update(self, grads, variables):
-        if self.inner_optimizer is None:
-            super().apply(grads, variables)
-        else:
-            self.inner_optimizer.apply(grads, variables)
-            self.iterations.assign_add(1)
+    def _inner_update(self, grads, variables):
+        self.inner_optimizer.apply(grads, variables)
         return tf.constant(0)
-
-    def update_step(self, gradient, variable, learning_rate):
-        """Momentum SGD (Keras convention): m ← μ m - η g; w ← w + m."""
-        lr = tf.cast(learning_rate, variable.dtype)
-        gradient = tf.cast(gradient, variable.dtype)
-        if self._momenta is None:
-            self.assign_sub(variable, lr * gradient)
-            return
-        momentum = self._momenta[keras_integration.slot_index(self, variable)]
-        self.assign(momentum, self.momentum * momentum - lr * gradient)
-        self.assign_add(variable, momentum)
 
     # ---------------------------------------------------------- curvature API
     def factors(self, layer):
@@ -321,7 +257,10 @@ class KFAC(keras.optimizers.Optimizer):
         Embedding's A is the diagonal as a vector), {"F": ...} for diagonal blocks.
         """
         if self._curvature is None:
-            raise RuntimeError(ATTACH_HINT)
+            raise RuntimeError(f"KFAC.factors: {NOT_ATTACHED}")
+        if self._counters is None:
+            raise RuntimeError("KFAC.factors: the optimizer has no state yet; it is made "
+                               "at the first training step (or `optimizer.build(variables)`)")
         return self._curvature.factors(layer)
 
     def precondition(self, gradients, variables):
@@ -332,7 +271,7 @@ class KFAC(keras.optimizers.Optimizer):
         eagerly or in a `tf.function`, after a training step has computed decompositions;
         in a multi-process job every rank calls it (placement "owner" gathers).
         """
-        if self._curvature is None or self._curvature.states is None or (
+        if self._counters is None or (
                 tf.executing_eagerly() and not int(self._counters.decomposition_updates)):
             raise RuntimeError(
                 "KFAC.precondition needs decompositions: train at least one step first "
@@ -343,56 +282,81 @@ class KFAC(keras.optimizers.Optimizer):
     # ---------------------------------------------------------- introspection
     def summary(self):
         """Managed and skipped layers, factor shapes, state size, counters, timings."""
-        info = {"managed": [], "state_bytes": 0, **(
-                    self._curvature.summary() if self._curvature else {}),
-                "skipped": list(self._skipped), "counters": {},
+        return {"managed": [], "state_bytes": 0,
+                **(self._curvature.summary() if self._curvature else {}),
+                "skipped": list(self._skipped), "counters": self.counters(),
                 "phase_seconds": self._clocks.values()}
-        if self._curvature is not None and self._curvature.states is not None:
-            counters = self._counters.values()
-            info["counters"] = {"steps": int(self.iterations.numpy()), **{
-                name: counters[name] for name in state_lib.Counters.NAMES
-                if not name.startswith("next_")}}
-        return info
 
-    def step_phase(self, step):
-        """The K-FAC work of training step `step` (0-based) by this optimizer's schedule:
-        "factors_and_decompositions", "decompositions", "factors" or "stale".
-
-        The schedule only: with factor_examples="fresh", steps without fresh examples
-        are stale and defer due work, which this does not know.
-        """
-        if self._due is None:
-            keras_integration.set_untracked(self, "_due", (
-                schedules.DueSteps(self.factor_update_freq),
-                schedules.DueSteps(self.inv_update_freq)))
-        factors, decompositions = (step in due for due in self._due)
-        return {(True, True): "factors_and_decompositions", (False, True): "decompositions",
-                (True, False): "factors", (False, False): "stale"}[factors, decompositions]
+    def counters(self):
+        """{name: int} of the steps taken and K-FAC's work so far (factor updates,
+        decompositions, skipped and failed ones); empty before the state exists."""
+        if self._counters is None:
+            return {}
+        counters = self._counters.values()
+        return {"steps": int(self.iterations.numpy()),
+                **{name: counters[name] for name in state_lib.Counters.NAMES
+                   if not name.startswith("next_")}}
 
     def _damping_at(self, step):
-        return tf.cast(schedules.value_at(self.damping, step), self.state_dtype)
+        return tf.cast(schedules.value_at(self.config.damping, step), self.config.state_dtype)
 
     def current_damping(self):
-        return float(schedules.value_at(self.damping, self.iterations))
+        return float(schedules.value_at(self.config.damping, self.iterations))
 
     # -------------------------------------------------------- serialization
     def get_config(self):
-        config = super().get_config()
-        config.update({setting: schedules.serialize(getattr(self, setting))
-                       for setting in SETTINGS})
-        config["skip_layers"] = list(self.skip_layers)
-        config["inner_optimizer"] = (
-            None if self.inner_optimizer is None
-            else keras.saving.serialize_keras_object(self.inner_optimizer))
-        return config
+        return {"name": self.name,
+                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                **self.config.to_config()}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        for setting in SETTINGS:
-            if setting in config:  # saves before 0.2 lack the newer settings
-                config[setting] = schedules.deserialize(config[setting])
-        if config.get("inner_optimizer") is not None:
-            config["inner_optimizer"] = keras.saving.deserialize_keras_object(
-                config["inner_optimizer"], custom_objects=custom_objects)
-        return super().from_config(config, custom_objects=custom_objects)
+        name = config.pop("name", "kfac")
+        inner = config.pop("inner_optimizer", None)
+        # Saves before 0.2 hold KFAC's own update rule and Keras's base arguments.
+        legacy = {key: config.pop(key) for key in ("learning_rate", "momentum", "weight_decay")
+                  if key in config}
+        for key in _INNER_ONLY:
+            config.pop(key, None)
+        if inner is not None:
+            inner = keras.saving.deserialize_keras_object(inner, custom_objects=custom_objects)
+            legacy = {}
+        elif isinstance(legacy.get("learning_rate"), dict):
+            legacy["learning_rate"] = keras.saving.deserialize_keras_object(
+                legacy["learning_rate"], custom_objects=custom_objects)
+        return cls(**legacy, inner_optimizer=inner, name=name,
+                   config=KFACConfig.from_config(config))
+
+
+def _inner(inner_optimizer, learning_rate, momentum, weight_decay):
+    """`inner_optimizer`, or the default momentum SGD built from the other arguments."""
+    given = {name: value for name, value in (("learning_rate", learning_rate),
+                                             ("momentum", momentum),
+                                             ("weight_decay", weight_decay))
+             if value is not None}
+    if inner_optimizer is not None:
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise ValueError("`inner_optimizer` must be a keras.optimizers.Optimizer; "
+                             f"received {type(inner_optimizer).__name__}")
+        if given:
+            raise ValueError(
+                f"KFAC received both `inner_optimizer` and {', '.join(map(repr, given))}: "
+                "the inner optimizer applies the update, so set "
+                f"{'it' if len(given) == 1 else 'them'} on the inner optimizer instead.")
+        return inner_optimizer
+    learning_rate = 0.01 if learning_rate is None else learning_rate
+    validation.positive_or_schedule("learning_rate", learning_rate)
+    momentum = 0.9 if momentum is None else momentum
+    validation.fraction("momentum", momentum)
+    if weight_decay is not None:
+        validation.finite_number("weight_decay", weight_decay, low=0)
+    return keras.optimizers.SGD(schedules.as_learning_rate(learning_rate), momentum=momentum,
+                                weight_decay=weight_decay)
+
+
+def _interval(value):
+    return lambda step: tf.cast(schedules.value_at(value, step), tf.int64)
+
+
+KFAC.__init__.__signature__ = signature_with_settings(KFAC.__init__)

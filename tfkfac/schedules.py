@@ -18,29 +18,6 @@ def value_at(hyperparameter, step):
     return hyperparameter
 
 
-class DueSteps:
-    """The steps an interval schedule fires at: 0, then s + interval(s) after each due s.
-
-    The rule `KFAC` follows in its graph (a counter holding the next due step), answered
-    here in Python for whoever reports per-phase work. Queries are cheapest in increasing
-    order of the step; an earlier step replays the schedule from 0.
-    """
-
-    def __init__(self, interval):
-        self.interval = interval
-        self._last = self._next = 0
-
-    def __contains__(self, step):
-        if not callable(self.interval):
-            return step % self.interval == 0
-        if step < self._last:
-            self._last = self._next = 0
-        while self._next < step:
-            self._last = self._next
-            self._next += max(1, int(value_at(self.interval, self._next)))
-        return self._next == step
-
-
 class StepCallable(keras.optimizers.schedules.LearningRateSchedule):
     """Adapts a plain callable of the step to Keras's learning-rate schedule API."""
 
@@ -116,7 +93,7 @@ class WarmupDamping(keras.optimizers.schedules.LearningRateSchedule):
 class OsawaInterval:
     """Osawa et al. eq. 20: interval(e) = min(20, 5 floor(e/5) + 1), e the epoch.
 
-    A callable of the step, usable as `factor_update_freq` / `inv_update_freq`.
+    A callable of the step, usable as `factor_update_freq` / `decomposition_update_freq`.
     """
 
     def __init__(self, steps_per_epoch, max_interval=20):

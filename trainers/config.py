@@ -6,33 +6,34 @@ benchmark runs exactly what a user would run with the same flags.
 
 import dataclasses
 import datetime
-import math
 import os
 from typing import Optional, Tuple
 
 import pipelines
 from pipelines.validation import check_number
-from tfkfac import blocks, distributed, optimizer as kfac_optimizer, validation
+from tfkfac import config as kfac_config, validation
 from trainers import models
 
 OPTIMIZERS = ("kfac", "sgd", "adam", "adamw")
+# The update rules K-FAC can precondition for (`--kfac_inner_optimizer`).
+KFAC_INNER_OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "warmup", "step", "polynomial", "cosine")
-# The choices the optimizer and the pipelines accept, so the flags never drift from them.
-KFAC_METHODS = kfac_optimizer.METHODS
-KFAC_PLACEMENTS = kfac_optimizer.PLACEMENTS
-WEIGHT_SHARING = blocks.WEIGHT_SHARING
-FACTOR_EXAMPLES = validation.FACTOR_EXAMPLES
-WIRE_DTYPES = tuple(distributed.packing.WIRE_DTYPES)
 ECHO_MODES = pipelines.ECHO_MODES
 PRECISIONS = tuple(pipelines.PRECISIONS)
 VERBOSITIES = (0, 1, 2)
 
+# The trainer's K-FAC defaults where they differ from the library's: the CNN's best
+# setting in bench/time_to_accuracy.py (the inverse method, damping 0.1) with factors
+# every 10 and decompositions every 100 steps.
+KFAC_DEFAULTS = {"damping": 0.1, "method": "inverse", "factor_update_freq": 10,
+                 "decomposition_update_freq": 100}
+# K-FAC's settings the trainer exposes: {flag: KFACConfig field}.
+KFAC_FLAGS = {kfac_config.flag_name(field): field for field in kfac_config.settings()
+              if kfac_config.flag_name(field)}
 # Fields that only mean something to K-FAC; setting one with another optimizer is a mistake.
-KFAC_ONLY_FIELDS = (
-    "damping", "factor_update_freq", "inv_update_freq", "kl_clip", "kfac_method",
-    "kfac_placement", "factor_wire_dtype", "decomposition_wire_dtype", "weight_sharing",
-    "factor_examples", "factor_batch_fraction", "product_dtype", "phase_clocks",
-)
+KFAC_ONLY_FIELDS = (*KFAC_FLAGS, "kfac_inner_optimizer")
+# Saved configs of earlier versions name some fields differently: old -> new.
+RENAMED_FIELDS = {old: new for old, new in kfac_config.RENAMED.items() if new in KFAC_FLAGS}
 # Fields a resumed run may set differently from the run that wrote the checkpoint: the
 # budget (and so a schedule's end), evaluation cadence and target, where the data and
 # the run live, how much is printed. Every other field must stay as it was; a resumed
@@ -44,8 +45,8 @@ RESUME_MAY_CHANGE_FIELDS = (
 
 
 @dataclasses.dataclass
-class TrainConfig:
-    """Settings of one run; defaults are the `make train` job (K-FAC, small CNN, Fashion-MNIST)."""
+class _RunConfig:
+    """The settings of a run other than K-FAC's (`TrainConfig` adds those)."""
 
     model: str = "cnn"
     dataset: str = "fashion_mnist"
@@ -64,25 +65,9 @@ class TrainConfig:
     lr_decay_epochs: Tuple[float, ...] = ()
     lr_decay_factor: float = 0.1
     lr_decay_power: float = 2.0
-    # The CNN's best K-FAC setting in bench/time_to_accuracy.py: the inverse method with
-    # damping 0.1 (the optimizer's own defaults are docs/design.md's eigen method and 1e-3).
-    damping: float = 0.1
-    factor_update_freq: int = 10
-    inv_update_freq: int = 100
-    kl_clip: Optional[float] = 1e-3
-    kfac_method: str = "inverse"
-    kfac_placement: str = "replicated"
-    factor_wire_dtype: str = "float32"
-    decomposition_wire_dtype: str = "float32"
-    weight_sharing: str = "expand"
-    # "fresh": K-FAC's factors count each source example once under data echoing.
-    factor_examples: str = "all"
-    # Share of each batch K-FAC's factor statistics come from (1: all, exact).
-    factor_batch_fraction: float = 1.0
-    # "bfloat16": K-FAC's Gram and preconditioning products in bfloat16 (None: float32).
-    product_dtype: Optional[str] = None
-    # K-FAC's per-phase clocks in summary.json (benchmarks); they cost 0.2-0.6 ms a step.
-    phase_clocks: bool = False
+    # The update rule K-FAC preconditions for: momentum SGD (with --momentum), or Adam /
+    # AdamW (with --weight_decay), at --learning_rate and its schedule.
+    kfac_inner_optimizer: str = "sgd"
     batch_size: int = 128
     epochs: int = 2
     steps: Optional[int] = None
@@ -112,27 +97,25 @@ class TrainConfig:
         `explicitly_set` names the fields the user gave (e.g. flags present on the command
         line), so K-FAC-only settings given with another optimizer are caught.
         """
-        _one_of("model", self.model, models.MODEL_NAMES)
-        _one_of("optimizer", self.optimizer, OPTIMIZERS)
-        _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _one_of("kfac_method", self.kfac_method, KFAC_METHODS)
-        _one_of("kfac_placement", self.kfac_placement, KFAC_PLACEMENTS)
-        _one_of("factor_wire_dtype", self.factor_wire_dtype, WIRE_DTYPES)
-        _one_of("decomposition_wire_dtype", self.decomposition_wire_dtype, WIRE_DTYPES)
-        _one_of("weight_sharing", self.weight_sharing, WEIGHT_SHARING)
-        _one_of("factor_examples", self.factor_examples, FACTOR_EXAMPLES)
-        _one_of("echo_mode", self.echo_mode, ECHO_MODES)
-        _one_of("precision", self.precision, PRECISIONS)
-        _one_of("verbose", self.verbose, VERBOSITIES)
+        validation.one_of(models.MODEL_NAMES)("model", self.model)
+        validation.one_of(OPTIMIZERS)("optimizer", self.optimizer)
+        validation.one_of(LR_SCHEDULES)("lr_schedule", self.lr_schedule)
+        validation.one_of(KFAC_INNER_OPTIMIZERS)("kfac_inner_optimizer",
+                                                 self.kfac_inner_optimizer)
+        validation.one_of(ECHO_MODES)("echo_mode", self.echo_mode)
+        validation.one_of(PRECISIONS)("precision", self.precision)
+        validation.one_of(VERBOSITIES)("verbose", self.verbose)
         if not self.dataset:
-            raise ValueError("dataset must be a dataset name, e.g. fashion_mnist")
-        # The optimizer's own rules (finite, in range), so the two never disagree.
-        validation.validate(learning_rate=self.learning_rate, momentum=self.momentum,
-                            weight_decay=self.weight_decay)
-        _positive("batch_size", self.batch_size)
-        _positive("epochs", self.epochs)
+            raise ValueError("`dataset` must be a dataset name, e.g. fashion_mnist")
+        # The library's checks and wording, so the two never disagree.
+        validation.positive("learning_rate", self.learning_rate)
+        validation.fraction("momentum", self.momentum)
+        if self.weight_decay is not None:
+            validation.finite_number("weight_decay", self.weight_decay, low=0)
+        validation.positive_integer("batch_size", self.batch_size)
+        validation.positive_integer("epochs", self.epochs)
         if self.steps is not None:
-            _positive("steps", self.steps)
+            validation.positive_integer("steps", self.steps)
         if self.eval_every_steps < 0:
             raise ValueError(f"eval_every_steps must be >= 0 (0 = at epoch ends only), got "
                              f"{self.eval_every_steps}")
@@ -208,10 +191,12 @@ class TrainConfig:
                 raise ValueError(f"{', '.join(stray)} only {verb} to optimizer=kfac, "
                                  f"not optimizer={self.optimizer}")
             return
-        validation.validate(damping=self.damping, factor_update_freq=self.factor_update_freq,
-                            inv_update_freq=self.inv_update_freq, kl_clip=self.kl_clip,
-                            factor_batch_fraction=self.factor_batch_fraction,
-                            product_dtype=self.product_dtype)
+        self.kfac_config()
+
+    def kfac_config(self):
+        """The run's `tfkfac.KFACConfig` (checked; a bad value names its setting)."""
+        settings = {field.name: getattr(self, flag) for flag, field in KFAC_FLAGS.items()}
+        return kfac_config.KFACConfig(xla=self.xla, **settings)
 
     def resolved_model_dir(self):
         """`model_dir`, or a fresh `runs/<model>-<optimizer>-<timestamp>` when unset."""
@@ -224,12 +209,11 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _one_of(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(str(a) for a in allowed)}; "
-                         f"got {value!r}")
-
-
-def _positive(name, value):
-    if value is None or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig",
+    [(flag, field.type, dataclasses.field(default=KFAC_DEFAULTS.get(field.name, field.default)))
+     for flag, field in KFAC_FLAGS.items()],
+    bases=(_RunConfig,))
+TrainConfig.__module__ = __name__
+TrainConfig.__doc__ = """Settings of one run; defaults are the `make train` job (K-FAC, small CNN,
+Fashion-MNIST). K-FAC's settings are `tfkfac.KFACConfig`'s under their flag names."""

@@ -66,7 +66,8 @@ def mean_step_times(step_time):
 
 
 class StepTimer(keras.callbacks.Callback):
-    """Adds each training step's wall time to `totals[phase_fn(step)]` = [count, seconds].
+    """Adds each training step's wall time to `totals[phase_fn()]` = [count, seconds],
+    `phase_fn` naming the work of the step just finished.
 
     The first step of each phase seen by this timer traces and compiles, so it is not
     counted. A step's time runs from asking for its batch to its finished update, so
@@ -86,7 +87,7 @@ class StepTimer(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         elapsed = time.perf_counter() - self._step_start
-        phase = self._phase_fn(self.step)
+        phase = self._phase_fn()
         self.step += 1
         if phase not in self._phases_seen:
             self._phases_seen.add(phase)
@@ -106,7 +107,7 @@ class EpochRecorder(StepTimer):
       communicator: averages metrics over ranks (`grouped_allreduce_mean`).
       scalars_fn: returns extra per-epoch scalars, e.g. {"learning_rate": ..., "damping": ...}.
       fresh_examples_fn: returns the fresh examples this rank read in the current epoch.
-      phase_fn: maps a global step index to the name of the work it did ("factors", ...).
+      phase_fn: names the work of the step just finished ("factors", ...).
       evaluate_fn: returns this rank's eval metrics ({"val_accuracy": ...}) mid-epoch.
       eval_every_steps: evaluate every this many steps too (0: only at epoch ends).
       target_accuracy: eval accuracy whose first crossing is recorded, or None.

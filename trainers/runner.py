@@ -111,6 +111,9 @@ def saved_settings(model_dir):
     history = checkpoints.read_run_history(model_dir)
     if saved is not None and history:
         saved.update({name: now for name, (_, now) in history[-1].get("changed", {}).items()})
+    if saved is not None:  # written by an earlier version: today's names
+        saved = {config_lib.RENAMED_FIELDS.get(name, name): value
+                 for name, value in saved.items()}
     return saved
 
 
@@ -311,25 +314,24 @@ _KERAS_OPTIMIZERS = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam,
 
 def _build_optimizer(config, steps_per_epoch, total_steps, communicator):
     learning_rate = lr_schedules.build_learning_rate(config, steps_per_epoch, total_steps)
-    # Unset, each optimizer keeps its own default weight decay.
-    options = {} if config.weight_decay is None else {"weight_decay": config.weight_decay}
     if config.optimizer == "kfac":
-        # K-FAC averages gradients (and factors) over ranks itself.
+        # K-FAC averages gradients (and factors) over ranks itself, before its inner
+        # optimizer sees them.
+        inner = config.kfac_inner_optimizer
         return tfkfac.KFAC(
-            learning_rate=learning_rate, damping=config.damping, momentum=config.momentum,
-            kl_clip=config.kl_clip, factor_update_freq=config.factor_update_freq,
-            inv_update_freq=config.inv_update_freq, method=config.kfac_method,
-            xla=config.xla, placement=config.kfac_placement,
-            factor_wire_dtype=config.factor_wire_dtype,
-            decomposition_wire_dtype=config.decomposition_wire_dtype,
-            weight_sharing=config.weight_sharing, factor_examples=config.factor_examples,
-            factor_batch_fraction=config.factor_batch_fraction,
-            product_dtype=config.product_dtype,
-            phase_clocks=config.phase_clocks, communicator=communicator, **options)
-    if config.optimizer == "sgd":
-        options["momentum"] = config.momentum
+            inner_optimizer=_KERAS_OPTIMIZERS[inner](learning_rate, **_options(inner, config)),
+            config=config.kfac_config(), communicator=communicator)
     return data_parallel.averaging(_KERAS_OPTIMIZERS[config.optimizer], communicator)(
-        learning_rate, **options)
+        learning_rate, **_options(config.optimizer, config))
+
+
+def _options(name, config):
+    """Keyword arguments of Keras's optimizer `name`: --momentum for SGD, and
+    --weight_decay when set (unset, each keeps its own default)."""
+    options = {} if config.weight_decay is None else {"weight_decay": config.weight_decay}
+    if name == "sgd":
+        options["momentum"] = config.momentum
+    return options
 
 
 def _loss_and_metrics(config):
@@ -355,9 +357,20 @@ def _optimizer_scalars(config, optimizer):
 
 
 def phase_fn(optimizer):
-    """Names the work each step does, so step times can be reported per phase: K-FAC's
-    own schedule (`KFAC.step_phase`), one "step" kind for the other optimizers."""
-    return getattr(optimizer, "step_phase", lambda step: "step")
+    """Names the work of the step just finished, for step times per phase: for K-FAC from
+    its counters (what the graph did), one "step" kind for the other optimizers."""
+    if not isinstance(optimizer, tfkfac.KFAC):
+        return lambda: "step"
+    last = optimizer.counters()  # after a restore: the restored counts
+
+    def phase():
+        counters = optimizer.counters()
+        done = [counters[name] > last.get(name, 0)
+                for name in ("factor_updates", "decomposition_updates")]
+        last.update(counters)
+        return {(True, True): "factors_and_decompositions", (False, True): "decompositions",
+                (True, False): "factors", (False, False): "stale"}[tuple(done)]
+    return phase
 
 
 def _print_summary(summary):

@@ -55,44 +55,31 @@ flags.DEFINE_float("lr_decay_factor", _DEFAULTS.lr_decay_factor,
                    "Factor of each lr_schedule=step decay.")
 flags.DEFINE_float("lr_decay_power", _DEFAULTS.lr_decay_power,
                    "Power of lr_schedule=polynomial.")
-flags.DEFINE_float("damping", _DEFAULTS.damping, "K-FAC Tikhonov damping lambda.")
-flags.DEFINE_integer("factor_update_freq", _DEFAULTS.factor_update_freq,
-                     "K-FAC: update the Kronecker factors every this many steps.")
-flags.DEFINE_integer("inv_update_freq", _DEFAULTS.inv_update_freq,
-                     "K-FAC: recompute eigendecompositions/inverses every this many steps "
-                     "(a multiple of --factor_update_freq).")
-flags.DEFINE_float("kl_clip", _DEFAULTS.kl_clip, "K-FAC KL clip kappa; 0 turns it off.")
-flags.DEFINE_enum("kfac_method", _DEFAULTS.kfac_method, config_lib.KFAC_METHODS,
-                  "K-FAC preconditioning: eigendecomposition or factored inverses.")
-flags.DEFINE_enum("kfac_placement", _DEFAULTS.kfac_placement, config_lib.KFAC_PLACEMENTS,
-                  "Distributed K-FAC: replicated (every rank holds every eigenbasis and "
-                  "preconditions all layers; stale steps send only gradients) or owner "
-                  "(each layer's owner preconditions it and shares the result every step).")
-flags.DEFINE_enum("factor_wire_dtype", _DEFAULTS.factor_wire_dtype, config_lib.WIRE_DTYPES,
-                  "Distributed K-FAC: dtype of factors on the wire.")
-flags.DEFINE_enum("decomposition_wire_dtype", _DEFAULTS.decomposition_wire_dtype,
-                  config_lib.WIRE_DTYPES,
-                  "Distributed K-FAC: dtype of decompositions (eigenbases or inverses) and "
-                  "preconditioned gradients on the wire.")
-# The flag's name before 0.2, kept working.
-flags.DEFINE_alias("eigen_wire_dtype", "decomposition_wire_dtype")
-flags.DEFINE_enum("weight_sharing", _DEFAULTS.weight_sharing, config_lib.WEIGHT_SHARING,
-                  "K-FAC rule for weights used at several positions per example: expand "
-                  "(every position counts like an example) or reduce (summed per example "
-                  "first; cheaper factors).")
-flags.DEFINE_enum("factor_examples", _DEFAULTS.factor_examples, config_lib.FACTOR_EXAMPLES,
-                  "K-FAC factor statistics from all examples, or with data echoing from "
-                  "fresh ones only: each source example counted once, steps on echoed "
-                  "batches stale. Effect on time to accuracy not measured yet.")
-flags.DEFINE_float("factor_batch_fraction", _DEFAULTS.factor_batch_fraction,
-                   "K-FAC: share of each batch, in (0, 1], the factor statistics are taken "
-                   "from (a random subset per factor step; 1 = every example, exact).")
-flags.DEFINE_enum("product_dtype", _DEFAULTS.product_dtype, ["bfloat16"],
-                  "K-FAC: bfloat16 operands for the factor Gram and preconditioning "
-                  "products (faster with native bfloat16; unset: float32, exact).")
-flags.DEFINE_bool("phase_clocks", _DEFAULTS.phase_clocks,
-                  "K-FAC: time each phase (factors, decomposition, precondition, update) "
-                  "into summary.json's optimizer section; costs 0.2-0.6 ms a step.")
+flags.DEFINE_enum("kfac_inner_optimizer", _DEFAULTS.kfac_inner_optimizer,
+                  config_lib.KFAC_INNER_OPTIMIZERS,
+                  "K-FAC: the update rule it preconditions for (sgd with --momentum, adam, or "
+                  "adamw with --weight_decay), at --learning_rate and --lr_schedule.")
+
+
+def _define_kfac_flags():
+    """One flag per K-FAC setting the trainer exposes, from `tfkfac.KFACConfig`."""
+    for flag, field in config_lib.KFAC_FLAGS.items():
+        default, doc = getattr(_DEFAULTS, flag), "K-FAC: " + field.metadata["doc"]
+        choices = getattr(field.metadata["check"], "choices", None)
+        if choices is not None:
+            flags.DEFINE_enum(flag, default, [c for c in choices if c is not None], doc)
+        elif isinstance(field.default, bool):
+            flags.DEFINE_bool(flag, default, doc)
+        elif isinstance(field.default, int):
+            flags.DEFINE_integer(flag, default, doc)
+        else:
+            flags.DEFINE_float(flag, default, doc + (" 0 turns it off." if field.name == "kl_clip"
+                                                     else ""))
+    for old, new in config_lib.RENAMED_FIELDS.items():  # the flags' names before 0.2
+        flags.DEFINE_alias(old, new)
+
+
+_define_kfac_flags()
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Examples per step on each rank.")
 flags.DEFINE_integer("epochs", _DEFAULTS.epochs, "Epochs to train (ignored with --steps).")
 flags.DEFINE_integer("steps", None, "If set, train exactly this many steps (overrides "
@@ -160,6 +147,9 @@ def config_from_flags(flag_values):
             value = None
         values[field.name] = value
     explicitly_set = {name for name in values if flag_values[name].present}
+    for old, new in config_lib.RENAMED_FIELDS.items():
+        if flag_values[old].present:
+            logging.warning("--%s is deprecated; use --%s", old, new)
     return config_lib.TrainConfig(**values), explicitly_set
 
 

@@ -5,6 +5,7 @@ import warnings
 
 import keras
 
+from tfkfac.config import KFACConfig, PRODUCT_DTYPES, WEIGHT_SHARING
 from tfkfac.blocks.base import Block, Unsupported
 from tfkfac.blocks.normalization import (BatchNormBlock, GroupNormBlock, LayerNormBlock,
                                          RMSNormBlock)
@@ -18,8 +19,6 @@ __all__ = ["Block", "BatchNormBlock", "ConvBlock", "ConvTransposeBlock", "DenseB
            "LayerNormBlock", "RMSNormBlock", "SeparableConvBlock", "Unsupported",
            "PRODUCT_DTYPES", "WEIGHT_SHARING", "block_for", "discover", "warn_unsupported"]
 
-WEIGHT_SHARING = ("expand", "reduce")
-PRODUCT_DTYPES = (None, "bfloat16")
 SKIPPED_BY_REQUEST = "skipped by skip_layers"
 CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
@@ -30,12 +29,12 @@ TRANSPOSED = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
 
 def _conv(block_class, **kwargs):
     """The builder of a convolution block (which raises `Unsupported` for its layouts)."""
-    return lambda layer, options: block_class(layer, options["weight_sharing"], **kwargs)
+    return lambda layer, config: block_class(layer, config.weight_sharing, **kwargs)
 
 
 def _diagonal(block_class):
     """The builder of a normalization block, damped with ρ (docs/design.md §3)."""
-    return lambda layer, options: block_class(layer, options["diagonal_damping_multiplier"])
+    return lambda layer, config: block_class(layer, config.diagonal_damping_multiplier)
 
 
 # (layer class, block builder), most specific class first. A builder returns the block
@@ -45,48 +44,47 @@ _BUILDERS = [
     (DEPTHWISE, _conv(ConvBlock, depthwise=True)),
     (SEPARABLE, _conv(SeparableConvBlock)),
     (TRANSPOSED, _conv(ConvTransposeBlock)),
-    (keras.layers.Embedding, lambda layer, options: EmbeddingBlock(layer)),
+    (keras.layers.Embedding, lambda layer, config: EmbeddingBlock(layer)),
     (keras.layers.BatchNormalization, _diagonal(BatchNormBlock)),
     (keras.layers.LayerNormalization, _diagonal(LayerNormBlock)),
     (keras.layers.GroupNormalization, _diagonal(GroupNormBlock)),
     (keras.layers.RMSNormalization, _diagonal(RMSNormBlock)),
-    (keras.layers.Dense, lambda layer, options: DenseBlock(layer, options["weight_sharing"])),
+    (keras.layers.Dense, lambda layer, config: DenseBlock(layer, config.weight_sharing)),
     (keras.layers.EinsumDense,
-     lambda layer, options: EinsumDenseBlock(layer, options["weight_sharing"])),
+     lambda layer, config: EinsumDenseBlock(layer, config.weight_sharing)),
 ]
 
 
-def block_for(layer, diagonal_damping_multiplier=1.0, weight_sharing="expand"):
+def block_for(layer, config=KFACConfig()):
     """(block, None) for a supported layer, or (None, reason) when it is not.
 
-    `diagonal_damping_multiplier` is ρ of the diagonal (normalization) blocks;
-    `weight_sharing` is the rule of blocks whose weights act at several positions.
+    The block takes its options from `config` (a `tfkfac.KFACConfig`, default the
+    defaults): the weight-sharing rule, ρ of the diagonal blocks, the product dtype.
     """
     if getattr(layer, "lora_enabled", False):
         return None, "LoRA-enabled layers are not supported"
     if getattr(layer, "quantization_mode", None):
         return None, "quantized layers are not supported"
-    options = {"diagonal_damping_multiplier": diagonal_damping_multiplier,
-               "weight_sharing": weight_sharing}
     for layer_class, build in _BUILDERS:
         if isinstance(layer, layer_class):
             try:
-                return build(layer, options), None
+                block = build(layer, config)
             except Unsupported as error:
                 return None, str(error)
+            block.use_product_dtype(config.product_dtype)
+            return block, None
     return None, f"no K-FAC block for {type(layer).__name__}"
 
 
-def discover(layers, skip_patterns=(), diagonal_damping_multiplier=1.0,
-             weight_sharing="expand", product_dtype=None):
+def discover(layers, config):
     """(blocks, skipped) for the layers with trainable weights among `layers`, {path: layer}.
 
     `skipped` lists {"layer": path, "reason"} for each layer that gets the plain gradient;
-    `skip_patterns` are regular expressions matched in full against the layer's name,
-    path or class name; `product_dtype` is the blocks' (`Block.use_product_dtype`).
+    `config.skip_layers` are regular expressions matched in full against the layer's
+    name, path or class name.
     """
     blocks, skipped = [], []
-    patterns = [re.compile(p) for p in skip_patterns]
+    patterns = [re.compile(p) for p in config.skip_layers]
     for path, layer in layers.items():
         if not layer.trainable_weights:
             continue
@@ -94,12 +92,11 @@ def discover(layers, skip_patterns=(), diagonal_damping_multiplier=1.0,
         if any(p.fullmatch(n) for p in patterns for n in names):
             skipped.append({"layer": path, "reason": SKIPPED_BY_REQUEST})
             continue
-        block, reason = block_for(layer, diagonal_damping_multiplier, weight_sharing)
+        block, reason = block_for(layer, config)
         if block is None:
             skipped.append({"layer": path, "reason": reason})
         else:
             block.path = path
-            block.use_product_dtype(product_dtype)
             blocks.append(block)
     return blocks, skipped
 

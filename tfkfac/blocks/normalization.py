@@ -107,7 +107,7 @@ class NormalizationBlock(Block):
 class BatchNormBlock(NormalizationBlock):
     """x̂ from the batch's moments, as in training mode."""
 
-    kind = "batchnorm"
+    kind = "batch_norm"
 
     @staticmethod
     def parameters(layer):

@@ -1,0 +1,186 @@
+"""`KFACConfig`: every K-FAC setting declared once — name, default, allowed values, doc.
+
+The optimizer's arguments and `get_config`, their checks, the trainer's flags and the
+argument table of docs/arguments.md are all derived from the fields below, so a new
+setting is one field here plus the code that uses it (docs/design.md §10).
+"""
+
+import dataclasses
+import inspect
+import math
+import typing
+import warnings
+
+from tfkfac import schedules, validation
+from tfkfac.distributed.packing import WIRE_DTYPES
+from tfkfac.placement import PLACEMENTS
+
+METHODS = ("eigen", "inverse")
+WEIGHT_SHARING = ("expand", "reduce")
+PRODUCT_DTYPES = (None, "bfloat16")
+STATE_DTYPES = ("float32", "float64")
+FACTOR_EXAMPLES = ("all", "fresh")
+XLA_CHOICES = (True, False, "auto")
+
+# Renamed arguments, old name -> new name: saves of earlier versions hold the old ones.
+RENAMED = {"inv_update_freq": "decomposition_update_freq",
+           "bn_damping_multiplier": "diagonal_damping_multiplier",
+           "eigen_wire_dtype": "decomposition_wire_dtype"}
+
+
+def _setting(default, check, doc, flag=True):
+    """A field of `KFACConfig`. `flag`: whether the trainer exposes it as an absl flag
+    (True: under the setting's name; a string: under that name; False: not a flag)."""
+    return dataclasses.field(default=default, metadata={"check": check, "doc": doc,
+                                                        "flag": flag})
+
+
+@dataclasses.dataclass(frozen=True)
+class KFACConfig:
+    """K-FAC's settings, checked when made: a bad value is a ValueError naming it."""
+
+    damping: typing.Any = _setting(
+        1e-3, validation.positive_or_schedule,
+        "Tikhonov damping λ: a number > 0 or a callable of the step "
+        "(`tfkfac.WarmupDamping` is Osawa et al.'s warm-up).")
+    factor_decay: float = _setting(
+        0.95, validation.fraction, "ξ of the factors' running average, in [0, 1).")
+    kl_clip: typing.Optional[float] = _setting(
+        1e-3, validation.optional(validation.positive, "disables it"),
+        "κ of the KL clip (Pauloski et al. eq. 18) scaling every step; None disables it.")
+    factor_update_freq: typing.Any = _setting(
+        1, validation.interval,
+        "Steps between factor updates: an int >= 1 or a callable of the step "
+        "(`tfkfac.OsawaInterval`).")
+    decomposition_update_freq: typing.Any = _setting(
+        10, validation.interval,
+        "Steps between decompositions (eigenbases or inverses): an int, a multiple of "
+        "factor_update_freq, or a callable of the step.")
+    method: str = _setting(
+        "eigen", validation.one_of(METHODS),
+        "eigen: exact (A⊗G + λI)⁻¹ by eigendecompositions; inverse: π-corrected "
+        "factored Tikhonov damping.", flag="kfac_method")
+    diagonal_damping_multiplier: float = _setting(
+        1.0, validation.positive,
+        "ρ of the diagonal blocks (BatchNorm, LayerNorm, GroupNorm, RMSNorm), "
+        "preconditioned by 1/(F + ρλ).")
+    weight_sharing: str = _setting(
+        "expand", validation.one_of(WEIGHT_SHARING),
+        "Layers applied at several positions per example: expand (each position counts "
+        "like an example) or reduce (summed per example first; cheaper).")
+    skip_layers: tuple = _setting(
+        (), validation.patterns,
+        "Regular expressions (full match) of layer names, paths or class names that get "
+        "the plain gradient.", flag=False)
+    xla: typing.Any = _setting(
+        "auto", validation.one_of(XLA_CHOICES),
+        "Compile factor statistics and preconditioning with XLA: True, False, or auto "
+        "(when a GPU is visible).", flag=False)
+    placement: str = _setting(
+        "replicated", validation.one_of(PLACEMENTS),
+        "Across ranks: replicated (every rank preconditions every layer; stale steps send "
+        "only gradients) or owner (each layer's owner preconditions it, results gathered "
+        "every step).", flag="kfac_placement")
+    factor_wire_dtype: str = _setting(
+        "float32", validation.one_of(tuple(WIRE_DTYPES)),
+        "dtype of the packed factors on the wire (accumulated and stored in float32).")
+    decomposition_wire_dtype: str = _setting(
+        "float32", validation.one_of(tuple(WIRE_DTYPES)),
+        "dtype of decompositions and preconditioned gradients on the wire.")
+    state_dtype: str = _setting(
+        "float32", validation.one_of(STATE_DTYPES),
+        "dtype of factors, decompositions and preconditioning (float64 for checks "
+        "against a float64 reference).", flag=False)
+    factor_examples: str = _setting(
+        "all", validation.one_of(FACTOR_EXAMPLES),
+        "all, or fresh: with data echoing, factors count each source example once "
+        "(batches carry fresh flags).")
+    factor_batch_fraction: float = _setting(
+        1.0, validation.share,
+        "Share of each batch, in (0, 1], the factor statistics are taken from (a random "
+        "subset per factor step).")
+    product_dtype: typing.Optional[str] = _setting(
+        None, validation.one_of(PRODUCT_DTYPES),
+        "bfloat16: Gram and preconditioning products with bfloat16 operands (native "
+        "bfloat16 CPUs); None: the state dtype, exact.")
+    phase_clocks: bool = _setting(
+        False, validation.boolean,
+        "Time each phase into summary()['phase_seconds']; costs 0.2-0.6 ms a step.")
+
+    def __post_init__(self):
+        if isinstance(self.skip_layers, list):
+            object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        for field in dataclasses.fields(self):
+            field.metadata["check"](field.name, getattr(self, field.name))
+        factor_freq, decomposition_freq = self.factor_update_freq, self.decomposition_update_freq
+        if not callable(factor_freq) and not callable(decomposition_freq) and (
+                decomposition_freq % factor_freq):
+            raise ValueError(
+                "`decomposition_update_freq` must be a multiple of `factor_update_freq` so "
+                "that decompositions use freshly updated factors; received "
+                f"decomposition_update_freq={decomposition_freq}, "
+                f"factor_update_freq={factor_freq}")
+
+    @classmethod
+    def from_arguments(cls, caller="KFAC", **arguments):
+        """A config from keyword arguments, renamed ones accepted with a DeprecationWarning
+        and anything else a TypeError, as Python reports an unexpected argument."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        settings = {}
+        for name, value in arguments.items():
+            if name in RENAMED:
+                warnings.warn(f"{caller}: `{name}` is deprecated, use `{RENAMED[name]}`",
+                              DeprecationWarning, stacklevel=3)
+                name = RENAMED[name]
+            if name not in names:
+                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; its "
+                                f"settings are {sorted(names)}")
+            settings[name] = value
+        return cls(**settings)
+
+    def to_config(self):
+        """The settings as Keras config entries (schedules Keras-serialized)."""
+        config = {field.name: schedules.serialize(getattr(self, field.name))
+                  for field in dataclasses.fields(self)}
+        config["skip_layers"] = list(self.skip_layers)
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        """The inverse of `to_config`; a save's renamed keys are read silently."""
+        config = {RENAMED.get(name, name): value for name, value in config.items()}
+        return cls(**{name: schedules.deserialize(value) for name, value in config.items()})
+
+
+def settings():
+    """The fields of `KFACConfig`, in declaration order."""
+    return dataclasses.fields(KFACConfig)
+
+
+def flag_name(field):
+    """The trainer's flag for `field`, or None when the trainer does not expose it."""
+    flag = field.metadata["flag"]
+    return None if flag is False else (field.name if flag is True else flag)
+
+
+def markdown_table():
+    """docs/arguments.md's table of every setting (tests check the file matches)."""
+    rows = ["| argument | default | trainer flag | what it is |", "|---|---|---|---|"]
+    for field in settings():
+        flag = flag_name(field)
+        default = field.default
+        shown = repr(default) if not (isinstance(default, float) and math.isfinite(default)) \
+            else f"{default:g}"
+        rows.append(f"| `{field.name}` | `{shown}` | {f'`--{flag}`' if flag else '—'} | "
+                    f"{field.metadata['doc']} |")
+    return "\n".join(rows) + "\n"
+
+
+def signature_with_settings(function):
+    """`function`'s signature with its `**settings` spelled out as the settings, so that
+    `help()` and editors show every argument and its default."""
+    signature = inspect.signature(function)
+    parameters = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+    parameters += [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY,
+                                     default=field.default) for field in settings()]
+    return signature.replace(parameters=parameters)
