@@ -15,6 +15,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from tfkfac import keras_integration
 from tfkfac.blocks.base import as_float, batch_size
 from tfkfac.capture import Recorder
 
@@ -55,8 +56,12 @@ class Attachment:
     With `fresh_only`, each step needs the batch's fresh flags (`FRESH_HINT`).
     """
 
-    def __init__(self, model, layers, blocks, communicator, fresh_only=False):
+    def __init__(self, model, layers, blocks, communicator, fresh_only=False,
+                 count_skipped_step=None):
         self._model = weakref.ref(model)
+        # Counts a step a wrapping optimizer (Keras's LossScaleOptimizer) skips for
+        # non-finite gradients without calling K-FAC's `apply`.
+        self._count_skipped_step = count_skipped_step
         self._recorder = Recorder(blocks)
         self._comm = communicator
         self._captures = None
@@ -78,10 +83,11 @@ class Attachment:
         with tf.GradientTape() as tape, self._recorder.recording():
             yield tape
 
-    def step(self, tape, loss, variables, apply, loss_scale=1.0, fresh=None):
+    def step(self, tape, loss, variables, apply, loss_scale=1.0, fresh=None, wrapped=False):
         """Gradients of `loss` (recorded by `tape`), then `apply(gradients, variables)`
         with this step's `Captures` provided to the optimizer. `fresh`: the batch's
-        fresh flags (N,), needed exactly when `fresh_only`."""
+        fresh flags (N,), needed exactly when `fresh_only`. `wrapped`: `apply` is a
+        wrapping optimizer's, which may skip the step without calling K-FAC."""
         if self.fresh_only != (fresh is not None):
             raise ValueError(FRESH_HINT if self.fresh_only else
                              "`fresh` flags are used only with KFAC(factor_examples="
@@ -92,6 +98,10 @@ class Attachment:
             apply(gradients, variables)
         finally:
             self._captures = None
+        if wrapped and self._count_skipped_step is not None:  # after `apply` built the state
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(g)))
+                                    for g in gradients if g is not None])
+            tf.cond(finite, lambda: tf.constant(False), self._count_skipped_step)
 
     def captures(self):
         """This step's `Captures`."""
@@ -105,7 +115,8 @@ class Attachment:
         with self.record() as tape:
             scaled_loss, y_pred = forward()
         self.step(tape, scaled_loss, model.trainable_variables, model.optimizer.apply,
-                  loss_scale=model.optimizer.scale_loss(1.0), fresh=fresh)
+                  loss_scale=model.optimizer.scale_loss(1.0), fresh=fresh,
+                  wrapped=keras_integration.train_step_owner(model) is not model.optimizer)
         return y_pred
 
     def averaged_over_ranks(self, logs):
@@ -135,6 +146,11 @@ class Attachment:
             tf.debugging.assert_equal(
                 tf.size(flags), batch_size(calls[0]),
                 message="`fresh` must hold one flag per example of the batch")
+            tf.debugging.assert_equal(
+                flags * (1.0 - flags), tf.zeros_like(flags),
+                message="KFAC(factor_examples='fresh') reads fresh flags, 0 or 1, where Keras "
+                        "has sample weights; these are other numbers: real sample weights "
+                        "cannot be combined with factor_examples='fresh'")
         fresh_count = [] if flags is None else [tf.reduce_sum(flags)]
         reduced = self._comm.grouped_allreduce_mean(
             present + [tf.convert_to_tensor(v) for v in statistics] + fresh_count,

@@ -51,6 +51,11 @@ class Recorder:
     def take(self):
         """The recorded calls per block, as lists of (inputs, pre-activations); resets."""
         calls, self._calls = self._calls, []
+        if self.blocks and not calls:
+            raise RuntimeError(
+                "KFAC: nothing was recorded for this step: the gradient tape must be opened "
+                "by the optimizer, `with optimizer.record() as tape:`, not as a plain "
+                "`tf.GradientTape()`; then `optimizer.minimize(loss, tape=tape)`.")
         missing = [block.path for block, c in zip(self.blocks, calls) if not c]
         if missing:
             raise RuntimeError(

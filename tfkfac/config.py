@@ -15,7 +15,8 @@ from tfkfac import schedules, validation
 from tfkfac.distributed.packing import WIRE_DTYPES
 from tfkfac.placement import PLACEMENTS
 
-METHODS = ("eigen", "inverse")
+METHODS = ("eigen", "inverse", "eigen_adam")
+GRAFTING = (None, "sgd", "adam")
 WEIGHT_SHARING = ("expand", "reduce")
 PRODUCT_DTYPES = (None, "bfloat16")
 STATE_DTYPES = ("float32", "float64")
@@ -59,7 +60,19 @@ class KFACConfig:
     method: str = _setting(
         "eigen", validation.one_of(METHODS),
         "eigen: exact (A⊗G + λI)⁻¹ by eigendecompositions; inverse: π-corrected "
-        "factored Tikhonov damping.", flag="kfac_method")
+        "factored Tikhonov damping; eigen_adam: Adam's second moments in the factors' "
+        "eigenbases (no damping; docs/design.md §11).", flag="kfac_method")
+    grafting: typing.Optional[str] = _setting(
+        None, validation.one_of(GRAFTING),
+        "Each layer's step length from another optimizer, its direction from K-FAC: sgd "
+        "(the gradient's norm) or adam (Adam's step's norm); None: K-FAC's own. The KL "
+        "clip has no effect under grafting and is not applied (docs/design.md §11).")
+    adam_beta_2: float = _setting(
+        0.999, validation.fraction,
+        "β2 of the second moments of grafting='adam' and method='eigen_adam', in [0, 1).")
+    adam_epsilon: float = _setting(
+        1e-7, validation.positive,
+        "ε of grafting='adam' and method='eigen_adam': ∇ / (√v̂ + ε).")
     diagonal_damping_multiplier: float = _setting(
         1.0, validation.positive,
         "ρ of the diagonal blocks (BatchNorm, LayerNorm, GroupNorm, RMSNorm), "

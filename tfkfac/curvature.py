@@ -8,13 +8,14 @@ It holds no Keras optimizer logic.
 """
 
 import sys
+import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfkfac import distributed, linalg, state as state_lib
-from tfkfac.blocks.base import batch_size
+from tfkfac.blocks.base import EigenbasisAdam, batch_size
 
 
 def warn_if(condition, *message):
@@ -45,9 +46,11 @@ class Curvature:
         self.factor_wire_dtype = config.factor_wire_dtype
         self.decomposition_wire_dtype = config.decomposition_wire_dtype
         self.dtype = tf.as_dtype(config.state_dtype)
+        self.adam_beta_2, self.adam_epsilon = config.adam_beta_2, config.adam_epsilon
         self.factor_batch_fraction = config.factor_batch_fraction
         self.states = None
         self.counters = None
+        self._frozen = set()
         xla = config.xla
         jit = bool(tf.config.list_physical_devices("GPU")) if xla == "auto" else xla
         self._statistics_fn = tf.function(self._batch_statistics, jit_compile=jit)
@@ -56,7 +59,8 @@ class Curvature:
 
     # ----------------------------------------------------------------- state
     def create_state(self, counters, add_variable):
-        """Create every block's factors and held decompositions, in a stable order.
+        """Create every block's factors, held decompositions and (method "eigen_adam")
+        the second moments of the blocks this rank preconditions, in a stable order.
 
         `add_variable(shape, initializer, name, dtype)` makes a saved optimizer variable. An
         owner's decompositions are rank-specific and not saved; after a restore they are
@@ -75,15 +79,23 @@ class Curvature:
                         block.decomposition_dtype(k, self.dtype))
                      for k, shape in enumerate(shapes)]
                     for j, shapes in enumerate(block.decomposition_shapes(self.method))]
-            self.states.append(state_lib.BlockState(factors, decompositions))
+            moments = None
+            if self.method == "eigen_adam" and b in self.placement.preconditioned_blocks():
+                moments = [self._decomposition_variable(
+                               add_variable, shape, f"{block.name}_moment{k}", self.dtype,
+                               "zeros")
+                           for k, shape in enumerate(block.moment_shapes())]
+            self.states.append(state_lib.BlockState(factors, decompositions, moments))
         with tf.init_scope():
             self.decompositions_current = tf.Variable(
                 self.placement.saves_decompositions, trainable=False,
                 name="decompositions_current")
 
-    def _decomposition_variable(self, add_variable, shape, name, dtype):
-        square = len(shape) >= 2 and shape[-1] == shape[-2]
-        initializer = state_lib.identities if square else "zeros"  # a placeholder until step 0
+    def _decomposition_variable(self, add_variable, shape, name, dtype, initializer=None):
+        """A variable held where the placement holds decompositions: saved if they are."""
+        if initializer is None:  # a placeholder until step 0
+            square = len(shape) >= 2 and shape[-1] == shape[-2]
+            initializer = state_lib.identities if square else "zeros"
         if self.placement.saves_decompositions:
             return add_variable(shape, initializer, name, dtype)
         # Not an optimizer variable: outside `variables`, so checkpoints skip it.
@@ -220,37 +232,50 @@ class Curvature:
         return tf.cond(needed, update, lambda: tf.constant(0, tf.int64))
 
     # ------------------------------------------------------- preconditioning
-    def _precondition(self, block_indices, block_grads, factors, decompositions, damping):
-        return {b: self.blocks[b].precondition(grads, block_factors, decomposition,
-                                               self.method, damping)
-                for b, grads, block_factors, decomposition
-                in zip(block_indices, block_grads, factors, decompositions)}
+    def _precondition(self, block_indices, block_grads, factors, decompositions, damping,
+                      moments, step):
+        """({block: preconditioned gradients}, {block: updated moments ("eigen_adam")})."""
+        preconditioned, updated = {}, {}
+        for b, grads, block_factors, decomposition, block_moments in zip(
+                block_indices, block_grads, factors, decompositions, moments):
+            adam = None
+            if self.method == "eigen_adam":
+                adam = EigenbasisAdam(block_moments, self.adam_beta_2, self.adam_epsilon, step)
+            preconditioned[b] = self.blocks[b].precondition(
+                grads, block_factors, decomposition, self.method, damping, adam)
+            if adam is not None:
+                updated[b] = adam.updated
+        return preconditioned, updated
 
-    def precondition(self, grads, variables, damping, scale=None):
+    def precondition(self, grads, variables, damping, scale=None, step=0, update_moments=True):
         """`grads` with every managed variable's gradient preconditioned.
 
         `scale(preconditioned, raw)` (per block lists) may return a factor applied to
         every preconditioned gradient (the KL clip). Other gradients pass unchanged.
+        Method "eigen_adam" updates its moments with these gradients at `step` (0-based)
+        when `update_moments` (a training step), else only reads them.
         """
         if not self.blocks:
             return list(grads)
-        index = {id(v): i for i, v in enumerate(variables)}
-        missing = [v.path for block in self.blocks for v in block.variables
-                   if id(v) not in index]
-        if missing:
-            raise ValueError(f"`variables` must hold every K-FAC-managed variable; missing "
-                             f"{missing}")
-        slots = [[index[id(v)] for v in block.variables] for block in self.blocks]
-        # Dense gradients in the state dtype (an Embedding's arrives as IndexedSlices).
-        block_grads = [[tf.zeros(variables[i].shape, self.dtype) if grads[i] is None
+        slots = self.block_slots(variables)
+        # Dense gradients in the state dtype (an Embedding's arrives as IndexedSlices); a
+        # frozen block's are zeros (every rank must still take part in "owner"'s gather).
+        block_grads = [[tf.zeros(v.shape, self.dtype) for v in block.variables]
+                       if block_slots is None else
+                       [tf.zeros(variables[i].shape, self.dtype) if grads[i] is None
                         else tf.cast(tf.convert_to_tensor(grads[i]), self.dtype)
-                        for i in block_slots] for block_slots in slots]
+                        for i in block_slots] for block, block_slots in zip(self.blocks, slots)]
         indices = self.placement.preconditioned_blocks()
         states = [self.states[b] for b in indices]
-        local = self._precondition_fn(
+        local, moments = self._precondition_fn(
             tuple(indices), [block_grads[b] for b in indices],
             [s.factor_values() for s in states], [s.decomposition_values() for s in states],
-            damping) if indices else {}
+            damping, [s.moment_values() for s in states],
+            tf.cast(step, self.dtype) + 1) if indices else ({}, {})
+        if update_moments:
+            for b, values in moments.items():
+                for variable, value in zip(self.states[b].moments, values):
+                    variable.assign(value)
         preconditioned = self.placement.share_preconditioned(
             local, self.decomposition_wire_dtype)
         if scale is not None:
@@ -258,9 +283,32 @@ class Curvature:
             preconditioned = [[p * nu for p in ps] for ps in preconditioned]
         grads = list(grads)
         for block_slots, block_p in zip(slots, preconditioned):
-            for i, p in zip(block_slots, block_p):
+            for i, p in zip(block_slots or [], block_p):
                 grads[i] = tf.cast(p, variables[i].dtype)
         return grads
+
+    def block_slots(self, variables):
+        """Per block, the indices of its variables in `variables`; None for a block none
+        of whose variables are there (a layer frozen after `attach`: not trained, so not
+        preconditioned, with one warning)."""
+        index = {id(v): i for i, v in enumerate(variables)}
+        slots = []
+        for block in self.blocks:
+            present = [id(v) in index for v in block.variables]
+            if not any(present):
+                if block.path not in self._frozen:
+                    self._frozen.add(block.path)
+                    warnings.warn(f"KFAC: layer {block.path!r} is not being trained (frozen "
+                                  "after attach?); its curvature is not used", stacklevel=4)
+                slots.append(None)
+            elif not all(present):
+                missing = [v.path for v, here in zip(block.variables, present) if not here]
+                raise ValueError(
+                    f"`variables` must hold all or none of layer {block.path!r}'s weights; "
+                    f"missing {missing}. Freeze whole layers (`layer.trainable = False`).")
+            else:
+                slots.append([index[id(v)] for v in block.variables])
+        return slots
 
     def summary(self):
         """Per block its layer, kind and factor shapes; the bytes of the state created."""

@@ -16,6 +16,7 @@ Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras obj
 
 import inspect
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -58,8 +59,15 @@ def leaf_layers(model):
             if not list(layer._flatten_layers(include_self=False, recursive=False))}
 
 
-def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weight=False):
-    """Replace this model's train step by one with K-FAC's tape and update.
+def train_step_owner(model):
+    """The KFAC whose train step `model` runs, or None."""
+    owner = getattr(model, "_tfkfac_owner", None)
+    return owner() if owner is not None else None
+
+
+def install_train_step(model, owner, step_with_tape, reduce_logs,
+                       fresh_in_sample_weight=False):
+    """Replace this model's train step by one with K-FAC's tape and update (`owner`'s).
 
     `step_with_tape(forward, fresh)` runs `forward()` (returning the scaled loss and
     y_pred) under K-FAC's recording tape, applies the update and returns y_pred;
@@ -112,6 +120,7 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
 
     set_untracked(model, "train_step", train_step)
     set_untracked(model, "make_train_function", make_train_function)
+    set_untracked(model, "_tfkfac_owner", weakref.ref(owner))
 
 
 def checkpoint_children(children, kfac):

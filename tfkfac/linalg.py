@@ -117,11 +117,29 @@ def matmul(a, b, product_dtype=None, **kwargs):
     return tf.cast(product, max(a.dtype, b.dtype, key=lambda dtype: dtype.size))
 
 
+def to_eigenbasis(grad, q_a, q_g, product_dtype=None):
+    """`Q_Aᵀ ∇ Q_G`: the gradient in the factors' eigenbases."""
+    return matmul(matmul(q_a, grad, product_dtype, transpose_a=True), q_g, product_dtype)
+
+
+def from_eigenbasis(rotated, q_a, q_g, product_dtype=None):
+    """`Q_A X Q_Gᵀ`, the inverse of `to_eigenbasis`."""
+    return matmul(matmul(q_a, rotated, product_dtype), q_g, product_dtype, transpose_b=True)
+
+
 def eigen_precondition(grad, q_a, v_a, q_g, v_g, damping, product_dtype=None):
     """`Q_A [(Q_Aᵀ ∇ Q_G) / (v_A v_Gᵀ + λ)] Q_Gᵀ`, i.e. `(A ⊗ G + λI)⁻¹ vec(∇)`."""
-    rotated = matmul(matmul(q_a, grad, product_dtype, transpose_a=True), q_g, product_dtype)
+    rotated = to_eigenbasis(grad, q_a, q_g, product_dtype)
     scaled = rotated / (v_a[..., :, None] * v_g[..., None, :] + damping)
-    return matmul(matmul(q_a, scaled, product_dtype), q_g, product_dtype, transpose_b=True)
+    return from_eigenbasis(scaled, q_a, q_g, product_dtype)
+
+
+def adam_scale(value, moment, beta_2, epsilon, step):
+    """(value / (√ŝ + ε), s): Adam's second-moment scaling of `value`, elementwise, with
+    s = β2·`moment` + (1-β2)·value², ŝ = s / (1 - β2^step), `step` counted from 1."""
+    moment = beta_2 * moment + (1.0 - beta_2) * tf.square(value)
+    correction = 1.0 - tf.pow(tf.cast(beta_2, value.dtype), tf.cast(step, value.dtype))
+    return value / (tf.sqrt(moment / correction) + epsilon), moment
 
 
 def pi_correction(a, g):
@@ -173,5 +191,6 @@ def kl_clip_scale(preconditioned, grads, learning_rate, kl_clip):
         tf.abs(tf.add_n([tf.reduce_sum(p * g) for p, g in zip(layer_p, layer_g)]))
         for layer_p, layer_g in zip(preconditioned, grads)])
     lr = tf.cast(learning_rate, vg_sum.dtype)
-    ratio = kl_clip / tf.maximum(lr * lr * vg_sum, 1e-30)
-    return tf.minimum(tf.sqrt(ratio), 1.0)
+    # sqrt(κ / Σ) / η rather than sqrt(κ / (η² Σ)): η² overflows float32 from η ≈ 1.8e19.
+    root = tf.sqrt(kl_clip / tf.maximum(vg_sum, tf.cast(1e-30, vg_sum.dtype)))
+    return tf.minimum(tf.math.divide_no_nan(root, lr) + tf.cast(lr <= 0, root.dtype), 1.0)

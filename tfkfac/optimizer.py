@@ -16,7 +16,8 @@ import tensorflow as tf
 
 from tfkfac import blocks as blocks_lib
 from tfkfac import curvature as curvature_lib
-from tfkfac import distributed, keras_integration, placement as placement_lib, schedules
+from tfkfac import distributed, grafting as grafting_lib, keras_integration
+from tfkfac import placement as placement_lib, schedules
 from tfkfac import state as state_lib, validation
 from tfkfac.attachment import ATTACH_HINT, NOT_ATTACHED, Attachment
 from tfkfac.config import KFACConfig, signature_with_settings
@@ -80,6 +81,8 @@ class KFAC(keras.optimizers.Optimizer):
         self._stashed_state = None
         self._attachment = None
         self._clocks = state_lib.PhaseClocks(self.config.phase_clocks)
+        self._grafting = None if self.config.grafting is None else grafting_lib.Grafting(
+            self.config.grafting, self.config.adam_beta_2, self.config.adam_epsilon)
 
     # ------------------------------------------- forwarded to the inner optimizer
     @property
@@ -102,7 +105,8 @@ class KFAC(keras.optimizers.Optimizer):
     def _kfac_variables(self):
         if self._counters is None:
             return []
-        return self._counters.variables() + self._curvature.variables(saved_only=True)
+        return (self._counters.variables() + self._curvature.variables(saved_only=True)
+                + (self._grafting.variables() if self._grafting else []))
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         return keras_integration.checkpoint_children(
@@ -116,12 +120,20 @@ class KFAC(keras.optimizers.Optimizer):
         Only this model instance is changed: its `train_step` records layer inputs and
         pre-activation gradients. Layers without a block get the plain gradient.
         """
+        if not isinstance(model, keras.Model):
+            raise ValueError(f"KFAC.attach(model): `model` must be a keras.Model; received "
+                             f"{type(model).__name__}")
         if not model.built:
             raise ValueError(
                 "KFAC.attach(model): the model is not built. Build it first (give it "
                 "an `Input` shape or call it on a batch) so its layers have weights.")
         if self._attachment is not None:
             raise ValueError("This KFAC optimizer is already attached to a model.")
+        if keras_integration.train_step_owner(model) is not None:
+            raise ValueError(
+                "KFAC.attach(model): this model is already driven by another KFAC "
+                f"({keras_integration.train_step_owner(model).name!r}); one model takes one "
+                "KFAC: compile it with that one, or attach the new one to a fresh model.")
         layers = keras_integration.leaf_layers(model)
         blocks, self._skipped = blocks_lib.discover(layers, self.config)
         self._curvature = curvature_lib.Curvature(
@@ -131,8 +143,9 @@ class KFAC(keras.optimizers.Optimizer):
             self._comm, self.config)
         self._comm.broadcast_variables(model.variables, root_rank=0)
         self._attachment = Attachment(model, list(layers.values()), blocks, self._comm,
-                                      fresh_only=self.config.factor_examples == "fresh")
-        keras_integration.install_train_step(model, self._attachment.train_step,
+                                      fresh_only=self.config.factor_examples == "fresh",
+                                      count_skipped_step=self._count_skipped_step)
+        keras_integration.install_train_step(model, self, self._attachment.train_step,
                                              self._attachment.averaged_over_ranks,
                                              self._attachment.fresh_only)
         blocks_lib.warn_unsupported(self._skipped)
@@ -165,6 +178,7 @@ class KFAC(keras.optimizers.Optimizer):
     # ---------------------------------------------------------------- state
     def build(self, var_list):
         super().build(var_list)
+        keras_integration.set_untracked(self, "_built_variables", list(var_list))
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         if self._attachment is not None:
@@ -183,6 +197,10 @@ class KFAC(keras.optimizers.Optimizer):
         self._curvature.create_state(counters, lambda shape, initializer, name, dtype:
                                      self.add_variable(shape, initializer=initializer,
                                                        dtype=dtype, name=name))
+        if self._grafting is not None:
+            self._grafting.create_state(self._built_variables, lambda shape, name:
+                                        self.add_variable(shape, initializer="zeros",
+                                                          name=name))
         if self._stashed_state is not None:
             stashed, self._stashed_state = self._stashed_state, None
             state_lib.restore(self._kfac_variables(), stashed)
@@ -212,7 +230,12 @@ class KFAC(keras.optimizers.Optimizer):
         grads = list(grads)
         step = self.iterations
         damping = self._damping_at(step)
+        # Zero is a learning rate schedules reach (decay to zero): only it may be 0.
+        schedules.checked("learning_rate", self.learning_rate, step, allow_minimum=True)
         config, curvature, clocks = self.config, self._curvature, self._clocks
+        factor_interval = _interval("factor_update_freq", config.factor_update_freq)
+        decomposition_interval = _interval("decomposition_update_freq",
+                                           config.decomposition_update_freq)
 
         def kfac_step():
             # Every gradient must be a tensor of this branch's graph: Keras's update sums
@@ -221,28 +244,43 @@ class KFAC(keras.optimizers.Optimizer):
             # in the branch (preconditioned layers).
             branch_grads = [None if g is None else tf.identity(g) for g in grads]
             clocks.timed("factors", lambda: curvature.update_factors_if_due(
-                step, captures.calls, _interval(config.factor_update_freq),
+                step, captures.calls, factor_interval,
                 captures.weights, captures.ready))
             clocks.timed("decomposition", lambda: curvature.update_decompositions_if_due(
-                step, damping, _interval(config.decomposition_update_freq), captures.ready))
-            clip = None if config.kl_clip is None else curvature_lib.kl_clip(
-                self.learning_rate, config.kl_clip)
-            preconditioned = clocks.timed("precondition", lambda: curvature.precondition(
-                branch_grads, variables, damping, clip))
+                step, damping, decomposition_interval, captures.ready))
+            preconditioned = clocks.timed("precondition", lambda: self._precondition_step(
+                branch_grads, variables, damping, step))
             clocks.timed("update", lambda: self._inner_update(preconditioned, variables))
             return tf.constant(True)
 
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
+                                for g in grads if g is not None])
         def skip_step():
-            # A NaN/Inf gradient must not reach the weights, the factors or the step count.
-            self._counters.skipped_steps.assign_add(1)
             curvature_lib.warn_if(
                 tf.constant(True),
                 "KFAC warning: non-finite gradients; step skipped, weights unchanged")
-            return tf.constant(False)
+            return self._count_skipped_step()
 
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
-                                for g in grads if g is not None])
         tf.cond(finite, kfac_step, skip_step)
+
+    def _count_skipped_step(self):
+        """A step with a NaN/Inf gradient: nothing reaches the weights, the factors or the
+        step count; it is counted (also when a LossScaleOptimizer skipped it, silently:
+        loss scaling skips steps by design)."""
+        self._counters.skipped_steps.assign_add(1)
+        return tf.constant(False)
+
+    def _precondition_step(self, grads, variables, damping, step):
+        """What the inner optimizer receives: preconditioned, then KL-clipped or grafted
+        (docs/design.md §5, §11); the clip would cancel in the graft, so it is skipped."""
+        config, curvature, grafting = self.config, self._curvature, self._grafting
+        if grafting is not None:
+            directions = grafting.directions(grads, variables, step)
+            preconditioned = curvature.precondition(grads, variables, damping, step=step)
+            return grafting.graft(preconditioned, directions, curvature.block_slots(variables))
+        clip = None if config.kl_clip is None else curvature_lib.kl_clip(
+            self.learning_rate, config.kl_clip)
+        return curvature.precondition(grads, variables, damping, clip, step=step)
 
     def _inner_update(self, grads, variables):
         self.inner_optimizer.apply(grads, variables)
@@ -277,7 +315,8 @@ class KFAC(keras.optimizers.Optimizer):
                 "KFAC.precondition needs decompositions: train at least one step first "
                 "(factors and decompositions are computed in the training step).")
         damping = self._damping_at(self.iterations)
-        return self._curvature.precondition(list(gradients), list(variables), damping)
+        return self._curvature.precondition(list(gradients), list(variables), damping,
+                                            step=self.iterations, update_moments=False)
 
     # ---------------------------------------------------------- introspection
     def summary(self):
@@ -298,7 +337,10 @@ class KFAC(keras.optimizers.Optimizer):
                    if not name.startswith("next_")}}
 
     def _damping_at(self, step):
-        return tf.cast(schedules.value_at(self.config.damping, step), self.config.state_dtype)
+        damping = self.config.damping
+        if callable(damping):
+            damping = schedules.checked("damping", damping(step), step)
+        return tf.cast(damping, self.config.state_dtype)
 
     def current_damping(self):
         return float(schedules.value_at(self.config.damping, self.iterations))
@@ -355,8 +397,12 @@ def _inner(inner_optimizer, learning_rate, momentum, weight_decay):
                                 weight_decay=weight_decay)
 
 
-def _interval(value):
-    return lambda step: tf.cast(schedules.value_at(value, step), tf.int64)
+def _interval(name, value):
+    """The interval schedule `value` as a checked callable of the step (>= 1 step)."""
+    if not callable(value):
+        return lambda step: tf.constant(value, tf.int64)
+    return lambda step: tf.cast(schedules.checked(name, value(step), step, minimum=1,
+                                                  allow_minimum=True), tf.int64)
 
 
 KFAC.__init__.__signature__ = signature_with_settings(KFAC.__init__)

@@ -18,6 +18,20 @@ def value_at(hyperparameter, step):
     return hyperparameter
 
 
+def checked(name, value, step, minimum=0.0, allow_minimum=False):
+    """`value` (a schedule's, at `step`), stopping the step with an error naming `name`
+    and the step unless it is finite and above `minimum` (or equal, if allowed)."""
+    value = tf.convert_to_tensor(value)
+    as_float = tf.cast(value, tf.float64)
+    above = as_float >= minimum if allow_minimum else as_float > minimum
+    relation = ">=" if allow_minimum else ">"
+    with tf.control_dependencies([tf.debugging.Assert(
+            tf.logical_and(tf.math.is_finite(as_float), above),
+            [f"KFAC: the schedule of `{name}` must give a finite number {relation} {minimum}; "
+             "at step", step, "it gave", value], name=f"check_{name}")]):
+        return tf.identity(value)
+
+
 class StepCallable(keras.optimizers.schedules.LearningRateSchedule):
     """Adapts a plain callable of the step to Keras's learning-rate schedule API."""
 

@@ -15,11 +15,13 @@ class BlockState:
     """One block's running factors and, where this rank holds them, its decompositions.
 
     `factors` follow `Block.factor_shapes()`; `decompositions` hold one list of variables
-    per symmetric factor (`Block.symmetric_factors()` order), or None.
+    per symmetric factor (`Block.symmetric_factors()` order), or None; `moments`, for
+    method "eigen_adam" where this rank preconditions the block, `Block.moment_shapes()`.
     """
 
     factors: list
     decompositions: list = None
+    moments: list = None
 
     def factor_values(self):
         return [v.value for v in self.factors]
@@ -27,9 +29,15 @@ class BlockState:
     def decomposition_values(self):
         return [[v.value for v in d] for d in self.decompositions]
 
+    def moment_values(self):
+        return [v.value for v in self.moments] if self.moments else []
+
     def variables(self, with_decompositions=True):
+        """Factors, then (if `with_decompositions`: they are saved together, being held
+        on the same ranks) decompositions and moments."""
         held = self.decompositions if with_decompositions and self.decompositions else []
-        return list(self.factors) + [v for d in held for v in d]
+        moments = self.moments if with_decompositions and self.moments else []
+        return list(self.factors) + [v for d in held for v in d] + list(moments)
 
 
 class Counters:

@@ -7,9 +7,36 @@ layer's gradients with those statistics. Blocks never communicate across process
 
 import tensorflow as tf
 
+from tfkfac import linalg
+
 
 class Unsupported(Exception):
     """Raised by a block's builder: this layer's configuration has no block (the reason)."""
+
+
+def eigenbasis(method):
+    """Whether `method` ("eigen", "inverse", "eigen_adam") keeps the factors' eigenbases."""
+    return method != "inverse"
+
+
+class EigenbasisAdam:
+    """Adam's second moments of one block's gradient in its eigenbasis (docs/design.md
+    §11), handed to `Block.precondition` for method "eigen_adam".
+
+    A block calls `scale(rotated)` once per moment, in `moment_shapes()` order; the
+    updated moments are then in `updated`, for the caller to store.
+    """
+
+    def __init__(self, moments, beta_2, epsilon, step):
+        self.moments, self.beta_2, self.epsilon, self.step = list(moments), beta_2, epsilon, step
+        self.updated = []
+
+    def scale(self, rotated):
+        moment = tf.cast(self.moments[len(self.updated)], rotated.dtype)
+        scaled, moment = linalg.adam_scale(rotated, moment, self.beta_2, self.epsilon,
+                                           self.step)
+        self.updated.append(moment)
+        return scaled
 
 
 class Block:
@@ -97,17 +124,24 @@ class Block:
         """Per symmetric factor (in `symmetric_factors()` order), its decomposition's shapes."""
         raise NotImplementedError
 
+    def moment_shapes(self):
+        """Shapes of the second moments method "eigen_adam" keeps (docs/design.md §11):
+        the block's gradient in its eigenbasis (one per Kronecker pair's gradient matrix,
+        or the diagonal block's flat gradient)."""
+        raise NotImplementedError
+
     def decompose(self, index, factors, method, damping):
         """The stored decomposition of symmetric factor `index`, as a list of tensors:
-        [eigenbasis, eigenvalues] ("eigen") or [damped inverse] ("inverse").
+        [eigenbasis, eigenvalues] ("eigen", "eigen_adam") or [damped inverse] ("inverse").
 
         Each symmetric factor is decomposed on its own so that the work can be spread
         over processes one factor at a time.
         """
         raise NotImplementedError
 
-    def precondition(self, grads, factors, decomposition, method, damping):
-        """Preconditioned gradients, aligned with `self.variables`."""
+    def precondition(self, grads, factors, decomposition, method, damping, adam=None):
+        """Preconditioned gradients, aligned with `self.variables`; `adam`, an
+        `EigenbasisAdam`, for method "eigen_adam"."""
         raise NotImplementedError
 
 

@@ -224,17 +224,20 @@ class SeparableConvBlock(Block):
     def decomposition_shapes(self, method):
         return [shapes for part in self.parts for shapes in part.decomposition_shapes(method)]
 
+    def moment_shapes(self):
+        return [shape for part in self.parts for shape in part.moment_shapes()]
+
     def decompose(self, index, factors, method, damping):
         part, own = divmod(index, 2)
         return self.parts[part].decompose(own, factors[2 * part: 2 * part + 2], method, damping)
 
-    def precondition(self, grads, factors, decomposition, method, damping):
-        depthwise, pointwise = self.parts
+    def precondition(self, grads, factors, decomposition, method, damping, adam=None):
+        depthwise, pointwise = self.parts  # `adam` serves the two in this order
         split = len(depthwise.variables)
         return (depthwise.precondition(grads[:split], factors[:2], decomposition[:2], method,
-                                       damping)
+                                       damping, adam)
                 + pointwise.precondition(grads[split:], factors[2:], decomposition[2:], method,
-                                         damping))
+                                         damping, adam))
 
 
 def _require_supported(layer):

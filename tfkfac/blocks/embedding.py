@@ -10,7 +10,7 @@ method: (A + π√λ)⁻¹ ∇ (G + (√λ/π) I)⁻¹ with tr(A)/dim A = Σ_v a
 import tensorflow as tf
 
 from tfkfac import linalg
-from tfkfac.blocks.base import Block, as_float, per_row
+from tfkfac.blocks.base import Block, as_float, eigenbasis, per_row
 
 
 class EmbeddingBlock(Block):
@@ -41,22 +41,30 @@ class EmbeddingBlock(Block):
         return [counts / n, g]
 
     def decomposition_shapes(self, method):
-        if method == "eigen":
+        if eigenbasis(method):
             return [[(self.width, self.width), (self.width,)]]
         return [[(self.width, self.width)]]
+
+    def moment_shapes(self):
+        return [(self.vocabulary, self.width)]
 
     def _pi(self, factors):
         a, g = factors
         return linalg.pi_from_mean_traces(tf.reduce_mean(a), linalg.mean_trace(g))
 
     def decompose(self, index, factors, method, damping):
-        if method == "eigen":
+        if eigenbasis(method):
             values, vectors = linalg.symmetric_eigh(factors[index])
             return [vectors, values]
         return [linalg.damped_inverse(factors[index], tf.sqrt(damping) / self._pi(factors))]
 
-    def precondition(self, grads, factors, decomposition, method, damping):
+    def precondition(self, grads, factors, decomposition, method, damping, adam=None):
         grad, a = as_float(grads[0]), factors[0]
+        if method == "eigen_adam":  # A is diagonal: its eigenbasis is the identity
+            ((q_g, _),) = decomposition
+            rotated = linalg.matmul(grad, q_g, self.product_dtype)
+            return [linalg.matmul(adam.scale(rotated), q_g, self.product_dtype,
+                                  transpose_b=True)]
         if method == "eigen":
             ((q_g, v_g),) = decomposition
             rotated = linalg.matmul(grad, q_g, self.product_dtype)

@@ -96,10 +96,16 @@ class NormalizationBlock(Block):
     def decomposition_shapes(self, method):
         return []
 
-    def precondition(self, grads, factors, decomposition, method, damping):
+    def moment_shapes(self):
+        return self.factor_shapes()
+
+    def precondition(self, grads, factors, decomposition, method, damping, adam=None):
         (fisher,) = factors
         flat = tf.concat([tf.reshape(as_float(g), (-1,)) for g in grads], axis=0)
-        scaled = flat / (fisher + self.damping_multiplier * damping)
+        if method == "eigen_adam":  # a diagonal block's eigenbasis is the identity
+            scaled = adam.scale(flat)
+        else:
+            scaled = flat / (fisher + self.damping_multiplier * damping)
         return [tf.reshape(p, v.shape)
                 for p, v in zip(tf.split(scaled, len(grads)), self.variables)]
 
