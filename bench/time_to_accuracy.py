@@ -1,50 +1,50 @@
-"""Wall time and steps to a target test accuracy: K-FAC vs SGD with momentum vs Adam on
-real Fashion-MNIST, plus the deep autoencoder's training error against time.
+"""Wall time and steps to a target test accuracy on real Fashion-MNIST, K-FAC against
+AdamW and SGD with momentum, each trained the way it trains best today; plus the deep
+autoencoder's training error against time.
 
 Every trial is one run of the trainer (`trainers.runner.run`, what
 `python -m trainers.train` runs), so the numbers are what a user gets from the flags
-recorded beside them. The entries compared are SGD with momentum, Adam, AdamW, and K-FAC
-with each of its two methods ("kfac" = eigen, the optimizer's default; "kfac_inverse",
-the trainer's default) and, for models with weights shared across positions (the ViT),
-"kfac_reduce" (eigen with weight_sharing="reduce"; "kfac" uses "expand"). Issue 16's
-options: "kfac_inverse_f0.25", the inverse method with factor statistics from a quarter
-of each batch (`factor_batch_fraction=0.25`), and "kfac_inverse_bf16", the inverse method
-with bfloat16 products (`product_dtype="bfloat16"`), both tuned on the same damping grid:
-  .venv/bin/python bench/time_to_accuracy.py --models=cnn \
-      --optimizers=kfac_inverse,kfac_inverse_f0.25,kfac_inverse_bf16,sgd \
-      --autoencoder_epochs=0 --output_dir=bench/results/issue16_options
-Protocol, identical for every entry:
-1. Tuning: the same budget of `len(grid)` trials each (the grids are below: learning
-   rates for SGD and Adam; damping for K-FAC, whose KL clip sets its step length, so
-   its learning rate barely matters), the model's `tune_epochs` (BUDGETS below) on
-   train[:54000], scored by accuracy on the held-out train[54000:]. The best setting
-   is kept.
-2. Measurement: the kept setting with `--seeds` seeds on the full train split, test
-   accuracy every `eval_every_steps` steps, up to `max_epochs` epochs, stopping at
-   the highest of the model's target accuracies (BUDGETS, or `--target_accuracies`).
-   Reported for each target: median training wall time (evaluation excluded) and steps
-   to the target over the seeds (a seed that never reaches it counts as infinite), the
-   accuracy-vs-time curves, and the ratios of each K-FAC entry to each first-order one. `--fixed_entries` adds entries measured the same way at a stated,
-   untuned setting (e.g. what an earlier tuning picked), to show how much the pick
-   matters.
-3. Autoencoder (Martens & Grosse 784-1000-500-250-30-250-500-1000-784): each optimizer
-   at a stated setting for `--autoencoder_epochs`; squared reconstruction error on
-   train[:10000] against training time.
+recorded beside them. Entries (bench/trials.py OPTIMIZERS): `adamw`, `sgd` (momentum
+0.9), K-FAC `kfac_inverse` and `kfac_eigen` (KL clip on), `kfac_constant` (the protocol
+before issue 27, for reference), and issue 27's `kfac_adamw` (K-FAC in front of AdamW),
+`kfac_graft_adam` (layer-wise grafting of Adam's step length) and `kfac_eigen_adam`
+(Adam in the Kronecker eigenbasis), which run once the trainer has their settings.
+Protocol (issue 27), identical for every entry but `kfac_constant`:
+1. Schedule: linear warm-up over the first 5% of the run's budget, then half a cosine
+   to 0 at the budget's last step (`--lr_schedule=cosine`); decoupled weight decay of
+   the same λ per step for every entry (BUDGETS' `weight_decay`; `trials.protocol`
+   sets Keras's `weight_decay` to λ / learning_rate). `kfac_constant` keeps a constant
+   learning rate 0.05, KL clip 1e-3 and no weight decay.
+2. Tuning: the same budget of 8 trials per entry (`trials.GRIDS`: learning rates for
+   first-order entries; learning rate x damping (x KL clip where it is on) for K-FAC),
+   each a compressed run: the model's `tune_epochs` on train[:54000] with the same
+   schedule shape over those epochs (warm-up 5% of them, cosine to 0 at their end),
+   scored by the final accuracy on the held-out train[54000:]. The best point is kept.
+3. Measurement: the kept point with `--seeds` seeds on the full train split over the
+   model's whole budget (`max_epochs`; no stop at a target: the schedule spans the
+   budget and the best accuracy within it is reported), test accuracy every
+   `eval_every_steps` steps. Reported for each target: median training wall time
+   (evaluation excluded) and steps to it over the seeds (a seed that never reaches it
+   counts as infinite); the best test accuracy of each seed within the budget; the
+   accuracy-vs-time curves; the ratios of each K-FAC entry to each first-order one.
+   `--fixed_entries` adds entries measured the same way at a stated, untuned setting.
+4. Autoencoder (Martens & Grosse 784-1000-500-250-30-250-500-1000-784): four optimizers
+   at a stated setting each, constant learning rate, for `--autoencoder_epochs`;
+   squared reconstruction error on train[:10000] against training time.
 
 Runs live in `--work_dir`; a finished trial is read back instead of rerun and an
-interrupted one (or one whose epoch budget has grown) resumes from its checkpoint, so the
-benchmark can be restarted.
-`--tune_only` stops after the tuning trials, which can run on a busy machine; the timed
-runs then need it idle.
+interrupted one resumes from its checkpoint, so the benchmark can be restarted and
+spread over sessions (a trial whose stored settings differ from the protocol's is an
+error: use a new work dir when the protocol changes). `--tune_only` stops after the
+tuning trials, which can run on a busy machine; the timed runs then need it idle.
 
 Run (hours on 2 cores; in the background):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/time_to_accuracy.py \
+      --models=vit --optimizers=adamw,sgd --work_dir=/work/tta_vit_modern \
       > /tmp/time_to_accuracy.log 2>&1 &
-Writes bench/results/time_to_accuracy.json and .png and prints the ratios.
-The ViT (its own targets, BUDGETS; the autoencoder skipped, the other models kept):
-  .venv/bin/python bench/time_to_accuracy.py --models=vit \
-      --optimizers=kfac,kfac_reduce,adamw,adam,sgd --autoencoder_epochs=0 \
-      --work_dir=/work/tta_work
+Writes bench/results/time_to_accuracy.json and .png and prints the ratios; the results
+of models a run does not measure are kept. The constant-learning-rate protocol's results
+(before issue 27) are in bench/results/constant_lr/.
 """
 
 import json
@@ -56,18 +56,19 @@ import matplotlib
 
 import outputs
 import trials
-from trials import GRIDS, OPTIMIZERS, TUNE_SPLIT, VALIDATION_SPLIT
+from trials import GRIDS, OPTIMIZERS, TUNE_SPLIT, VALIDATION_SPLIT, WARMUP_FRACTION
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["cnn", "resnet20"], "Classifiers to measure.")
-flags.DEFINE_list("optimizers", ["kfac", "kfac_inverse", "sgd", "adam"],
+flags.DEFINE_list("optimizers", ["adamw", "sgd", "kfac_inverse", "kfac_eigen",
+                                   "kfac_constant"],
                   "Entries to compare (keys of OPTIMIZERS).")
 flags.DEFINE_list("target_accuracies", [],
-                  "Test accuracies to report time to, for every model measured; runs stop at "
-                  "the highest. Empty: each model's own (BUDGETS).")
+                  "Test accuracies to report time to, for every model measured. Empty: each "
+                  "model's own (BUDGETS).")
 flags.DEFINE_integer("seeds", 3, "Seeds per optimizer in the measurement.")
 flags.DEFINE_integer("batch_size", 128, "Examples per step.")
 flags.DEFINE_integer("autoencoder_epochs", 5, "Epochs of each autoencoder run (0 skips it).")
@@ -85,31 +86,35 @@ flags.DEFINE_string("work_dir", "/tmp/tfkfac_time_to_accuracy",
                     "Where the trials' runs (checkpoints, logs) go.")
 flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where the JSON and PNG go.")
 
-FIRST_ORDER = ("sgd", "adam", "adamw")
+FIRST_ORDER = ("sgd", "adamw")
 # The ViT's targets, from a probe of AdamW at its tuned learning rate (1e-3), seed 0, on
 # the full train split: test accuracy 0.838 / 0.845 / 0.852 / 0.867 after 3 / 4 / 5 / 9
 # epochs (0.866 after 10), so the first-order optimizers reach them within 10 epochs.
 VIT_TARGETS = (0.84, 0.85, 0.86)
-# Per-model budget and target test accuracies. A ResNet-20 step costs ~8x a CNN step on
-# 2 cores, so it tunes for one epoch; it measures up to 8 epochs because within 4 no SGD
-# or Adam seed reached 0.90.
+# Per-model budget, target test accuracies and decoupled weight decay λ per step at the
+# peak learning rate (`trials.protocol`). A ResNet-20 step costs ~8x a CNN step on 2
+# cores, so it tunes for one epoch; it measures up to 8 epochs because within 4 no SGD
+# or Adam seed reached 0.90 at a constant learning rate. λ = 5e-5 is where both usual
+# recipes meet (SGD: weight decay 5e-4 at learning rate 0.1; AdamW: 0.05 at 1e-3); it is
+# not tuned (that would double every entry's budget), and the same for every model.
 BUDGETS = {
     "cnn": dict(tune_epochs=2, max_epochs=10, eval_every_steps=100,
-                target_accuracies=(0.88, 0.89, 0.90)),
+                target_accuracies=(0.88, 0.89, 0.90), weight_decay=5e-5),
     "resnet20": dict(tune_epochs=1, max_epochs=8, eval_every_steps=200,
-                     target_accuracies=(0.88, 0.89, 0.90)),
+                     target_accuracies=(0.88, 0.89, 0.90), weight_decay=5e-5),
     # The ViT: a first-order step is ~0.1 s at batch 128 at load ~5, K-FAC (10/100
-    # schedule) ~1.1x that; 20 tuning trials of 2 epochs and 15 timed runs of at most 10
-    # epochs (fewer where they stop at the target) fit in about 2.5 h on 2 idle cores.
+    # schedule) ~1.1x that; per entry 8 tuning trials of 2 epochs and 3 timed runs of
+    # 10 epochs, about 25 min on 2 idle cores.
     "vit": dict(tune_epochs=2, max_epochs=10, eval_every_steps=200,
-                target_accuracies=VIT_TARGETS),
+                target_accuracies=VIT_TARGETS, weight_decay=5e-5),
 }
 AUTOENCODER_EVAL_EVERY_STEPS = 100
+# Stated settings, constant learning rate (measured before issue 27; not tuned).
 AUTOENCODER_SETTINGS = {
-    "sgd": dict(learning_rate=0.1),
-    "adam": dict(learning_rate=1e-3),
-    "kfac": dict(damping=1e-2),
-    "kfac_inverse": dict(damping=1e-2),
+    "sgd": dict(optimizer="sgd", learning_rate=0.1),
+    "adam": dict(optimizer="adam", learning_rate=1e-3),
+    "kfac": dict(optimizer="kfac", kfac_method="eigen", damping=1e-2),
+    "kfac_inverse": dict(optimizer="kfac", kfac_method="inverse", damping=1e-2),
 }
 AUTOENCODER_EVAL_SPLIT = "train[:10000]"
 
@@ -119,14 +124,22 @@ def trial(name, **settings):
     return trials.run(FLAGS.work_dir, name, batch_size=FLAGS.batch_size, **settings)
 
 
+def run_settings(model, entry, setting, epochs):
+    """The trainer settings of a run of `entry` at `setting` over `epochs` (the protocol,
+    bench/trials.py)."""
+    return dict(trials.protocol(entry, setting, epochs, BUDGETS[model]["weight_decay"]),
+                model=model)
+
+
 def tune(model, optimizer):
-    """The grid setting with the best validation accuracy after the model's tuning epochs."""
+    """The grid point with the best validation accuracy after a compressed run: the
+    model's tuning epochs, on the same schedule shape."""
     scores = []
     for setting in GRIDS[model][optimizer]:
-        summary = trial(f"{model}-{optimizer}-tune-{trials.slug(setting)}", model=model,
-                        **OPTIMIZERS[optimizer], train_split=TUNE_SPLIT,
-                        eval_split=VALIDATION_SPLIT, epochs=BUDGETS[model]["tune_epochs"],
-                        **setting)
+        summary = trial(f"{model}-{optimizer}-tune-{trials.slug(setting)}",
+                        **run_settings(model, optimizer, setting,
+                                       BUDGETS[model]["tune_epochs"]),
+                        train_split=TUNE_SPLIT, eval_split=VALIDATION_SPLIT)
         scores.append({"setting": setting,
                        "validation_accuracy": summary["final_eval_accuracy"]})
     best = max(scores, key=lambda s: s["validation_accuracy"])
@@ -134,17 +147,21 @@ def tune(model, optimizer):
 
 
 def measure(model, optimizer, setting):
+    """`--seeds` runs over the model's whole budget: time and steps to each target, and
+    the best test accuracy within the budget."""
     runs = []
     for seed in range(FLAGS.seeds):
-        summary = trial(f"{model}-{optimizer}-seed{seed}-{trials.slug(setting)}", model=model,
-                        **OPTIMIZERS[optimizer], seed=seed, epochs=BUDGETS[model]["max_epochs"],
-                        eval_every_steps=BUDGETS[model]["eval_every_steps"],
-                        target_accuracy=max(targets(model)), stop_at_target=True, **setting)
+        summary = trial(f"{model}-{optimizer}-seed{seed}-{trials.slug(setting)}",
+                        **run_settings(model, optimizer, setting, BUDGETS[model]["max_epochs"]),
+                        seed=seed, eval_every_steps=BUDGETS[model]["eval_every_steps"])
+        curve = trials.curve(summary)
         runs.append({"seed": seed,
                      "mean_step_time_s": summary["mean_step_time_s"]["all"],
-                     "curve": trials.curve(summary)})
+                     "best_accuracy": max(point[2] for point in curve),
+                     "curve": curve})
     return {"setting": setting, "runs": runs,
             "median_step_time_s": statistics.median(r["mean_step_time_s"] for r in runs),
+            "median_best_accuracy": statistics.median(r["best_accuracy"] for r in runs),
             "to_target": {str(target): trials.to_target(runs, target)
                           for target in targets(model)}}
 
@@ -156,11 +173,12 @@ def targets(model):
 
 
 def autoencoder(optimizer):
-    setting = AUTOENCODER_SETTINGS[optimizer]
+    settings = AUTOENCODER_SETTINGS[optimizer]
+    setting = {key: value for key, value in settings.items()
+               if key not in ("optimizer", "kfac_method")}
     summary = trial(f"autoencoder-{optimizer}-{trials.slug(setting)}", model="autoencoder",
-                    **OPTIMIZERS[optimizer],
                     eval_split=AUTOENCODER_EVAL_SPLIT, epochs=FLAGS.autoencoder_epochs,
-                    eval_every_steps=AUTOENCODER_EVAL_EVERY_STEPS, **setting)
+                    eval_every_steps=AUTOENCODER_EVAL_EVERY_STEPS, **settings)
     return {"setting": setting,
             "final_train_squared_error": summary["final_metrics"].get("val_squared_error"),
             "curve": [(p["train_time_s"], p["steps"], p["val_squared_error"])
@@ -284,14 +302,22 @@ def main(argv):
         if ungridded:
             raise ValueError(f"{model} has no tuning grid for {ungridded}; its entries are "
                              f"{', '.join(GRIDS[model])}")
+        for optimizer in FLAGS.optimizers:  # before hours of runs, not at this entry's turn
+            trials.check_entry(optimizer, run_settings(
+                model, optimizer, GRIDS[model][optimizer][0], BUDGETS[model]["tune_epochs"]))
     fixed = [fixed_entry(text) for text in FLAGS.fixed_entries]
     report = {
         "target_accuracies": {model: targets(model) for model in FLAGS.models},
         "seeds": FLAGS.seeds,
         "batch_size": FLAGS.batch_size,
         "budgets": {model: BUDGETS[model] for model in FLAGS.models},
+        "protocol": {"lr_schedule": "cosine", "warmup_fraction": WARMUP_FRACTION,
+                     "weight_decay": "per step at the peak learning rate (budgets)",
+                     "constant_learning_rate_entries": list(trials.CONSTANT_LEARNING_RATE),
+                     "entries": {o: OPTIMIZERS[o] for o in FLAGS.optimizers}},
         "tuning": {"grids": {m: {o: GRIDS[m][o] for o in FLAGS.optimizers}
                              for m in FLAGS.models},
+                   "trials_per_entry": trials.TUNING_TRIALS,
                    "train_split": TUNE_SPLIT, "validation_split": VALIDATION_SPLIT},
         "machine": outputs.machine(), "models": {}, "autoencoder": {},
         "library_commit": outputs.library_commit(),
@@ -313,6 +339,8 @@ def main(argv):
                       f"{reached['reached']}/{FLAGS.seeds} seeds, median "
                       f"{reached['median_time_s']} s, {reached['median_steps']} steps",
                       flush=True)
+            print(f"{model} {optimizer} best accuracy per seed: "
+                  f"{[run['best_accuracy'] for run in results[optimizer]['runs']]}", flush=True)
         for optimizer, setting in fixed:
             results[f"{optimizer}@{trials.slug(setting)}"] = measure(model, optimizer, setting)
         pairs = comparisons(results)
@@ -328,7 +356,7 @@ def main(argv):
     if FLAGS.tune_only:
         return
     if FLAGS.autoencoder_epochs:
-        for optimizer in (o for o in FLAGS.optimizers if o in AUTOENCODER_SETTINGS):
+        for optimizer in AUTOENCODER_SETTINGS:
             report["autoencoder"][optimizer] = dict(autoencoder(optimizer),
                                                     measured_at_commit=report["library_commit"])
             print(f"autoencoder {optimizer}: final squared error "

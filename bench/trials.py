@@ -1,12 +1,14 @@
 """Trainer runs as benchmark trials: run once, read back by name, resumed when cut short;
-the time, steps and fresh examples each run took to a target accuracy; and the entries
-and tuning grids the time-to-accuracy benchmarks share.
+the time, steps and fresh examples each run took to a target accuracy; and the entries,
+tuning grids and protocol (schedule, weight decay) of bench/time_to_accuracy.py.
 
 A trial is one run of the trainer (`trainers.runner.run`, what `python -m trainers.train`
 runs) in `work_dir/name`, so a benchmark's numbers are what a user gets from the
 settings recorded beside them.
 """
 
+import dataclasses
+import itertools
 import json
 import math
 import os
@@ -16,58 +18,126 @@ from trainers import checkpoints, config as config_lib, runner
 
 # Tuning trains on TUNE_SPLIT and scores accuracy on the held-out VALIDATION_SPLIT.
 TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
-# Benchmark entry -> the trainer settings that make it.
+# K-FAC's curvature schedule, pinned so that changing the trainer's defaults (issue 27
+# item 7) does not change what an entry measures.
+_KFAC = dict(optimizer="kfac", factor_update_freq=10, decomposition_update_freq=100)
+# Benchmark entry -> the trainer settings that make it. Every entry but those in
+# CONSTANT_LEARNING_RATE trains on the protocol's schedule with its weight decay
+# (`protocol`).
 OPTIMIZERS = {
-    "kfac": dict(optimizer="kfac", kfac_method="eigen"),
-    "kfac_inverse": dict(optimizer="kfac", kfac_method="inverse"),
-    "sgd": dict(optimizer="sgd"),
-    "adam": dict(optimizer="adam"),
-    "kfac_reduce": dict(optimizer="kfac", kfac_method="eigen", weight_sharing="reduce"),
     "adamw": dict(optimizer="adamw"),
-    # Factor statistics from a quarter of each batch (docs/design.md §8).
-    "kfac_inverse_f0.25": dict(optimizer="kfac", kfac_method="inverse",
-                               factor_batch_fraction=0.25),
-    # Gram and preconditioning products with bfloat16 operands (docs/design.md §9).
-    "kfac_inverse_bf16": dict(optimizer="kfac", kfac_method="inverse",
-                              product_dtype="bfloat16"),
-    # Each example's positions reduced to one row of the factors (docs/design.md §2).
-    "kfac_inverse_reduce": dict(optimizer="kfac", kfac_method="inverse",
-                                weight_sharing="reduce"),
+    "sgd": dict(optimizer="sgd"),  # with the trainer's momentum 0.9
+    "kfac_inverse": dict(_KFAC, kfac_method="inverse"),
+    "kfac_eigen": dict(_KFAC, kfac_method="eigen"),
+    # The protocol before issue 27, for reference: constant learning rate 0.05, KL clip
+    # 1e-3 (chosen on the CNN), no weight decay, damping tuned.
+    "kfac_constant": dict(_KFAC, kfac_method="inverse", learning_rate=0.05, kl_clip=1e-3),
+    # K-FAC in front of AdamW (the protocol's weight decay goes to the inner AdamW), and
+    # issue 27's library features (docs/design.md §2c), named by the trainer settings
+    # they are to have; `check_entry` says which this trainer lacks. Their step length
+    # is Adam's (an inner AdamW, a graft, Adam's rule in the eigenbasis), so the KL clip
+    # is off.
+    "kfac_adamw": dict(_KFAC, kfac_method="inverse", kfac_inner_optimizer="adamw",
+                       kl_clip=None),
+    "kfac_graft_adam": dict(_KFAC, kfac_method="inverse", grafting="adam", kl_clip=None),
+    "kfac_eigen_adam": dict(_KFAC, kfac_method="eigen_adam", kl_clip=None),
 }
-# Tuning grids: the same number of trials for every optimizer. Where the best setting
-# sat at a grid's edge, the grid moved one step past it: the CNN's K-FAC grid started
-# at 1e-3..3e-2, then 3e-3..0.1 (best 0.1, the edge again), now 1e-2..0.3 (best 0.1);
-# ResNet-20's K-FAC grid was 3e-3..0.1 (best 3e-3, the lower edge), now 1e-3..3e-2;
-# its SGD grid was 0.01..0.3 and its Adam grid 3e-4..1e-2 (best at the lower edges).
-def learning_rate_grid(*learning_rates):
-    return [dict(learning_rate=lr) for lr in learning_rates]
+CONSTANT_LEARNING_RATE = ("kfac_constant",)
+# The schedule of every other entry: linear warm-up over this share of the run's budget
+# (AlgoPerf's baselines warm up over 5% of theirs), then half a cosine to 0 at the
+# budget's end; tuning trials and timed runs alike, each over its own budget.
+WARMUP_FRACTION = 0.05
+# Every entry tunes on the same number of trials.
+TUNING_TRIALS = 8
 
 
-def kfac_grids(*dampings, entries=("kfac", "kfac_inverse", "kfac_inverse_f0.25",
-                                    "kfac_inverse_bf16", "kfac_inverse_reduce")):
-    """The K-FAC entries tune damping over the same values."""
-    grid = [dict(damping=d) for d in dampings]
-    return {entry: grid for entry in entries}
+def series(first, count=TUNING_TRIALS):
+    """`count` values of the 1-2-5 series from `first`, e.g. 1e-4, 2e-4, 5e-4, 1e-3..."""
+    exponent = math.floor(math.log10(first))
+    mantissas = (1, 2, 5)
+    index = mantissas.index(round(first / 10 ** exponent))
+    values = []
+    for _ in range(count):
+        values.append(float(f"{mantissas[index]}e{exponent}"))
+        index = (index + 1) % 3
+        exponent += index == 0
+    return tuple(values)
 
 
+def points(**axes):
+    """Every combination of the axes' values, as settings: points(a=(1, 2), b=(3,)) ->
+    [{"a": 1, "b": 3}, {"a": 2, "b": 3}]."""
+    names = sorted(axes)
+    return [dict(zip(names, values)) for values in itertools.product(
+        *(axes[name] for name in names))]
+
+
+def grids(sgd_from, dampings):
+    """The tuning points of every entry for one model: 8 each. First-order entries and
+    Adam-length K-FAC (eigen_adam, whose damping does not enter) tune the learning rate
+    over the 1-2-5 series (AdamW from 1e-4, SGD from `sgd_from`); K-FAC with the KL
+    clip tunes learning rate x damping x KL clip jointly (2 x 2 x 2; once the clip binds,
+    the step length is the clip's and the learning rate sets when the decayed schedule
+    takes over); K-FAC under an inner AdamW or grafted to Adam tunes 4 Adam-like
+    learning rates x 2 dampings; the constant-rate reference tunes damping alone, as it
+    did before. `dampings`: the two K-FAC dampings around the model's earlier picks."""
+    adam_like = points(learning_rate=(5e-4, 1e-3, 2e-3, 5e-3), damping=dampings)
+    clipped = points(learning_rate=(0.05, 0.2), damping=dampings, kl_clip=(1e-3, 1e-2))
+    return {
+        "adamw": points(learning_rate=series(1e-4)),
+        "sgd": points(learning_rate=series(sgd_from)),
+        "kfac_inverse": clipped, "kfac_eigen": clipped,
+        "kfac_constant": points(damping=series(2e-3)),
+        "kfac_adamw": adam_like, "kfac_graft_adam": adam_like,
+        "kfac_eigen_adam": points(learning_rate=series(1e-4)),
+    }
+
+
+# Dampings from the constant-rate tuning (docs/benchmarks.md): the CNN picked 0.1 (both
+# methods), ResNet-20 1e-2 (inverse) and 3e-3 (eigen), the ViT 3e-2 (inverse) and 0.1
+# (eigen). SGD's constant-rate picks: CNN 0.1, ResNet-20 3e-3..1e-2, ViT 3e-3, so its
+# series starts at 1e-3 on the CNN (up to 0.2) and at 5e-4 on ResNet-20 (up to 0.1).
+# On the ViT it started at 5e-4 too; with the schedule its best was 0.1, the edge, so it
+# moved one step: 1e-3 to 0.2.
 GRIDS = {
-    "cnn": dict(sgd=learning_rate_grid(0.01, 0.03, 0.1, 0.3),
-                adam=learning_rate_grid(3e-4, 1e-3, 3e-3, 1e-2),
-                **kfac_grids(1e-2, 3e-2, 1e-1, 3e-1)),
-    "resnet20": dict(sgd=learning_rate_grid(1e-3, 3e-3, 0.01, 0.03),
-                     adam=learning_rate_grid(1e-4, 3e-4, 1e-3, 3e-3),
-                     **kfac_grids(1e-3, 3e-3, 1e-2, 3e-2)),
-    # ViT: AdamW at its default decoupled weight decay (0.004). Adam-family rates around
-    # 1e-3 are the usual ViT choice; K-FAC's damping brackets the CNN's (0.1) and
-    # ResNet-20's (3e-3) picks. SGD's grid started at 0.01..0.3 (best 0.01, the edge),
-    # then 3e-3..0.1 (best 3e-3, the edge again); the K-FAC grid started at 3e-3..0.1
-    # (kfac's best 0.1, the edge; kfac_reduce's 3e-2).
-    "vit": dict(sgd=learning_rate_grid(1e-3, 3e-3, 0.01, 0.03),
-                adam=learning_rate_grid(3e-4, 1e-3, 3e-3, 1e-2),
-                adamw=learning_rate_grid(3e-4, 1e-3, 3e-3, 1e-2),
-                **kfac_grids(1e-2, 3e-2, 1e-1, 3e-1,
-                             entries=("kfac", "kfac_reduce", "kfac_inverse"))),
+    "cnn": grids(sgd_from=1e-3, dampings=(3e-2, 0.1)),
+    "resnet20": grids(sgd_from=5e-4, dampings=(3e-3, 1e-2)),
+    "vit": grids(sgd_from=1e-3, dampings=(3e-2, 0.1)),
 }
+assert all(len(grid) == TUNING_TRIALS for model in GRIDS.values() for grid in model.values())
+
+
+def protocol(entry, setting, epochs, weight_decay):
+    """The trainer settings of a run of `entry` at its tuning point `setting` over a
+    budget of `epochs`: the entry's, the point's, and the protocol's schedule and weight
+    decay.
+
+    `weight_decay` is decoupled weight decay per step at the peak learning rate, as
+    Loshchilov & Hutter define it: w <- w - s(t) λ w, s(t) the schedule's multiplier
+    (warm-up, cosine). Keras's `weight_decay` is multiplied by the learning rate, so
+    it is set to λ / learning_rate: every optimizer then shrinks the weights by the
+    same amount per step whatever learning rate it tunes to.
+    """
+    settings = dict(OPTIMIZERS[entry], **setting, epochs=epochs)
+    if entry in CONSTANT_LEARNING_RATE:
+        return settings
+    return dict(settings, lr_schedule="cosine", warmup_epochs=WARMUP_FRACTION * epochs,
+                weight_decay=weight_decay / settings["learning_rate"])
+
+
+def check_entry(entry, settings):
+    """Raises ValueError when this trainer cannot run `entry` with the trainer settings
+    `settings`, e.g. an entry of a library feature not merged yet."""
+    fields = {field.name for field in dataclasses.fields(config_lib.TrainConfig)}
+    missing = sorted(set(settings) - fields)
+    if missing:
+        raise ValueError(f"entry {entry} needs the trainer setting(s) {', '.join(missing)}, "
+                         f"which this trainer does not have")
+    try:
+        config_lib.TrainConfig(**settings).validate()
+    except ValueError as error:
+        raise ValueError(f"entry {entry}: {error}") from error
+
 
 # The fields of a curve point, in order; the first three are always present.
 POINT_FIELDS = ("time_s", "steps", "accuracy", "fresh_examples")
@@ -82,14 +152,21 @@ def run(work_dir, name, **settings):
     """Runs (or reads back) one trainer run in `work_dir/name`; returns its summary.
 
     `name` must say everything that differs between trials (settings included), since
-    a finished trial is read back by name. An interrupted one (or one whose epoch budget
-    has grown) resumes from its checkpoint.
+    a finished trial is read back by name (a read-back trial whose settings differ from
+    `settings` is an error). An interrupted one (or one whose epoch budget has grown and
+    whose schedule does not depend on it) resumes from its checkpoint.
     """
     model_dir = os.path.join(work_dir, name)
     summary_path = os.path.join(model_dir, runner.SUMMARY_FILE)
     if os.path.exists(summary_path):
         with open(summary_path, encoding="utf-8") as f:
             summary = json.load(f)
+        differ = {key: (summary["config"].get(key), value) for key, value in settings.items()
+                  if key not in config_lib.RESUME_MAY_CHANGE_FIELDS
+                  and summary["config"].get(key) != value}
+        if differ:  # e.g. the protocol changed since: a stale trial, not this one
+            raise ValueError(f"{model_dir} holds a trial with other settings "
+                             f"(theirs, these): {differ}; use another work_dir")
         if finished(summary, settings["epochs"]):
             return summary
     config = config_lib.TrainConfig(
@@ -118,8 +195,7 @@ def curve(summary, fresh_examples=False):
 def to_target(runs, target):
     """First evaluation at or above `target` per seed, and the medians over the seeds.
 
-    `runs` hold curves of `curve` points. A run stops at the highest target, so it has
-    crossed every lower one before. A seed that never reaches `target` counts as
+    `runs` hold curves of `curve` points. A seed that never reaches `target` counts as
     infinite; a median that is infinite (fewer than half the seeds reached it) is None,
     and `median_above` holds what it exceeds: more than half the seeds are beyond their
     whole run, so the median is beyond the shortest of those runs.

@@ -52,7 +52,7 @@ class FlagValidationTest(parameterized.TestCase):
         ("--optimizer=rmsprop", "kfac|sgd|adam|adamw"),
         ("--echo_mode=sometimes", "none|example_before_augment"),
         ("--precision=float8", "float32|mixed_float16|mixed_bfloat16"),
-        ("--lr_schedule=cosine", "constant|warmup|step|polynomial"),
+        ("--lr_schedule=linear", "constant|warmup|step|polynomial|cosine"),
         ("--weight_sharing=mean", "expand|reduce"),
     )
     def test_unknown_choice_lists_allowed(self, arg, allowed):
@@ -72,6 +72,8 @@ class FlagValidationTest(parameterized.TestCase):
         (["--lr_schedule=step", "--lr_decay_epochs=5,2"], "strictly increasing"),
         (["--lr_schedule=warmup"], "needs warmup_epochs > 0"),
         (["--lr_decay_epochs=3"], "only applies to lr_schedule=step"),
+        (["--lr_schedule=cosine", "--warmup_epochs=2", "--epochs=2"],
+         "warmup, which must end before the run"),
         (["--batch_size=0"], "`batch_size` must be a positive integer; received 0"),
         (["--learning_rate=-1"], "learning_rate` must be a finite number > 0"),
         (["--learning_rate=nan"], "learning_rate` must be a finite number > 0"),
@@ -221,6 +223,25 @@ class TrainerRunTest(parameterized.TestCase):
             self.assertAlmostEqual(mine["val_loss"], theirs["val_loss"], places=4)
         self.assertLen(read_csv(os.path.join(resumed, "metrics.csv")), 2)
 
+    def test_resumed_cosine_run_keeps_the_schedule_end(self):
+        # The first start stops at its target after epoch 1 of a 2-epoch budget; resumed
+        # without stopping, it must decay to 0 at step 40, as the uninterrupted run does.
+        settings = dict(optimizer="sgd", learning_rate=0.05, lr_schedule="cosine",
+                        warmup_epochs=0.25, epochs=2, target_accuracy=0.01)
+        straight = self.create_tempdir().full_path
+        resumed = self.create_tempdir().full_path
+        self.run_trainer(straight, **settings)
+        first = self.run_trainer(resumed, stop_at_target=True, **settings)
+        self.assertEqual(first["steps"], 20)
+        got = self.run_trainer(resumed, resume=True, **settings)
+        self.assertEqual(got["steps"], 40)
+        want, have = step_tensors(straight, 40), step_tensors(resumed, 40)
+        for key, value in want.items():
+            np.testing.assert_allclose(have[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+        rates = [row["learning_rate"] for row in got["history"]]
+        np.testing.assert_allclose(rates, [0.05 * (1 + np.cos(np.pi * 15 / 35)) / 2, 0.0],
+                                   atol=1e-7)
+
     def test_model_dir_guards(self):
         model_dir = self.create_tempdir().full_path
         self.run_trainer(model_dir, optimizer="sgd", steps=5)
@@ -281,6 +302,33 @@ class LearningRateScheduleTest(parameterized.TestCase):
             self.schedule_at([0, 9, 10, 19, 20, 49], lr_schedule="step",
                              lr_decay_epochs=(1.0, 2.0), lr_decay_factor=0.5),
             [0.2, 0.2, 0.1, 0.1, 0.05, 0.05], rtol=1e-6)
+
+    def test_cosine_decays_to_zero_after_the_warmup(self):
+        # warmup_epochs=0.2 -> W = 2 steps: lr * (t + 1) / W, then
+        # lr * (1 + cos(pi (t - W) / (T - W))) / 2, 0 at the end T = 50.
+        steps = np.array([0, 1, 2, 3, 10, 26, 40, 49, 50])
+        progress = np.clip((steps - 2) / 48, 0, 1)
+        expected = 0.2 * np.minimum(1, (steps + 1) / 2) * (1 + np.cos(np.pi * progress)) / 2
+        np.testing.assert_allclose(
+            self.schedule_at(steps, lr_schedule="cosine", warmup_epochs=0.2), expected,
+            rtol=1e-5, atol=1e-9)
+        self.assertEqual(self.schedule_at([50], lr_schedule="cosine", warmup_epochs=0.2), [0])
+
+    def test_cosine_without_warmup_starts_at_full_rate(self):
+        steps = np.array([0, 25, 50])
+        np.testing.assert_allclose(self.schedule_at(steps, lr_schedule="cosine"),
+                                   0.2 * (1 + np.cos(np.pi * steps / 50)) / 2, atol=1e-7)
+
+    def test_cosine_round_trips_through_keras_serialization(self):
+        config = config_lib.TrainConfig(learning_rate=0.2, lr_schedule="cosine",
+                                        warmup_epochs=0.2)
+        schedule = lr_schedules.build_learning_rate(config, self.STEPS_PER_EPOCH,
+                                                    self.TOTAL_STEPS)
+        restored = keras.saving.deserialize_keras_object(
+            keras.saving.serialize_keras_object(schedule))
+        self.assertEqual(restored.get_config(), schedule.get_config())
+        np.testing.assert_allclose([float(restored(t)) for t in (0, 7, 30)],
+                                   [float(schedule(t)) for t in (0, 7, 30)])
 
     def test_polynomial_reaches_zero_with_warmup(self):
         steps = [0, 1, 10, 25, 50]

@@ -17,7 +17,7 @@ from trainers import models
 OPTIMIZERS = ("kfac", "sgd", "adam", "adamw")
 # The update rules K-FAC can precondition for (`--kfac_inner_optimizer`).
 KFAC_INNER_OPTIMIZERS = ("sgd", "adam", "adamw")
-LR_SCHEDULES = ("constant", "warmup", "step", "polynomial")
+LR_SCHEDULES = ("constant", "warmup", "step", "polynomial", "cosine")
 ECHO_MODES = pipelines.ECHO_MODES
 PRECISIONS = tuple(pipelines.PRECISIONS)
 VERBOSITIES = (0, 1, 2)

@@ -56,9 +56,11 @@ def check(config, explicitly_set=None, num_ranks=1):
         config.validate(given or ())
     info, train_examples, _ = data_lib.split_sizes(config)
     steps_per_epoch = data_lib.steps_per_epoch(config, train_examples, num_ranks)
+    total = config.steps or config.epochs * steps_per_epoch
+    # A schedule that cannot fit the run (a warmup as long as it) is a usage error too.
+    lr_schedules.build_learning_rate(config, steps_per_epoch, total)
     if resuming:
         state = checkpoints.read_state(model_dir)  # CheckpointError if none loads
-        total = config.steps or config.epochs * steps_per_epoch
         if state and state["counters"]["steps"] > total:
             raise ValueError(f"the run in {model_dir} has trained {state['counters']['steps']}"
                              f" steps already, more than the {total} asked (--steps/--epochs)")

@@ -46,7 +46,8 @@ flags.DEFINE_float("weight_decay", _DEFAULTS.weight_decay,
 flags.DEFINE_enum("lr_schedule", _DEFAULTS.lr_schedule, config_lib.LR_SCHEDULES,
                   "constant; warmup (linear over --warmup_epochs, then constant); step "
                   "(x --lr_decay_factor at each of --lr_decay_epochs); polynomial (to 0 at "
-                  "the last step with power --lr_decay_power).")
+                  "the last step with power --lr_decay_power); cosine (after the warmup, "
+                  "half a cosine to 0 at the last step).")
 flags.DEFINE_float("warmup_epochs", _DEFAULTS.warmup_epochs,
                    "Linear learning-rate warmup length in epochs, for any schedule.")
 flags.DEFINE_list("lr_decay_epochs", [], "Epochs at which lr_schedule=step decays, e.g. 10,20.")

@@ -1,0 +1,87 @@
+"""bench/trials.py: issue 27's time-to-accuracy protocol gives every entry the same
+decoupled weight decay and the same tuning budget, and refuses entries the trainer cannot
+run.
+
+The weight decay is checked on the optimizers the trainer builds from the protocol's
+settings: with zero gradients a step of AdamW or of SGD with momentum only decays, so
+w_{t+1} / w_t = 1 - λ s(t), s(t) the warm-up + cosine multiplier, whatever the learning
+rate (Loshchilov & Hutter's decoupling; Keras's `weight_decay` is multiplied by it).
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl.testing import absltest, parameterized  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import trials  # noqa: E402
+from tfkfac import distributed  # noqa: E402
+from trainers import config as config_lib, runner  # noqa: E402
+
+STEPS_PER_EPOCH, EPOCHS, WEIGHT_DECAY = 20, 2, 5e-5
+
+
+def multiplier(step, total=STEPS_PER_EPOCH * EPOCHS):
+    """The cosine schedule's s(t) with a 5% warm-up, written out."""
+    warmup = round(trials.WARMUP_FRACTION * total)
+    progress = min(1.0, max(0.0, (step - warmup) / (total - warmup)))
+    return min(1.0, (step + 1) / warmup) * (1 + np.cos(np.pi * progress)) / 2
+
+
+class WeightDecayTest(parameterized.TestCase):
+
+    @parameterized.parameters(("adamw", 1e-4), ("adamw", 2e-2), ("sgd", 5e-4), ("sgd", 0.1))
+    def test_weights_shrink_by_lambda_times_the_schedule(self, entry, learning_rate):
+        settings = trials.protocol(entry, {"learning_rate": learning_rate}, EPOCHS,
+                                   WEIGHT_DECAY)
+        optimizer = runner._build_optimizer(
+            config_lib.TrainConfig(**settings), STEPS_PER_EPOCH, STEPS_PER_EPOCH * EPOCHS,
+            distributed.get_communicator())
+        weight = keras.Variable(np.ones(3, "float32"))
+        optimizer.build([weight])
+        for step in range(STEPS_PER_EPOCH * EPOCHS):
+            before = weight.numpy().copy()
+            optimizer.apply([np.zeros(3, "float32")], [weight])
+            np.testing.assert_allclose(weight.numpy() / before,
+                                       1 - WEIGHT_DECAY * multiplier(step), rtol=1e-6,
+                                       err_msg=f"step {step}")
+
+    def test_the_constant_rate_reference_keeps_its_old_settings(self):
+        settings = trials.protocol("kfac_constant", {"damping": 0.1}, EPOCHS, WEIGHT_DECAY)
+        self.assertEqual(settings["learning_rate"], 0.05)
+        self.assertNotIn("weight_decay", settings)
+        self.assertNotIn("lr_schedule", settings)
+
+
+class TuningBudgetTest(absltest.TestCase):
+
+    def test_every_entry_has_eight_distinct_points_per_model(self):
+        for model, grids in trials.GRIDS.items():
+            self.assertEqual(set(grids), set(trials.OPTIMIZERS), model)
+            for entry, points in grids.items():
+                self.assertLen({trials.slug(point) for point in points},
+                               trials.TUNING_TRIALS, f"{model} {entry}")
+
+    def test_series(self):
+        self.assertEqual(trials.series(5e-4, 4), (5e-4, 1e-3, 2e-3, 5e-3))
+
+
+class CheckEntryTest(absltest.TestCase):
+
+    def test_runnable_entries_pass(self):
+        for entry in ("adamw", "sgd", "kfac_inverse", "kfac_eigen", "kfac_constant"):
+            point = trials.GRIDS["vit"][entry][0]
+            trials.check_entry(entry, dict(
+                trials.protocol(entry, point, EPOCHS, WEIGHT_DECAY), model="vit"))
+
+    def test_an_unknown_setting_is_named(self):
+        settings = dict(trials.OPTIMIZERS["sgd"], no_such_setting=1)
+        with self.assertRaisesRegex(ValueError, "entry sgd needs the trainer setting"
+                                    r"\(s\) no_such_setting"):
+            trials.check_entry("sgd", settings)
+
+
+if __name__ == "__main__":
+    absltest.main()
