@@ -1,0 +1,121 @@
+"""Every configuration at every worker count, ranked; and the one-factor bound.
+
+The recommendation is the configuration with the lowest predicted time per step at each
+worker count, and, given steps to target for SGD and K-FAC, the worker count and
+optimizer with the lowest time to target. Only time is modelled: a configuration that
+changes the approximation (wire dtypes, intervals, the reduce rule, the inverse method)
+may change the steps to target, which the user's estimates must account for; the fastest
+configuration with the library's default approximation is reported beside it.
+"""
+
+import itertools
+
+from tfkfac import placement as placement_lib
+from tfkfac.distributed import assignment
+from trainers.planning import step_model
+
+# What a remedy for the one-factor bound assumes (docs/planner.md): the largest factors'
+# decompositions split over this many ranks at this parallel efficiency (a distributed
+# eigensolver), or refreshed this many times less often than the others.
+SPLIT_RANKS, SPLIT_EFFICIENCY, REFRESH_EVERY = 4, 0.5, 4
+
+
+def grid(placements, factor_wires, decomposition_wires, factor_intervals,
+         decomposition_intervals, weight_sharing, methods):
+    return [step_model.Configuration(*values) for values in itertools.product(
+        placements, factor_wires, decomposition_wires, factor_intervals,
+        decomposition_intervals, weight_sharing, methods)]
+
+
+def same_approximation(config):
+    """Whether `config` computes what the library's defaults compute (up to staleness)."""
+    defaults = step_model.LIBRARY_DEFAULTS
+    return (config.factor_wire, config.decomposition_wire, config.weight_sharing,
+            config.method) == (defaults.factor_wire, defaults.decomposition_wire,
+                               defaults.weight_sharing, defaults.method)
+
+
+def evaluate(work, configs, workers, device, fabric, precision, forward_backward_s=None,
+             sgd_steps=None, kfac_steps=None):
+    """Per worker count: SGD's phases, every configuration's step time, the fastest and the
+    fastest with the default approximation, and times to target when steps are given."""
+    results = []
+    for i, ranks in enumerate(workers):
+        sgd = step_model.sgd_step(work, ranks, device, fabric, precision, forward_backward_s)
+        steps = {config: step_model.kfac_step(work, config, ranks, device, fabric, precision,
+                                              forward_backward_s) for config in configs}
+        times = {config: step_model.step_seconds(phases) for config, phases in steps.items()}
+        best = min(configs, key=times.get)
+        exact = [c for c in configs if same_approximation(c)]
+        entry = {"workers": ranks, "global_batch": ranks * work.batch, "sgd": sgd,
+                 "sgd_step_s": step_model.step_seconds(sgd), "times": times, "best": best,
+                 "best_phases": steps[best],
+                 "best_default_approximation": min(exact, key=times.get) if exact else None}
+        if entry["best_default_approximation"] is not None:
+            entry["best_default_phases"] = steps[entry["best_default_approximation"]]
+        if step_model.LIBRARY_DEFAULTS in steps:
+            entry["library_defaults_phases"] = steps[step_model.LIBRARY_DEFAULTS]
+        if sgd_steps and kfac_steps:
+            entry["sgd_time_to_target_s"] = sgd_steps[i] * entry["sgd_step_s"]
+            entry["kfac_time_to_target_s"] = kfac_steps[i] * times[best]
+        results.append(entry)
+    return results
+
+
+def fastest_to_target(results):
+    """(workers, optimizer, seconds) with the lowest time to target, or None."""
+    options = [(entry["workers"], name, entry[f"{name}_time_to_target_s"])
+               for entry in results if "sgd_time_to_target_s" in entry
+               for name in ("sgd", "kfac")]
+    return min(options, key=lambda option: option[2]) if options else None
+
+
+# ------------------------------------------------------------ one-factor bound
+def decomposition_units(work, config):
+    """The kernels of each unit of decomposition work an owner takes under `config`, in
+    `placement.owners` order: a symmetric factor ("replicated") or a block ("owner")."""
+    blocks = work.blocks[config.weight_sharing]
+    kernels = work.decompositions(config.method)
+    if config.placement == "replicated":
+        return [[kernels[b][blocks[b].symmetric_factors().index(j)]]
+                for b, j in placement_lib.factor_items(blocks)]
+    return [list(ks) for ks in kernels]
+
+
+def slowest_rank(seconds, owners, ranks):
+    """The largest per-rank sum of `seconds` under `owners`."""
+    loads = [0.0] * ranks
+    for s, owner in zip(seconds, owners):
+        loads[owner] += s
+    return max(loads)
+
+
+def one_factor_bound(work, config, workers, device):
+    """The decomposition phase on the slowest rank (seconds per decomposition step) at each
+    worker count with the library's owners; the speed-up bound total / largest unit; and
+    two remedies the library does not implement, for the units that alone exceed the mean
+    load (total / workers):
+    - split: each decomposed by SPLIT_RANKS ranks at SPLIT_EFFICIENCY (a distributed
+      eigensolver), the changed units placed by the library's LPT;
+    - refresh: decomposed every REFRESH_EVERY decomposition intervals, amortized over them
+      (Osawa et al. 2019 observe that A factors change slowly)."""
+    units = decomposition_units(work, config)
+    blocks = work.blocks[config.weight_sharing]
+    one = [device.seconds(unit, "decomposition") for unit in units]
+    rows = []
+    for ranks in workers:
+        seconds = [device.seconds(unit, "decomposition", ranks=ranks) for unit in units]
+        owners = placement_lib.owners(config.placement, blocks, ranks)
+        base = slowest_rank(seconds, owners, ranks)
+        big = [s > sum(seconds) / ranks for s in seconds]
+        split = [s for s, b in zip(seconds, big) if not b] + [
+            s / (SPLIT_RANKS * SPLIT_EFFICIENCY) for s, b in zip(seconds, big) if b
+            for _ in range(SPLIT_RANKS)]
+        rest = [0.0 if b else s for s, b in zip(seconds, big)]
+        rows.append({
+            "workers": ranks, "slowest_rank_s": base, "speedup": sum(seconds) / base,
+            "split_s": slowest_rank(split, assignment.lpt_assignment(split, ranks), ranks),
+            "refresh_s": (base + (REFRESH_EVERY - 1) * slowest_rank(rest, owners, ranks))
+            / REFRESH_EVERY})
+    return {"total_s": sum(one), "largest_s": max(one), "bound": sum(one) / max(one),
+            "rows": rows}
