@@ -136,9 +136,10 @@ def main(argv):
     if work.skipped:
         print(f"Not counted in forward/backward: {len(work.skipped)} layer(s) without a "
               f"K-FAC block ({', '.join(setting['layers_without_block'][:5])}...)")
-    document = report.to_json(setting, results, bound, device.sources + network.sources)
+    sources = tuple(dict.fromkeys(device.sources + network.sources))
+    document = report.to_json(setting, results, bound, sources)
     paths = report.write(document, results, bound, FLAGS.output_dir)
-    print("Sources: " + "; ".join(device.sources + network.sources))
+    print("Sources: " + "; ".join(sources))
     print(f"Wrote {paths[0]} and {paths[1]}")
 
 
