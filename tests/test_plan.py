@@ -174,7 +174,7 @@ class BoundAndDefaultsTest(absltest.TestCase):
         work = workloads.named("resnet50")
         bound = recommend.one_factor_bound(work, step_model.Configuration(), [1, 16, 1024],
                                            UNIT_DEVICE)
-        self.assertLen(recommend.decomposition_units(work, step_model.Configuration()), 108)
+        self.assertLen(step_model.decomposition_units(work, step_model.Configuration()), 108)
         self.assertAlmostEqual(bound["bound"], 4.63, places=2)
         self.assertEqual([round(r["speedup"], 2) for r in bound["rows"]], [1.0, 4.63, 4.63])
         for row in bound["rows"][1:]:  # both remedies beat the bound

@@ -71,23 +71,9 @@ def fastest_to_target(results):
 
 
 # ------------------------------------------------------------ one-factor bound
-def decomposition_units(work, config):
-    """The kernels of each unit of decomposition work an owner takes under `config`, in
-    `placement.owners` order: a symmetric factor ("replicated") or a block ("owner")."""
-    blocks = work.blocks[config.weight_sharing]
-    kernels = work.decompositions(config.method)
-    if config.placement == "replicated":
-        return [[kernels[b][blocks[b].symmetric_factors().index(j)]]
-                for b, j in placement_lib.factor_items(blocks)]
-    return [list(ks) for ks in kernels]
-
-
 def slowest_rank(seconds, owners, ranks):
     """The largest per-rank sum of `seconds` under `owners`."""
-    loads = [0.0] * ranks
-    for s, owner in zip(seconds, owners):
-        loads[owner] += s
-    return max(loads)
+    return max(map(sum, step_model.by_rank([[s] for s in seconds], owners, ranks)))
 
 
 def one_factor_bound(work, config, workers, device):
@@ -100,7 +86,7 @@ def one_factor_bound(work, config, workers, device):
       ranks at SPLIT_EFFICIENCY (a distributed eigensolver);
     - refresh (on top of timed): those units decomposed every REFRESH_EVERY decomposition
       intervals, amortized over them (Osawa et al. 2019: A factors change slowly)."""
-    units = decomposition_units(work, config)
+    units = [kernels for kernels, _ in step_model.decomposition_units(work, config)]
     blocks = work.blocks[config.weight_sharing]
     one = [device.seconds(unit, "decomposition") for unit in units]
     rows = []

@@ -12,7 +12,7 @@ communication with computation, Horovod's negotiation, input pipelines.
 
 import dataclasses
 
-from tfkfac import placement as placement_lib
+from tfkfac import placement as placement_lib, validation
 from tfkfac.distributed import packing
 from tfkfac.distributed.horovod_comm import GATHERED_MEAN_DTYPES
 from bench import floor_model
@@ -21,10 +21,9 @@ from trainers.planning import collectives
 PHASES = ("forward_backward", "factor_statistics", "factor_reduction", "decomposition",
           "decomposition_sharing", "preconditioning", "preconditioned_sharing",
           "gradient_reduction", "update")
-SGD_PHASES = ("forward_backward", "gradient_reduction", "update")
-METHODS = ("eigen", "inverse")
+METHODS = validation.METHODS
 PLACEMENTS = placement_lib.PLACEMENTS
-WIRE_DTYPES = ("float32", "float16", "bfloat16")
+WIRE_DTYPES = tuple(d for d in packing.WIRE_DTYPES if d != "float64")  # float64: checks only
 STATE_ITEMSIZE = 4  # float32 factors, decompositions and gradients
 
 
@@ -106,44 +105,53 @@ def sgd_step(work, ranks, device, fabric_, precision="float32", forward_backward
     }
 
 
+def decomposition_units(work, config):
+    """Per unit of work an owner takes under `config`, in `placement.owners` order (a
+    symmetric factor for "replicated", a block for "owner"): (its decomposition kernels,
+    the elements of its stored decompositions)."""
+    blocks = work.blocks[config.weight_sharing]
+    kernels = work.decompositions(config.method)
+    elements = work.decomposition_elements(config.method)
+    if config.placement == "owner":
+        return list(zip(kernels, elements))
+    position = lambda b, j: blocks[b].symmetric_factors().index(j)
+    return [([kernels[b][position(b, j)]], [elements[b][position(b, j)]])
+            for b, j in placement_lib.factor_items(blocks)]
+
+
+def by_rank(values, owners, ranks):
+    """Per rank, the concatenation of the lists in `values` it owns."""
+    owned = [[] for _ in range(ranks)]
+    for value, owner in zip(values, owners):
+        owned[owner] += value
+    return owned
+
+
 def kfac_step(work, config, ranks, device, fabric_, precision="float32",
               forward_backward_s=None):
     """{phase: Phase} of a K-FAC step under `config` on `ranks` workers."""
     seconds = lambda kernels, phase: device.seconds(kernels, phase, "float32", ranks)
-    blocks = work.blocks[config.weight_sharing]
-    owners = placement_lib.owners(config.placement, blocks, ranks)
-    decompositions = work.decompositions(config.method)
-    elements = work.decomposition_elements(config.method)
+    owners = placement_lib.owners(config.placement, work.blocks[config.weight_sharing], ranks)
+    kernels, elements = zip(*decomposition_units(work, config))
+    wire = _itemsize(config.decomposition_wire)
     preconditioning = work.preconditioning(config.method)
     parameters = work.managed_parameters()
     clip = floor_model.kl_clip_kernels(sum(parameters))
-
-    if config.placement == "replicated":  # an owner per symmetric factor
-        items = placement_lib.factor_items(blocks)
-        position = lambda b, j: blocks[b].symmetric_factors().index(j)
-        owned = lambda rank: [(b, position(b, j)) for (b, j), o in zip(items, owners)
-                              if o == rank]
-        precondition_s = seconds([k for ks in preconditioning for k in ks] + clip,
-                                 "preconditioning")
-        shared = [_itemsize(config.decomposition_wire) * sum(elements[b][k] for b, k in owned(r))
-                  for r in range(ranks)]
+    if config.placement == "replicated":  # owners decompose, every rank preconditions all
+        shared = [wire * sum(e) for e in by_rank(elements, owners, ranks)]
         sharing = Phase(collectives.allgather(sum(shared), ranks, fabric_),
                         config.decomposition_interval, "decompositions", tuple(shared))
+        precondition_s = seconds([k for ks in preconditioning for k in ks] + clip,
+                                 "preconditioning")
         preconditioned = Phase(0.0)
-    else:  # an owner per block: it decomposes and preconditions the block
-        owned = lambda rank: [(b, k) for b, o in enumerate(owners) if o == rank
-                              for k in range(len(decompositions[b]))]
-        precondition_s = max(seconds([k for b, o in enumerate(owners) if o == r
-                                      for k in preconditioning[b]], "preconditioning")
-                             for r in range(ranks)) + seconds(clip, "preconditioning")
+    else:  # a block's owner decomposes and preconditions it; the results are gathered
         sharing = Phase(0.0, config.decomposition_interval)
-        sent = [_itemsize(config.decomposition_wire)
-                * sum(p for b, p in enumerate(parameters) if owners[b] == r)
-                for r in range(ranks)]
+        precondition_s = max(seconds(ks, "preconditioning")
+                             for ks in by_rank(preconditioning, owners, ranks))
+        precondition_s += seconds(clip, "preconditioning")
+        sent = [wire * sum(p) for p in by_rank([[p] for p in parameters], owners, ranks)]
         preconditioned = Phase(collectives.allgather(sum(sent), ranks, fabric_), 1,
                                "preconditioned", tuple(sent))
-    decomposition_s = max(seconds([decompositions[b][k] for b, k in owned(r)], "decomposition")
-                          for r in range(ranks))
 
     shapes = work.factor_shapes()
     factors = _itemsize(config.factor_wire) * (
@@ -151,15 +159,17 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
         + sum(s[0] for s in shapes if len(s) == 1))
     gradients = STATE_ITEMSIZE * (work.trainable_parameters + work.running_statistics)
     metrics = STATE_ITEMSIZE  # the loss, averaged over ranks for `fit`'s logs
+    statistics = [k for ks in work.statistics(config.weight_sharing) for k in ks]
     return {
         "forward_backward": Phase(_forward_backward(work, device, ranks, precision,
                                                     "forward_backward", forward_backward_s)),
-        "factor_statistics": Phase(seconds([k for ks in work.statistics(config.weight_sharing)
-                                            for k in ks], "factor_statistics"),
+        "factor_statistics": Phase(seconds(statistics, "factor_statistics"),
                                    config.factor_interval),
         "factor_reduction": Phase(_mean(factors, ranks, fabric_, config.factor_wire),
                                   config.factor_interval, "factors", (factors,) * ranks),
-        "decomposition": Phase(decomposition_s, config.decomposition_interval),
+        "decomposition": Phase(max(seconds(ks, "decomposition")
+                                   for ks in by_rank(kernels, owners, ranks)),
+                               config.decomposition_interval),
         "decomposition_sharing": sharing,
         "preconditioning": Phase(precondition_s),
         "preconditioned_sharing": preconditioned,
