@@ -335,6 +335,17 @@ def record_geometries(model, batch_size, weight_sharing="expand"):
     return geometries, attention, skipped
 
 
+def at_batch(geometries, attention, scale):
+    """`record_geometries`' results for a batch `scale` times larger: every row count,
+    recorded input, example count and attention product grows with the batch. Lets a
+    large model be recorded at a small batch (its activations are held in memory)."""
+    fields = {KroneckerGeometry: ("product_rows", "statistics_rows", "patch_input"),
+              EmbeddingGeometry: ("rows",), DiagonalGeometry: ("input_elements", "batch_size")}
+    scaled = {path: dataclasses.replace(g, **{f: getattr(g, f) * scale for f in fields[type(g)]})
+              for path, g in geometries.items()}
+    return scaled, [Kernel(k.kind, k.flops * scale, k.bytes * scale) for k in attention]
+
+
 def model_floor(geometries, attention, trainable_parameters, method, factor_update_freq,
                 decomposition_update_freq, ranks=2, kl_clip=True, itemsize=4):
     """Per phase the kernels of one step and how often they run, and the bytes a job of

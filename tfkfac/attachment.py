@@ -66,12 +66,7 @@ class Attachment:
         self._comm = communicator
         self._captures = None
         self.fresh_only = fresh_only
-        # BatchNorm moving statistics are updated from each rank's own batch: averaged
-        # with the gradients every step so that every rank holds the same model.
-        self._running_statistics = [
-            v for layer in layers
-            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-            for v in (layer.moving_mean, layer.moving_variance)]
+        self._running_statistics = running_statistics(layers)
 
     @property
     def model(self):
@@ -172,6 +167,15 @@ class Attachment:
                      for block_calls, block_grads in zip(calls, output_grads)]
 
         return gradients, Captures(unscaled_calls, weights, ready)
+
+
+def running_statistics(layers):
+    """The variables averaged with the gradients every step besides them: BatchNorm
+    moving statistics, updated from each rank's own batch, so that every rank holds the
+    same model."""
+    return [v for layer in layers
+            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+            for v in (layer.moving_mean, layer.moving_variance)]
 
 
 def _fresh_weights(flags, mean_fresh_count):

@@ -19,6 +19,25 @@ def decomposition_cost(shape):
     return distributed.eigen_cost(shape[-1], int(np.prod(shape[:-2])))
 
 
+def factor_items(blocks):
+    """One work item per symmetric factor: (block index, factor index)."""
+    return [(b, j) for b, block in enumerate(blocks) for j in block.symmetric_factors()]
+
+
+def owners(name, blocks, size):
+    """Owner rank of each unit of work of placement `name` on `size` ranks, as every rank
+    computes it: of each `factor_items(blocks)` item ("replicated"), of each block
+    ("owner"). Public so that a cost model can use the rule the ranks use."""
+    _check_name(name)
+    if name == "replicated":
+        costs = [decomposition_cost(blocks[b].factor_shapes()[j])
+                 for b, j in factor_items(blocks)]
+    else:
+        costs = [sum(decomposition_cost(block.factor_shapes()[j])
+                     for j in block.symmetric_factors()) or 1.0 for block in blocks]
+    return distributed.lpt_assignment(costs, size)
+
+
 class Placement:
     """Shared bookkeeping; subclasses choose the owners and how results travel."""
 
@@ -28,9 +47,7 @@ class Placement:
     def __init__(self, blocks, comm, method, dtype="float32"):
         self.blocks, self.comm, self.method = list(blocks), comm, method
         self.dtype = dtype  # of the decompositions and preconditioned gradients
-        # One work item per symmetric factor: (block index, factor index).
-        self.items = [(b, j) for b, block in enumerate(self.blocks)
-                      for j in block.symmetric_factors()]
+        self.items = factor_items(self.blocks)
 
     def decomposition_shapes(self, item):
         """Shapes of the decomposition of `item`, known to every rank."""
@@ -82,9 +99,7 @@ class Replicated(Placement):
 
     def __init__(self, blocks, comm, method, dtype="float32"):
         super().__init__(blocks, comm, method, dtype)
-        self.owners = distributed.lpt_assignment(
-            [decomposition_cost(self.blocks[b].factor_shapes()[j]) for b, j in self.items],
-            comm.size)
+        self.owners = owners(self.name, self.blocks, comm.size)
 
     def decomposed_items(self):
         return [item for item, owner in zip(self.items, self.owners) if owner == self.comm.rank]
@@ -115,9 +130,7 @@ class Owner(Placement):
 
     def __init__(self, blocks, comm, method, dtype="float32"):
         super().__init__(blocks, comm, method, dtype)
-        costs = [sum(decomposition_cost(block.factor_shapes()[j])
-                     for j in block.symmetric_factors()) or 1.0 for block in self.blocks]
-        self.owners = distributed.lpt_assignment(costs, comm.size)
+        self.owners = owners(self.name, self.blocks, comm.size)
 
     def decomposed_items(self):
         return [(b, j) for b, j in self.items if self.holds_decompositions(b)]
@@ -140,7 +153,10 @@ class Owner(Placement):
 
 def make_placement(name, blocks, comm, method, dtype="float32"):
     """The placement called `name` ("replicated" or "owner")."""
-    kinds = {kind.name: kind for kind in (Replicated, Owner)}
-    if name not in kinds:
+    _check_name(name)
+    return {kind.name: kind for kind in (Replicated, Owner)}[name](blocks, comm, method, dtype)
+
+
+def _check_name(name):
+    if name not in PLACEMENTS:
         raise ValueError(f"`placement` must be one of {PLACEMENTS}; received {name!r}")
-    return kinds[name](blocks, comm, method, dtype)

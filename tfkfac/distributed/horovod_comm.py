@@ -28,6 +28,11 @@ import tensorflow as tf
 from tfkfac.distributed.base import Communicator
 
 
+# dtypes whose mean travels as an allgather of every rank's tensor (see above): a cost
+# model of this communicator counts their "allreduce" as an allgather.
+GATHERED_MEAN_DTYPES = ("bfloat16",)
+
+
 class HorovodCommunicator(Communicator):
     """Collectives over every Horovod rank; calls `hvd.init()` (idempotent)."""
 
@@ -47,7 +52,7 @@ class HorovodCommunicator(Communicator):
         results = [None] * len(tensors)
         for dtype, positions in positions_by_dtype.items():
             group = [tensors[p] for p in positions]
-            if dtype == tf.bfloat16:
+            if dtype.name in GATHERED_MEAN_DTYPES:
                 reduced = self._bfloat16_mean(group)
             else:
                 reduced = self._hvd.grouped_allreduce(

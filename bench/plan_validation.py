@@ -1,0 +1,667 @@
+"""The planner (`python -m trainers.plan`) against measurements: this machine and the papers.
+
+(1) This machine: 1 process vs 2 Horovod ranks, per phase, predicted by the planner's
+    "local" device and "loopback" network against bench/distributed_benchmark.py's
+    phase clocks (K-FAC factors every 5 steps, decompositions every 10, global batch 128).
+    `--measure` first times the 2-rank collectives (loopback.json, the network profile)
+    and runs that benchmark; without it the stored results are used.
+(2) Ueno et al. (KDD'20) Table 1, ResNet-50 on 128 V100s: the predicted effect of
+    symmetric packing, 21-bit factors and stale factors beside the paper's.
+(3) Pauloski et al. (SC'20) Tables IV-VI (K-FAC/SGD per step vs GPUs, factor and
+    eigendecomposition phases, slowest/fastest worker), with their system's rules
+    (kfac_pytorch: full factors and eigenbases allreduced in float32, its layer-wise
+    round-robin); Osawa et al. (CVPR'19) §5: the factors' size (Figure 4) and 1 vs 64 GPUs.
+(4) The LPT saturation on keras.applications.ResNet50 (224x224, 108 factors): the
+    slowest rank's decomposition work against the issue's outside check (4.63x from 16
+    ranks on).
+The papers' figures are quoted with their table or section; the models' inputs are the
+library's (trainers/planning). Writes bench/results/plan_validation.json and .png and
+prints the tables docs/benchmarks.md quotes.
+
+Run (idle machine; `--measure` takes ~5 min, the rest ~1 min):
+  cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/plan_validation.py --measure
+"""
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+import outputs  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("measure", False, "Time the loopback collectives and run the 2-rank "
+                  "K-FAC job before validating.")
+flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where plan_validation.json/.png go.")
+flags.DEFINE_string("worker_out", None, "Internal: run as a loopback-timing rank.")
+
+MEASURED_DIR = os.path.join(outputs.RESULTS_DIR, "plan_validation")
+LOOPBACK_SIZES = [2 ** k for k in range(8, 23, 2)]  # float32 elements: 1 kB to 16 MB
+LOOPBACK_REPEATS = 15
+# (1): bench/distributed_benchmark.py's job.
+LOCAL_MODELS, LOCAL_BATCH, LOCAL_FACTOR, LOCAL_DECOMPOSITION = ("mlp", "cnn"), 128, 5, 10
+# Phases of the K-FAC phase clocks and the planner phases they contain; "rest" is the
+# step minus the clocks (forward/backward, gradient reduction, Keras's train step).
+CLOCKS = {"rest": ("forward_backward", "gradient_reduction"),
+          "factors": ("factor_statistics", "factor_reduction"),
+          "decomposition": ("decomposition", "decomposition_sharing"),
+          "precondition": ("preconditioning", "preconditioned_sharing"),
+          "update": ("update",)}
+
+# (2) Ueno et al. 2020, Table 1 (128 V100s, ResNet-50, 32 per GPU) and §3.2.4.
+UENO = {"gpus": 128, "batch": 32, "sgd_ms": 57.0, "images_per_s_one_gpu": 744.8,
+        "rows_ms": {"distributed inverse": 251.0, "+ symmetric": 199.0, "+ float21": 182.0,
+                    "+ overlap": 221.0, "+ hierarchical": 192.0, "+ stale": 108.0}}
+ABCI_GPUS_PER_NODE = 4  # ABCI compute node: 4 V100s, 2 InfiniBand EDR links
+FLOAT21_BYTES = 8 / 3  # three 21-bit values in 64 bits (Ueno et al. Figure 7)
+OSAWA_STALE_INTERVAL = 20  # Osawa et al. 2019 eq. 20's largest interval
+
+# (3) Pauloski et al. 2020: Table IV (K-FAC-opt's improvement over SGD in time to
+# solution, 55 vs 90 epochs), Table V (ms per K-FAC update), Table VI, §VI-C2 Table III
+# (SGD 178 min for 90 epochs on 64 GPUs at 32 per GPU), §VI-C3 intervals (2000 iterations
+# between eigendecompositions on 16 GPUs, scaled with the batch; factors 10x as often).
+PAULOSKI = {
+    "gpus": (16, 32, 64, 128, 256), "batch": 32,
+    "improvement": (0.209, 0.197, 0.252, 0.235, 0.177), "epochs": (55, 90),
+    "sgd_minutes_64": 178.0, "imagenet_examples": 1281167,
+    "eigen_interval_16": 2000, "factor_per_eigen": 10,
+    "table_v": {16: (36.83, 155.79, 2256.64, 117.28), 32: (43.30, 171.57, 1668.19, 149.60),
+                64: (44.90, 154.63, 1497.96, 142.93)},
+    "table_vi": {32: (1.34, 2.88), 64: (1.55, 6.61)},
+    "parameters_per_worker": {16: (1.46e6, 2.83e7), 64: (1.64e4, 2.26e7)}}
+FRONTERA_GPUS_PER_NODE = 4  # Frontera's GPU nodes: 4 V100s, InfiniBand EDR
+
+# Osawa et al. 2019: Figure 4 (factor data of ResNet-50: 1017 MiB with BatchNorm's full
+# Fisher, 587 MiB with its diagonal), §5.2 (64 GPUs 131.1% faster per iteration than 1).
+OSAWA = {"mib_full_bn": 1017.0, "mib_diagonal_bn": 587.0, "speedup_64": 2.311}
+ISSUE_LPT = {"bound": 4.63, "saturation_ranks": 16}  # issue 28's outside check
+
+
+# --------------------------------------------------------------------- measuring
+def loopback_worker(out_path):
+    """One rank: median seconds of the communicator's allreduce and allgather per size."""
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from tfkfac import distributed
+
+    comm = distributed.get_communicator("horovod")
+    reduce = tf.function(lambda t: comm.grouped_allreduce_mean([t], "gradients")[0])
+    gather = tf.function(lambda t: comm.allgather(t, "allgather"))
+    result = {"ranks": comm.size, "sizes_bytes": [4 * n for n in LOOPBACK_SIZES],
+              "allreduce_s": [], "allgather_s": []}
+    for n in LOOPBACK_SIZES:
+        x = tf.ones([n])
+        for name, function in (("allreduce_s", reduce), ("allgather_s", gather)):
+            function(x).numpy()
+            samples = []
+            for _ in range(LOOPBACK_REPEATS):
+                start = time.perf_counter()
+                function(x).numpy()
+                samples.append(time.perf_counter() - start)
+            result[name].append(statistics.median(samples))
+    if comm.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+def fit_loopback(measured):
+    """Least squares T = a + b·n over the allreduce sizes; on 2 ranks a ring allreduce is 2
+    steps and moves n bytes: ring step latency a/2, bandwidth 1/b."""
+    import numpy as np
+
+    n, t = np.array(measured["sizes_bytes"], float), np.array(measured["allreduce_s"])
+    b, a = np.polyfit(n, t, 1)
+    return {"ring_step_latency": max(a, 0.0) / 2, "bandwidth": 1.0 / b}
+
+
+def measure():
+    from trainers import launch
+
+    env = launch.job_environment()
+    os.makedirs(MEASURED_DIR, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        out = os.path.join(work, "loopback.json")
+        command = launch.horovodrun_command([os.path.abspath(__file__), f"--worker_out={out}"],
+                                            2, env)
+        code, output = launch.run_job(command, 600, env)
+        if code:
+            raise RuntimeError(f"loopback timing failed:\n{output[-3000:]}")
+        with open(out) as f:
+            measured = json.load(f)
+    measured["fit"] = fit_loopback(measured)
+    measured["machine"] = outputs.machine()
+    from trainers.planning import hardware
+
+    with open(hardware.LOOPBACK_JSON, "w") as f:
+        json.dump(measured, f, indent=1)
+    print(f"loopback fit: {measured['fit']}", flush=True)
+    command = [sys.executable, os.path.join(os.path.dirname(__file__), "distributed_benchmark.py"),
+               f"--models={','.join(LOCAL_MODELS)}", f"--global_batch={LOCAL_BATCH}",
+               f"--factor_update_freq={LOCAL_FACTOR}",
+               f"--inv_update_freq={LOCAL_DECOMPOSITION}", "--bytes_configs=",
+               f"--output_dir={MEASURED_DIR}"]
+    code, output = launch.run_job(command, 1200, env)
+    print(output[-3000:], flush=True)
+    if code:
+        raise RuntimeError("bench/distributed_benchmark.py failed")
+
+
+# ------------------------------------------------------------ (1) this machine
+def _per_step(phases):
+    from trainers.planning import step_model
+
+    return {clock: sum(phases[p].per_step for p in parts) for clock, parts in CLOCKS.items()} | {
+        "step": step_model.step_seconds(phases)}
+
+
+def _measured_per_step(phase_seconds, step_seconds, steps):
+    clocks = {name: seconds / steps for name, seconds in phase_seconds.items()}
+    return {"rest": step_seconds - sum(clocks.values()), **clocks, "step": step_seconds}
+
+
+def this_machine():
+    """(1): per model and placement, predicted and measured ms per step per phase."""
+    from trainers.planning import hardware, step_model, workloads
+
+    with open(os.path.join(MEASURED_DIR, "distributed.json")) as f:
+        measured = json.load(f)
+    timed = measured["settings"]["timed_steps"]
+    rows = []
+    for name in LOCAL_MODELS:
+        entry = measured["models"][name]
+        device = hardware.device("local", name)
+        fabric = step_model.fabric(device, hardware.network("loopback"))
+        unit = workloads.workload(workloads.load_model(name), 1, name)
+        one = step_model.kfac_step(unit.at_batch(LOCAL_BATCH), step_model.Configuration(
+            factor_interval=LOCAL_FACTOR, decomposition_interval=LOCAL_DECOMPOSITION), 1,
+            device, fabric)
+        single = entry["single"]
+        rows.append({"model": name, "ranks": 1, "placement": "replicated",
+                     "predicted": _per_step(one),
+                     "measured": _measured_per_step(single["phase_seconds"],
+                                                    single["step_seconds"], timed)})
+        half = unit.at_batch(LOCAL_BATCH // 2)
+        for row in entry["distributed"]:
+            config = step_model.Configuration(
+                placement=row["placement"], factor_interval=LOCAL_FACTOR,
+                decomposition_interval=LOCAL_DECOMPOSITION)
+            two = step_model.kfac_step(half, config, 2, device, fabric)
+            per_rank = [_measured_per_step(p, row["step_seconds"], timed)
+                        for p in row["phase_seconds_per_rank"]]
+            slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+            slowest["rest"] = row["step_seconds"] - sum(
+                slowest[k] for k in CLOCKS if k != "rest")
+            slowest["step"] = row["step_seconds"]
+            rows.append({"model": name, "ranks": 2, "placement": row["placement"],
+                         "predicted": _per_step(two), "measured": slowest,
+                         "bytes_predicted": step_model.payload_per_step(two, 0),
+                         "bytes_measured": row["bytes_per_step_per_rank"][0]})
+    with open(hardware.LOOPBACK_JSON) as f:
+        loopback = json.load(f)
+    fit = hardware.loopback_link()
+    fabric = step_model.fabric(hardware.device("local", "cnn"), hardware.network("loopback"))
+    from trainers.planning import collectives
+
+    gathers = [{"bytes": 2 * n, "measured_s": t,
+                "predicted_s": collectives.allgather(2 * n, 2, fabric)}
+               for n, t in zip(loopback["sizes_bytes"], loopback["allgather_s"])]
+    return {"rows": rows, "loopback_fit": {"ring_step_latency_s": fit.ring_step_latency,
+                                           "bandwidth_bytes_s": fit.bandwidth},
+            "allgather_check": gathers}
+
+
+# ------------------------------------------------------------------- (2) Ueno
+def _replace(phases, **changes):
+    from trainers.planning import step_model
+
+    return {**phases, **{name: step_model.Phase(*value) for name, value in changes.items()}}
+
+
+def ueno(unit):
+    """(2): Table 1's rows as the model predicts them, and each optimization's effect.
+
+    The system: the owner placement (each layer's owner inverts and preconditions it, the
+    preconditioned gradients gathered: Osawa et al.'s design) with the Cholesky inverse;
+    forward/backward from the paper's one-GPU throughput (744.8 images/s at 32, §3.2.4);
+    the factor statistics on tensor cores (Osawa et al. 2019 §3.4). The factor reduction is
+    an allreduce of full float32 factors, then packed triangles, then 21-bit values.
+    ABCI nodes: 4 V100s, two EDR links; the table gives both one link and two.
+    """
+    from trainers.planning import collectives, hardware, step_model
+
+    work = unit.at_batch(UENO["batch"])
+    v100 = hardware.device("v100")
+    gpus = UENO["gpus"]
+    update = v100.seconds(work.update(), "sgd", "mixed")
+    forward_backward = UENO["batch"] / UENO["images_per_s_one_gpu"] - update
+    statistics_mixed = v100.seconds([k for ks in work.statistics("expand") for k in ks],
+                                    "factor_statistics", "mixed")
+    shapes = work.factor_shapes()
+    full = 4 * (sum(s[-1] ** 2 for s in shapes if len(s) >= 2)
+                + sum(s[0] for s in shapes if len(s) == 1))
+    result = {}
+    for links in (1, 2):
+        fabric = step_model.fabric(v100, hardware.network("ib-edr"), ABCI_GPUS_PER_NODE, links)
+
+        def step(factor_bytes, interval=1):
+            config = step_model.Configuration(placement="owner", method="inverse",
+                                              factor_interval=interval,
+                                              decomposition_interval=interval)
+            phases = step_model.kfac_step(work, config, gpus, v100, fabric, "mixed",
+                                          forward_backward)
+            phases = _replace(phases, factor_statistics=(statistics_mixed, interval),
+                              factor_reduction=(collectives.allreduce(factor_bytes, gpus, fabric),
+                                                interval))
+            return {name: phase.per_step * 1e3 for name, phase in phases.items()}
+
+        packed = step_model.kfac_step(work, step_model.Configuration(), gpus, v100, fabric)[
+            "factor_reduction"].payload[0]
+        rows = {"distributed inverse": step(full), "+ symmetric": step(packed),
+                "+ float21": step(packed * FLOAT21_BYTES / 4),
+                "+ stale": step(packed * FLOAT21_BYTES / 4, OSAWA_STALE_INTERVAL)}
+        sgd = step_model.step_seconds(step_model.sgd_step(work, gpus, v100, fabric, "mixed",
+                                                          forward_backward)) * 1e3
+        totals = {name: sum(phases.values()) for name, phases in rows.items()}
+        result[f"{links}_link"] = {
+            "sgd_ms": sgd, "rows_ms": totals, "phases_ms": rows,
+            "effects_ms": {"symmetric": totals["distributed inverse"] - totals["+ symmetric"],
+                           "float21": totals["+ symmetric"] - totals["+ float21"],
+                           "stale": totals["+ float21"] - totals["+ stale"]}}
+    latency, rate = solve_cholesky()
+    result["v100_cholesky_solved"] = {"latency_s": latency, "flops": rate}
+    result["v100_cholesky_profile"] = {"latency_s": hardware.V100_CHOLESKY_LATENCY,
+                                       "flops": hardware.V100_CHOLESKY}
+    paper = UENO["rows_ms"]
+    result["paper"] = {"sgd_ms": UENO["sgd_ms"], "rows_ms": paper, "effects_ms": {
+        "symmetric": paper["distributed inverse"] - paper["+ symmetric"],
+        "float21": paper["+ symmetric"] - paper["+ float21"],
+        "stale": paper["+ hierarchical"] - paper["+ stale"]}}
+    return result
+
+
+# ------------------------------------------------------- (3) Pauloski and Osawa
+def torchvision_order(blocks):
+    """The Kronecker blocks of keras ResNet50 in torchvision's module order: a first
+    bottleneck's projection (keras `_0_conv`, built before `_1_conv`) after `_3_conv`."""
+    from tfkfac.blocks import KroneckerBlock
+
+    ordered, projection = [], None
+    for block in (b for b in blocks if isinstance(b, KroneckerBlock)):
+        if block.path.endswith("_0_conv"):
+            projection = block
+            continue
+        ordered.append(block)
+        if projection is not None and block.path.endswith("_3_conv"):
+            ordered.append(projection)
+            projection = None
+    return ordered
+
+
+def kfac_pytorch_factors(blocks):
+    """[(dim, layer)] of A and G per layer as kfac_pytorch (SC'20) keeps them: torchvision's
+    convolutions have no bias, so A is kh·kw·c_in; the Linear layer's A has the bias row."""
+    from tfkfac.blocks import ConvBlock
+
+    factors = []
+    for layer, block in enumerate(blocks):
+        factors += [(block.in_dim if isinstance(block, ConvBlock) else block.a_dim, layer),
+                    (block.out_dim, layer)]
+    return factors
+
+
+def kfac_pytorch_owners(layers, size):
+    """kfac_pytorch's round-robin (kfac_preconditioner.py, SC'20): ranks cycle over the
+    layers in module order; A and G of a layer on one rank unless there are more ranks
+    than layers, then each factor on the next rank."""
+    distribute = size > layers
+    owners, rank = [], 0
+    for _ in range(layers):
+        a = rank % size
+        rank += 1
+        g = rank % size if distribute else a
+        rank += 1 if distribute else 0
+        owners += [a, g]
+    return owners
+
+
+def _rank_factors(dims, owners, size):
+    """Per rank, the dims of the factors it decomposes."""
+    ranks = [[] for _ in range(size)]
+    for n, owner in zip(dims, owners):
+        ranks[owner].append(n)
+    return ranks
+
+
+def fit_eigh(rank_dims, measured, points=4001):
+    """(latency per call, FLOP/s at 9n³) with which the slowest rank takes `measured[p]`
+    seconds at both worker counts given: for each latency on a grid, the rate that fits
+    the first count; the latency that best fits the second."""
+    (p1, t1), (p2, t2) = sorted(measured.items())
+    flops = lambda ds: sum(9.0 * n ** 3 for n in ds)
+
+    def rate_for(latency):  # the rate at which the first count's slowest rank takes t1
+        return max(flops(ds) / (t1 - len(ds) * latency) for ds in rank_dims[p1] if ds)
+
+    def slowest(p, latency, rate):
+        return max(len(ds) * latency + flops(ds) / rate for ds in rank_dims[p])
+
+    top = t1 / max(len(ds) for ds in rank_dims[p1])
+    latencies = [top * i / points for i in range(points)]
+    latency = min(latencies, key=lambda l: abs(slowest(p2, l, rate_for(l)) - t2))
+    return latency, rate_for(latency)
+
+
+def resnet34_factor_dims():
+    """ResNet-34 as Ueno et al. train it (torchvision's layout: convolutions without bias,
+    1x1 projections, a Linear head with bias): [A, G] per layer."""
+    layers, c_in = [(7, 3, 64)], 64
+    for width, count in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for block in range(count):
+            layers += [(3, c_in, width), (3, width, width)]
+            if block == 0 and c_in != width:
+                layers.append((1, c_in, width))
+            c_in = width
+    return [n for k, i, o in layers for n in (k * k * i, o)] + [512 + 1, 1000]
+
+
+def solve_cholesky():
+    """(latency per call, FLOP/s at n³) from Ueno et al. §3.3.1: ResNet-34's factors
+    inverted in 384 ms on one V100, its largest layer (4608 and 512) in about 36 ms."""
+    import numpy as np
+
+    dims = resnet34_factor_dims()
+    largest = [4608, 512]
+    latency, inverse_rate = np.linalg.solve(
+        [[len(largest), sum(float(n) ** 3 for n in largest)],
+         [len(dims), sum(float(n) ** 3 for n in dims)]], [0.036, 0.384])
+    return float(latency), float(1.0 / inverse_rate)
+
+
+def pauloski(unit):
+    """(3): Tables IV-VI with kfac_pytorch's rules and the model's terms: SGD's step from
+    the paper's own SGD time on 64 GPUs (its forward/backward the same at every scale),
+    K-FAC adding preconditioning every step, the factor phase (statistics at the float32
+    roofline, full factors allreduced) every factor interval and the eigendecompositions
+    (slowest rank under the round-robin, the V100 profile's eigh fitted to Table V on 16
+    and 64 GPUs; all eigenbases allreduced) every eigen interval. Frontera: 4 V100s per
+    node, one EDR link."""
+    from bench import floor_model
+    from trainers.planning import collectives, hardware, step_model
+
+    work = unit.at_batch(PAULOSKI["batch"])
+    v100 = hardware.device("v100")
+    blocks = torchvision_order(work.blocks["expand"])
+    dims = [n for n, _ in kfac_pytorch_factors(blocks)]
+    rank_dims = {p: _rank_factors(dims, kfac_pytorch_owners(len(blocks), p), p)
+                 for p in PAULOSKI["gpus"]}
+    fit = fit_eigh(rank_dims, {p: PAULOSKI["table_v"][p][2] / 1e3 for p in (16, 64)})
+    eigen = {p: [v100.seconds([floor_model.decomposition(n, 1, "eigen") for n in ds],
+                              "decomposition") for ds in ranks if ds]  # ranks with work
+             for p, ranks in rank_dims.items()}
+    elements = {p: [sum(n * n for n in ds) for ds in rank_dims[p]] for p in (16, 64)}
+    statistics_s = v100.seconds([k for ks in work.statistics("expand") for k in ks],
+                                "factor_statistics")
+    factor_bytes = 4 * sum(n * n for n in dims)
+    eigen_bytes = 4 * sum(n * n + n for n in dims)
+    steps_per_epoch = PAULOSKI["imagenet_examples"] / (64 * PAULOSKI["batch"])
+    sgd_64 = PAULOSKI["sgd_minutes_64"] * 60 / (PAULOSKI["epochs"][1] * steps_per_epoch)
+    fabric = step_model.fabric(v100, hardware.network("ib-edr"), FRONTERA_GPUS_PER_NODE, 1)
+    sgd_rest = lambda p: step_model.step_seconds(step_model.sgd_step(
+        work, p, v100, fabric, "float32", 0.0))
+    forward_backward = sgd_64 - sgd_rest(64)
+    precondition = v100.seconds([k for ks in work.preconditioning("eigen") for k in ks]
+                                + floor_model.kl_clip_kernels(sum(work.managed_parameters())),
+                                "preconditioning")
+    rows = []
+    for i, p in enumerate(PAULOSKI["gpus"]):
+        eigen_interval = PAULOSKI["eigen_interval_16"] * 16 / p
+        factor_interval = eigen_interval / PAULOSKI["factor_per_eigen"]
+        factor_comm = collectives.allreduce(factor_bytes, p, fabric)
+        eigen_comm = collectives.allreduce(eigen_bytes, p, fabric)
+        sgd = forward_backward + sgd_rest(p)
+        kfac = (sgd + precondition + (statistics_s + factor_comm) / factor_interval
+                + (max(eigen[p]) + eigen_comm) / eigen_interval)
+        measured = (1 - PAULOSKI["improvement"][i]) * PAULOSKI["epochs"][1] / PAULOSKI["epochs"][0]
+        row = {"gpus": p, "ratio_predicted": kfac / sgd, "ratio_paper": measured,
+               "sgd_ms": sgd * 1e3, "kfac_ms": kfac * 1e3,
+               "factor_ms": {"comp": statistics_s * 1e3, "comm": factor_comm * 1e3},
+               "eigen_ms": {"comp": max(eigen[p]) * 1e3, "comm": eigen_comm * 1e3},
+               "slowest_speedup": max(eigen[16]) / max(eigen[p]),
+               "fastest_speedup": min(eigen[16]) / min(eigen[p])}
+        if p in PAULOSKI["table_v"]:
+            row["table_v_ms"] = dict(zip(("factor_comp", "factor_comm", "eigen_comp",
+                                          "eigen_comm"), PAULOSKI["table_v"][p]))
+        if p in PAULOSKI["table_vi"]:
+            row["table_vi"] = dict(zip(("slowest", "fastest"), PAULOSKI["table_vi"][p]))
+        rows.append(row)
+    return {"rows": rows,
+            "v100_eigh_fit": {"latency_s": fit[0], "flops": fit[1]},
+            "v100_eigh_profile": {"latency_s": hardware.V100_EIGH_LATENCY,
+                                  "flops": hardware.V100_EIGH},
+            "sgd_ms_at_64_paper": sgd_64 * 1e3, "forward_backward_ms": forward_backward * 1e3,
+            "precondition_ms": precondition * 1e3,
+            "parameters_per_worker": {p: {"predicted": (min(e), max(e)),
+                                          "paper": PAULOSKI["parameters_per_worker"][p]}
+                                      for p, e in elements.items()}}
+
+
+def osawa(unit):
+    """(3): Figure 4's factor data and §5.2's 1 vs 64 GPUs with the owner placement."""
+    from trainers.planning import hardware, step_model
+
+    work = unit.at_batch(UENO["batch"])
+    shapes = work.factor_shapes()
+    kronecker = 4 * sum(s[-1] ** 2 for s in shapes if len(s) >= 2)
+    diagonal = [s[0] for s in shapes if len(s) == 1]
+    mib = lambda b: b / 2 ** 20
+    v100 = hardware.device("v100")
+    fabric = step_model.fabric(v100, hardware.network("ib-edr"), ABCI_GPUS_PER_NODE, 1)
+    config = step_model.Configuration(placement="owner", method="inverse")
+    forward_backward = UENO["batch"] / UENO["images_per_s_one_gpu"]
+    times = {p: step_model.step_seconds(step_model.kfac_step(
+        work, dataclasses.replace(config, decomposition_interval=1), p, v100, fabric, "mixed",
+        forward_backward)) for p in (1, 64)}
+    return {"mib_diagonal_bn": {"predicted": mib(kronecker + 4 * sum(diagonal)),
+                                "paper": OSAWA["mib_diagonal_bn"]},
+            "mib_full_bn": {"predicted": mib(kronecker + 4 * sum(n * n for n in diagonal)),
+                            "paper": OSAWA["mib_full_bn"]},
+            "speedup_64": {"predicted": times[1] / times[64], "paper": OSAWA["speedup_64"],
+                           "step_ms": {p: t * 1e3 for p, t in times.items()}}}
+
+
+# ------------------------------------------------------------------- (4) LPT
+def lpt_saturation(unit):
+    """(4): the slowest rank's decomposition work (cost n³ per factor, the library's owners)
+    against the total, per rank count; kfac_pytorch's round-robin beside it."""
+    from tfkfac import placement
+    from trainers.planning.recommend import slowest_rank
+
+    blocks = unit.blocks["expand"]
+    costs = [placement.decomposition_cost(blocks[b].factor_shapes()[j])
+             for b, j in placement.factor_items(blocks)]
+    total = sum(costs)
+    torch_blocks = torchvision_order(blocks)
+    torch_costs = [float(n) ** 3 for n, _ in kfac_pytorch_factors(torch_blocks)]
+    rows = []
+    for p in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        slowest = slowest_rank(costs, placement.owners("replicated", blocks, p), p)
+        robin = slowest_rank(torch_costs, kfac_pytorch_owners(len(torch_blocks), p), p)
+        rows.append({"ranks": p, "speedup": total / slowest,
+                     "round_robin_speedup": sum(torch_costs) / robin})
+    saturated = next(p for p in range(1, 1025) if slowest_rank(
+        costs, placement.owners("replicated", blocks, p), p) <= max(costs))
+    return {"factors": len(costs), "largest": max(b.factor_shapes()[j][-1] for b in blocks
+                                                  for j in b.symmetric_factors()),
+            "bound": total / max(costs), "saturation_ranks": saturated, "rows": rows,
+            "issue": ISSUE_LPT}
+
+
+# ------------------------------------------------------------------- output
+def _error(predicted, measured):
+    return f"{(predicted - measured) / measured:+.0%}" if measured else "n/a"
+
+
+def print_tables(report):
+    if "this_machine" in report:
+        local = report["this_machine"]
+        fit = local["loopback_fit"]
+        print(f"\n(1) this machine; loopback fit: ring step {fit['ring_step_latency_s'] * 1e6:.0f} "
+              f"us, {fit['bandwidth_bytes_s'] / 1e9:.2f} GB/s")
+        print("| model | ranks | placement | " + " | ".join(CLOCKS) + " | step |")
+        print("| --- " * (4 + len(CLOCKS)) + "|")
+        for row in local["rows"]:
+            cells = [f"{row['predicted'][k] * 1e3:.2f} / {row['measured'][k] * 1e3:.2f} "
+                     f"({_error(row['predicted'][k], row['measured'][k])})"
+                     for k in list(CLOCKS) + ["step"]]
+            print(f"| {row['model']} | {row['ranks']} | {row['placement']} | "
+                  + " | ".join(cells) + " |")
+    u = report["ueno"]
+    print("\n(2) Ueno et al. Table 1, 128 V100s (ms per step: paper | predicted 1 link | 2 links)")
+    print("| row | paper | 1 link | 2 links |\n| --- | --- | --- | --- |")
+    print(f"| SGD | {u['paper']['sgd_ms']:.0f} | {u['1_link']['sgd_ms']:.1f} | "
+          f"{u['2_link']['sgd_ms']:.1f} |")
+    for name, paper in u["paper"]["rows_ms"].items():
+        predicted = [u[f"{n}_link"]["rows_ms"].get(name) for n in (1, 2)]
+        cells = " | ".join("not modelled" if v is None else f"{v:.1f}" for v in predicted)
+        print(f"| {name} | {paper:.0f} | {cells} |")
+    print("| effect | paper | 1 link | 2 links |\n| --- | --- | --- | --- |")
+    for name, paper in u["paper"]["effects_ms"].items():
+        one, two = (u[f"{n}_link"]["effects_ms"][name] for n in (1, 2))
+        print(f"| {name} | {paper:.0f} | {one:.1f} ({_error(one, paper)}) | "
+              f"{two:.1f} ({_error(two, paper)}) |")
+    pa = report["pauloski"]
+    fit, profile = pa["v100_eigh_fit"], pa["v100_eigh_profile"]
+    solved, cholesky = u["v100_cholesky_solved"], u["v100_cholesky_profile"]
+    print(f"\n(3) Pauloski et al.; V100 eigh fitted to Table V (16, 64 GPUs): "
+          f"{fit['latency_s'] * 1e3:.1f} ms + 9n³ at {fit['flops'] / 1e12:.3f} TFLOP/s "
+          f"(profile {profile['latency_s'] * 1e3:.1f} ms, {profile['flops'] / 1e12:.3f}); "
+          f"Cholesky solved from Ueno §3.3.1: {solved['latency_s'] * 1e3:.2f} ms + n³ at "
+          f"{solved['flops'] / 1e12:.2f} TFLOP/s (profile {cholesky['latency_s'] * 1e3:.2f}, "
+          f"{cholesky['flops'] / 1e12:.2f}); SGD at 64 GPUs {pa['sgd_ms_at_64_paper']:.1f} ms")
+    print("| GPUs | K-FAC/SGD paper | predicted | factor comp+comm paper / pred. ms | "
+          "eigen comp paper / pred. | eigen comm paper / pred. | slowest worker speed-up "
+          "paper / pred. | fastest paper / pred. |")
+    print("| --- " * 8 + "|")
+    for row in pa["rows"]:
+        v, vi = row.get("table_v_ms"), row.get("table_vi")
+        factor = row["factor_ms"]["comp"] + row["factor_ms"]["comm"]
+        pair = lambda paper, predicted, digits: (
+            f"{'-' if paper is None else f'{paper:.{digits}f}'} / {predicted:.{digits}f}")
+        cells = [f"{row['ratio_paper']:.3f}",
+                 f"{row['ratio_predicted']:.3f} "
+                 f"({_error(row['ratio_predicted'], row['ratio_paper'])})",
+                 pair(v and v["factor_comp"] + v["factor_comm"], factor, 0),
+                 pair(v and v["eigen_comp"], row["eigen_ms"]["comp"], 0),
+                 pair(v and v["eigen_comm"], row["eigen_ms"]["comm"], 0),
+                 pair(vi and vi["slowest"], row["slowest_speedup"], 2),
+                 pair(vi and vi["fastest"], row["fastest_speedup"], 2)]
+        print(f"| {row['gpus']} | " + " | ".join(cells) + " |")
+    for p, entry in pa["parameters_per_worker"].items():
+        print(f"factor elements per worker on {p} GPUs (min, max): paper {entry['paper']}, "
+              f"predicted ({entry['predicted'][0]:.3g}, {entry['predicted'][1]:.3g})")
+    o = report["osawa"]
+    for name, entry in o.items():
+        print(f"Osawa {name}: paper {entry['paper']}, predicted {entry['predicted']:.3f} "
+              f"({_error(entry['predicted'], entry['paper'])})")
+    lpt = report["lpt"]
+    print(f"\n(4) LPT on keras ResNet50: {lpt['factors']} factors, largest {lpt['largest']}; "
+          f"bound {lpt['bound']:.3f}x, reached from {lpt['saturation_ranks']} ranks on "
+          f"(issue: {lpt['issue']['bound']}x from {lpt['issue']['saturation_ranks']})")
+    print("| ranks | " + " | ".join(str(r["ranks"]) for r in lpt["rows"]) + " |")
+    print("| --- " * (1 + len(lpt["rows"])) + "|")
+    print("| LPT speed-up | " + " | ".join(f"{r['speedup']:.2f}" for r in lpt["rows"]) + " |")
+    print("| round-robin | " + " | ".join(f"{r['round_robin_speedup']:.2f}"
+                                          for r in lpt["rows"]) + " |")
+
+
+def plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(2, 2, figsize=(13, 9))
+    if "this_machine" in report:
+        axis = axes[0][0]
+        rows = report["this_machine"]["rows"]
+        labels = [f"{r['model']}\n{r['ranks']}r {r['placement'][:5]}" for r in rows]
+        for j, kind in enumerate(("predicted", "measured")):
+            bottom = [0.0] * len(rows)
+            for k, clock in enumerate(CLOCKS):
+                values = [r[kind][clock] * 1e3 for r in rows]
+                axis.bar([i + (j - 0.5) * 0.38 for i in range(len(rows))], values, 0.36,
+                         bottom=bottom, color=f"C{k}", hatch="//" if j == 0 else None,
+                         label=clock if j == 1 else None)
+                bottom = [b + v for b, v in zip(bottom, values)]
+        axis.set_xticks(range(len(rows)), labels, fontsize=7)
+        axis.set_ylabel("ms per step")
+        axis.set_title("(1) this machine: predicted (hatched) | measured", fontsize=9)
+        axis.legend(fontsize=7)
+    axis = axes[0][1]
+    u = report["ueno"]
+    names = list(u["paper"]["effects_ms"])
+    for j, (label, source) in enumerate((("paper", u["paper"]), ("1 link", u["1_link"]),
+                                          ("2 links", u["2_link"]))):
+        axis.bar([i + (j - 1) * 0.27 for i in range(len(names))],
+                 [source["effects_ms"][n] for n in names], 0.26, label=label)
+    axis.set_xticks(range(len(names)), names)
+    axis.set_ylabel("ms saved per step")
+    axis.set_title("(2) Ueno et al. Table 1: effect of each optimization, 128 V100s",
+                   fontsize=9)
+    axis.legend(fontsize=8)
+    axis = axes[1][0]
+    rows = report["pauloski"]["rows"]
+    gpus = [r["gpus"] for r in rows]
+    axis.plot(gpus, [r["ratio_paper"] for r in rows], "o-", label="K-FAC/SGD paper (Table IV)")
+    axis.plot(gpus, [r["ratio_predicted"] for r in rows], "s--", label="predicted")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("GPUs")
+    axis.set_title("(3) Pauloski et al.: K-FAC/SGD per step", fontsize=9)
+    axis.legend(fontsize=8)
+    axis = axes[1][1]
+    lpt = report["lpt"]
+    ranks = [r["ranks"] for r in lpt["rows"]]
+    axis.plot(ranks, [r["speedup"] for r in lpt["rows"]], "o-", label="LPT (tfkfac)")
+    axis.plot(ranks, [r["round_robin_speedup"] for r in lpt["rows"]], "s--",
+              label="round-robin (kfac_pytorch)")
+    axis.axhline(lpt["bound"], color="0.5", lw=0.8, label=f"bound {lpt['bound']:.2f}x")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("ranks")
+    axis.set_ylabel("decomposition speed-up (slowest rank)")
+    axis.set_title("(4) keras ResNet50: slowest rank's decomposition work", fontsize=9)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv):
+    del argv
+    if FLAGS.worker_out:
+        loopback_worker(FLAGS.worker_out)
+        return
+    if FLAGS.measure:
+        measure()
+    from trainers.planning import workloads
+
+    report = {"machine": outputs.machine()}
+    if os.path.isfile(os.path.join(MEASURED_DIR, "distributed.json")):
+        report["this_machine"] = this_machine()
+    resnet50 = workloads.workload(workloads.load_model("resnet50"), 1, "resnet50")
+    report.update(ueno=ueno(resnet50), pauloski=pauloski(resnet50), osawa=osawa(resnet50),
+                  lpt=lpt_saturation(resnet50))
+    print_tables(report)
+    outputs.write(report, FLAGS.output_dir, "plan_validation", plot)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,7 @@
+"""The planner behind `python -m trainers.plan`: predicted step times of SGD and K-FAC
+for a model on a cluster that has not been rented yet (docs/planner.md).
+
+`hardware` holds the device and network profiles, `collectives` the α-β times of the
+collectives, `step_model` the phases of a step from the library's own geometry,
+packing and owner assignment, `report` the table, JSON and plot.
+"""

@@ -1,0 +1,95 @@
+"""Time of a collective on p ranks: the α-β model as NCCL's tuner states it.
+
+A collective of n bytes costs a base latency, a latency per step of its algorithm, and
+its bytes over the bus bandwidth (Thakur et al. 2005; NCCL src/graph/tuning.cc, whose
+per-step latencies the network profiles quote). With several workers per node a ring
+crosses the network 2(nodes - 1) times and NVLink the rest; a tree has log2(nodes)
+network levels. The bus bandwidth of a job spanning nodes is the node's network links;
+within one node it is the intra-node link. Allreduce takes the faster of ring and tree,
+as NCCL does; the other collectives are rings.
+
+    ring allreduce    2(p-1) steps,        2(p-1)/p · n / B
+    tree allreduce    2·log2(nodes) levels, 2 n / B  (pipelined double binary tree)
+    allgather         p-1 steps,            (p-1)/p · N / B   (N: all ranks' bytes)
+    reduce-scatter    p-1 steps,            (p-1)/p · n / B
+    broadcast         one pipelined chain,  n / B
+"""
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A class of link: bandwidth (bytes/s, one direction) and latencies (s)."""
+
+    bandwidth: float
+    ring_step_latency: float
+    tree_level_latency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Fabric:
+    """Where p ranks run: `ranks_per_node` share one node's `links_per_node` network links."""
+
+    network: Link
+    intra_node: Link
+    ranks_per_node: int = 1
+    links_per_node: int = 1
+    base_latency: float = 0.0
+
+    def nodes(self, ranks):
+        return math.ceil(ranks / self.ranks_per_node)
+
+    def bandwidth(self, ranks):
+        if self.nodes(ranks) == 1:
+            return self.intra_node.bandwidth
+        return self.network.bandwidth * self.links_per_node
+
+    def _steps_latency(self, steps, network_steps):
+        return (self.base_latency + network_steps * self.network.ring_step_latency
+                + (steps - network_steps) * self.intra_node.ring_step_latency)
+
+
+def ring_allreduce(n, ranks, fabric):
+    if ranks == 1:
+        return 0.0
+    nodes = fabric.nodes(ranks)
+    latency = fabric._steps_latency(2 * (ranks - 1), 2 * (nodes - 1))
+    return latency + 2.0 * (ranks - 1) / ranks * n / fabric.bandwidth(ranks)
+
+
+def tree_allreduce(n, ranks, fabric):
+    if ranks == 1:
+        return 0.0
+    nodes = fabric.nodes(ranks)
+    per_node = min(ranks, fabric.ranks_per_node)
+    latency = 2.0 * ((per_node - 1) * fabric.intra_node.tree_level_latency
+                     + math.ceil(math.log2(nodes)) * fabric.network.tree_level_latency)
+    return fabric.base_latency + latency + 2.0 * n / fabric.bandwidth(ranks)
+
+
+def allreduce(n, ranks, fabric):
+    """The faster of ring and tree for `n` bytes on every rank."""
+    return min(ring_allreduce(n, ranks, fabric), tree_allreduce(n, ranks, fabric))
+
+
+def allgather(total, ranks, fabric):
+    """`total` bytes over all ranks (each rank's piece may differ) reach every rank."""
+    if ranks == 1:
+        return 0.0
+    latency = fabric._steps_latency(ranks - 1, fabric.nodes(ranks) - 1)
+    return latency + (ranks - 1) / ranks * total / fabric.bandwidth(ranks)
+
+
+def reduce_scatter(n, ranks, fabric):
+    """`n` bytes on every rank, summed, each rank keeping 1/p of the result."""
+    return allgather(n, ranks, fabric)
+
+
+def broadcast(n, ranks, fabric):
+    """`n` bytes from one rank to all, pipelined along a chain."""
+    if ranks == 1:
+        return 0.0
+    network_steps = 1 if fabric.nodes(ranks) > 1 else 0
+    return fabric._steps_latency(1, network_steps) + n / fabric.bandwidth(ranks)

@@ -1,0 +1,257 @@
+"""Device and network profiles: what a phase's kernels cost, and what a byte costs.
+
+A phase's time is its floor (bench/floor_model.py: products and elementwise work at the
+roofline, decompositions at an effective rate) divided by the fraction of the floor a
+real step achieves. Every number is either measured on this machine by the project's
+benchmarks or published, and each profile names its sources (docs/planner.md):
+
+- "local": this machine. Rates from bench/results/step_floor.json (matmul, bandwidth,
+  LAPACK eigh and Cholesky inverse, measured by bench/linalg_benchmark.py's `rates()`);
+  fractions per phase from the same run's measured phases against their floors (the
+  planned model's own row when step_floor measured it, else the median of its models);
+  ranks on this machine share its cores. Collectives: bench/results/loopback.json
+  (2-rank Gloo allreduce timed by bench/plan_validation.py).
+- "v100", "a100", "h100": NVIDIA datasheet peaks; the forward/backward fraction from
+  NVIDIA's published single-GPU ResNet-50 training throughput (DeepLearningExamples);
+  K-FAC's own phases (a few large float32 GEMMs, streaming updates) at their roofline,
+  a lower bound that the validation measures; decomposition rates from the papers' own
+  measurements on V100 (Pauloski et al. 2020 Table V for eigh, Ueno et al. 2020 §3.3.1
+  for the Cholesky inverse), scaled to A100/H100 by memory bandwidth (eigh) and FP32 peak
+  (Cholesky). H100 takes A100's fractions: no published TensorFlow ResNet-50 figure was
+  at hand. These assumptions are listed in every output.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+
+from bench import floor_model
+from trainers.planning import collectives, workloads
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "bench", "results")
+STEP_FLOOR_JSON = os.path.join(RESULTS_DIR, "step_floor.json")
+LOOPBACK_JSON = os.path.join(RESULTS_DIR, "loopback.json")
+# Phases whose time is a fraction of their floor; "sgd" is SGD's forward/backward + update.
+PHASES = ("sgd", "forward_backward", "factor_statistics", "decomposition", "preconditioning",
+          "update")
+# bench/step_floor.py's phase names for the same work.
+STEP_FLOOR_PHASES = {"forward_backward": "forward_backward", "factor_statistics": "factors",
+                     "decomposition": "decomposition", "preconditioning": "precondition",
+                     "update": "update"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """A worker's rates (FLOP/s per precision of the forward/backward, bytes/s, LAPACK-
+    style decomposition FLOP/s at the floor's nominal counts) and the fraction of its floor
+    each phase achieves. `cores`: ranks on this machine share it (the local profile)."""
+
+    name: str
+    matmul: dict
+    bandwidth: float
+    eigh: float
+    cholesky_inverse: float
+    fractions: dict
+    intra_node: collectives.Link
+    sources: tuple
+    cores: int = 0
+    decomposition_latency: dict = dataclasses.field(default_factory=dict)
+
+    def seconds(self, kernels, phase, precision="float32", ranks=1):
+        """Time of `kernels` in `phase` on one of `ranks` workers; a decomposition call
+        also costs its latency (`decomposition_latency` by kind)."""
+        share = 1.0 / ranks if self.cores else 1.0
+        rates = {"matmul": self.matmul[precision] * share, "bandwidth": self.bandwidth * share,
+                 "eigh": self.eigh * share, "cholesky_inverse": self.cholesky_inverse * share}
+        latency = sum(self.decomposition_latency.get(k.kind, 0.0) for k in kernels)
+        return (floor_model.floor_seconds(kernels, rates) / self.fractions[phase][precision]
+                + latency)
+
+    def max_ranks(self):
+        return self.cores or None
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """A network link class and the base latency of a collective over it."""
+
+    name: str
+    link: collectives.Link
+    sources: tuple
+    base_latency: float = 0.0
+
+
+# NCCL's tuner (NVIDIA/nccl src/graph/tuning.cc at 01afd20a, Simple protocol): latency of
+# one ring step and one tree level over the network and over NVLink, and a collective's
+# base latency.
+NCCL_SOURCE = "NCCL src/graph/tuning.cc (01afd20a), Simple protocol latencies"
+NCCL_BASE_LATENCY = 8.4e-6
+NET_RING_STEP, NET_TREE_LEVEL = 9.6e-6, 50e-6
+NVLINK_RING_STEP, NVLINK_TREE_LEVEL = 3.4e-6, 28e-6
+
+
+def _nccl_network(name, bandwidth, source):
+    return Network(name, collectives.Link(bandwidth, NET_RING_STEP, NET_TREE_LEVEL),
+                   (source, NCCL_SOURCE), NCCL_BASE_LATENCY)
+
+
+IBTA = "(InfiniBand Trade Association roadmap)"
+NETWORKS = {net.name: net for net in (
+    _nccl_network("ib-edr", 12.5e9, f"InfiniBand EDR 4x: 100 Gb/s per direction {IBTA}"),
+    _nccl_network("ib-hdr", 25e9, f"InfiniBand HDR 4x: 200 Gb/s per direction {IBTA}"),
+    _nccl_network("ib-ndr", 50e9, f"InfiniBand NDR 4x: 400 Gb/s per direction {IBTA}"),
+    _nccl_network("eth-10g", 1.25e9, "10 Gb/s Ethernet (IEEE 802.3ae); the TCP stack's own "
+                  "latency is not modelled"),
+    _nccl_network("eth-100g", 12.5e9, "100 Gb/s Ethernet (IEEE 802.3ba); the TCP stack's own "
+                  "latency is not modelled"),
+)}
+
+
+def network(name):
+    if name == "loopback":
+        return Network("loopback", loopback_link(), (f"measured: {LOOPBACK_JSON}",))
+    if name not in NETWORKS:
+        raise ValueError(f"network must be one of {', '.join(network_names())}; got {name!r}")
+    return NETWORKS[name]
+
+
+def network_names():
+    return sorted(NETWORKS) + ["loopback"]
+
+
+# --------------------------------------------------------------------------- GPUs
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet peaks; `reference`: {precision: (batch, images/s)} of ResNet-50 training
+    on one GPU, from which the achieved fraction of the floor is taken."""
+
+    matmul: dict
+    fp32: float
+    bandwidth: float
+    nvlink: float
+    reference: dict
+    sources: tuple
+
+
+V100_EIGH_SOURCE = (
+    "eigh: 99.4 ms per call + 9n³ at 0.688 TFLOP/s, fitted to Pauloski et al. SC'20 Table V "
+    "(ResNet-50, slowest worker's eigendecompositions on 16 and 64 V100s: 2256.64 and "
+    "1497.96 ms under kfac_pytorch's round-robin; PyTorch 1.1's symeig); "
+    "bench/plan_validation.py fits it and checks 32 GPUs and Table VI")
+V100_CHOLESKY_SOURCE = (
+    "Cholesky inverse: 2.38 ms per call + n³ at 3.14 TFLOP/s, solved from Ueno et al. "
+    "KDD'20 §3.3.1 (ResNet-34 on one V100: all factors 384 ms, its largest layer, factors "
+    "4608 and 512, about 36 ms); bench/plan_validation.py solves it")
+NVIDIA_RESNET50 = ("forward/backward fraction: NVIDIA DeepLearningExamples TensorFlow "
+                   "ResNet-50 v1.5 README (1d4211fe), one GPU, XLA")
+# bench/plan_validation.py derives these four from the papers' figures and prints them.
+V100_EIGH, V100_EIGH_LATENCY = 0.688e12, 99.4e-3
+V100_CHOLESKY, V100_CHOLESKY_LATENCY = 3.14e12, 2.38e-3
+V100 = GpuSpec(
+    matmul={"float32": 15.7e12, "mixed": 125e12}, fp32=15.7e12, bandwidth=900e9, nvlink=150e9,
+    reference={"float32": (128, 412.0), "mixed": (256, 1270.0)},
+    sources=("NVIDIA Tesla V100 SXM2 datasheet: FP32 15.7 TFLOP/s, tensor 125 TFLOP/s, "
+             "HBM2 900 GB/s, NVLink 300 GB/s both directions",
+             NVIDIA_RESNET50 + ": V100 16 GB FP32 412 img/s at batch 128, AMP 1270 img/s at "
+             "batch 256", V100_EIGH_SOURCE, V100_CHOLESKY_SOURCE))
+A100 = GpuSpec(
+    matmul={"float32": 156e12, "mixed": 312e12}, fp32=19.5e12, bandwidth=1555e9, nvlink=300e9,
+    reference={"float32": (256, 909.0), "mixed": (256, 2375.0)},
+    sources=("NVIDIA A100 SXM4 40 GB datasheet: TF32 156 TFLOP/s (TensorFlow's float32 "
+             "matmuls), FP32 19.5, FP16/BF16 312, HBM2 1555 GB/s, NVLink 600 GB/s",
+             NVIDIA_RESNET50 + ": A100 40 GB TF32 909 img/s, AMP 2375 img/s at batch 256",
+             "decompositions: V100's rates scaled by memory bandwidth (eigh) and FP32 peak "
+             "(Cholesky), V100's latencies per call: an assumption, no A100 measurement at "
+             "hand"))
+H100 = GpuSpec(
+    matmul={"float32": 494.7e12, "mixed": 989.4e12}, fp32=66.9e12, bandwidth=3350e9,
+    nvlink=450e9, reference=A100.reference,
+    sources=("NVIDIA H100 SXM5 datasheet: TF32 989 and BF16 1979 TFLOP/s with sparsity "
+             "(half dense), FP32 67 TFLOP/s, HBM3 3.35 TB/s, NVLink 900 GB/s",
+             "forward/backward fraction: A100's (an assumption: no published TensorFlow "
+             "ResNet-50 figure for H100 at hand)",
+             "decompositions: V100's rates scaled by memory bandwidth (eigh) and FP32 peak "
+             "(Cholesky), V100's latencies per call: an assumption"))
+GPUS = {"v100": V100, "a100": A100, "h100": H100}
+
+
+def device_names():
+    return sorted(GPUS) + ["local"]
+
+
+def device(name, model_name=None):
+    """The profile `name`; the local one is calibrated on `model_name` when step_floor
+    measured it."""
+    if name == "local":
+        return _local(model_name)
+    if name not in GPUS:
+        raise ValueError(f"device must be one of {', '.join(device_names())}; got {name!r}")
+    spec = GPUS[name]
+    fractions = _gpu_fractions(spec.matmul["float32"], spec.matmul["mixed"], spec.bandwidth,
+                               tuple(sorted((p, r) for p, r in spec.reference.items())))
+    return Device(
+        name=name, matmul=dict(spec.matmul), bandwidth=spec.bandwidth,
+        eigh=V100_EIGH * spec.bandwidth / V100.bandwidth,
+        cholesky_inverse=V100_CHOLESKY * spec.fp32 / V100.fp32,
+        fractions={phase: (dict(fractions) if phase in ("sgd", "forward_backward")
+                           else {"float32": 1.0, "mixed": 1.0}) for phase in PHASES},
+        intra_node=collectives.Link(spec.nvlink, NVLINK_RING_STEP, NVLINK_TREE_LEVEL),
+        sources=spec.sources + (NCCL_SOURCE,),
+        decomposition_latency={"eigh": V100_EIGH_LATENCY,
+                               "cholesky_inverse": V100_CHOLESKY_LATENCY})
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_fractions(float32_rate, mixed_rate, bandwidth, reference):
+    """{precision: floor / measured} of ResNet-50's SGD step at the reference throughput."""
+    fractions = {}
+    for precision, (batch, images_per_second) in reference:
+        work = workloads.named("resnet50").at_batch(batch)
+        rate = {"float32": float32_rate, "mixed": mixed_rate}[precision]
+        floor = floor_model.floor_seconds(
+            work.forward_backward(precision) + work.update(),
+            {"matmul": rate, "bandwidth": bandwidth})
+        fractions[precision] = floor / (batch / images_per_second)
+    return fractions
+
+
+# ---------------------------------------------------------------- this machine
+def _read(path, how):
+    if not os.path.isfile(path):
+        raise ValueError(f"device/network 'local'/'loopback' needs {path}: {how}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def loopback_link():
+    """Collectives between ranks on this machine, measured (bench/plan_validation.py)."""
+    fit = _read(LOOPBACK_JSON, "run bench/plan_validation.py --measure")["fit"]
+    return collectives.Link(fit["bandwidth"], fit["ring_step_latency"], fit["ring_step_latency"])
+
+
+def _local(model_name):
+    report = _read(STEP_FLOOR_JSON, "run bench/step_floor.py")
+    measured = report["models"]
+    rows = [measured[model_name]] if model_name in measured else list(measured.values())
+    ratios = {"sgd": [row["sgd"]["step"]["floor_s"] / row["sgd"]["step"]["measured_s"]
+                      for row in rows]}
+    for phase, name in STEP_FLOOR_PHASES.items():
+        ratios[phase] = [method["phases"][name]["floor_s_per_step"]
+                         / method["phases"][name]["measured_s_per_step"]
+                         for row in rows for method in row["methods"].values()]
+    fraction = {phase: statistics.median(values) for phase, values in ratios.items()}
+    rates = report["rates"]
+    calibrated_on = model_name if model_name in measured else "median of " + ", ".join(measured)
+    return Device(
+        name="local", matmul={"float32": rates["matmul"], "mixed": rates["matmul"]},
+        bandwidth=rates["bandwidth"], eigh=rates["eigh"],
+        cholesky_inverse=rates["cholesky_inverse"],
+        fractions={phase: {"float32": f, "mixed": f} for phase, f in fraction.items()},
+        intra_node=loopback_link() if os.path.isfile(LOOPBACK_JSON) else None,
+        sources=(f"rates and phase fractions: {STEP_FLOOR_JSON} (library "
+                 f"{report.get('library_commit')}, fractions of {calibrated_on})",
+                 f"collectives: {LOOPBACK_JSON}"),
+        cores=report["machine"]["cpus"])

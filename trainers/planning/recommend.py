@@ -1,0 +1,111 @@
+"""Every configuration at every worker count, ranked; and the one-factor bound.
+
+The recommendation is the configuration with the lowest predicted time per step at each
+worker count, and, given steps to target for SGD and K-FAC, the worker count and
+optimizer with the lowest time to target. Only time is modelled: a configuration that
+changes the approximation (wire dtypes, intervals, the reduce rule, the inverse method)
+may change the steps to target, which the user's estimates must account for; the fastest
+configuration with the library's default approximation is reported beside it.
+"""
+
+import itertools
+
+from tfkfac import placement as placement_lib
+from tfkfac.distributed import assignment
+from trainers.planning import step_model
+
+# What a remedy for the one-factor bound assumes (docs/planner.md): the largest factors'
+# decompositions split over this many ranks at this parallel efficiency (a distributed
+# eigensolver), or refreshed this many times less often than the others.
+SPLIT_RANKS, SPLIT_EFFICIENCY, REFRESH_EVERY = 4, 0.5, 4
+
+
+def grid(placements, factor_wires, decomposition_wires, factor_intervals,
+         decomposition_intervals, weight_sharing, methods):
+    return [step_model.Configuration(*values) for values in itertools.product(
+        placements, factor_wires, decomposition_wires, factor_intervals,
+        decomposition_intervals, weight_sharing, methods)]
+
+
+def same_approximation(config):
+    """Whether `config` computes what the library's defaults compute (up to staleness)."""
+    defaults = step_model.LIBRARY_DEFAULTS
+    return (config.factor_wire, config.decomposition_wire, config.weight_sharing,
+            config.method) == (defaults.factor_wire, defaults.decomposition_wire,
+                               defaults.weight_sharing, defaults.method)
+
+
+def evaluate(work, configs, workers, device, fabric, precision, forward_backward_s=None,
+             sgd_steps=None, kfac_steps=None):
+    """Per worker count: SGD's phases, every configuration's step time, the fastest and the
+    fastest with the default approximation, and times to target when steps are given."""
+    results = []
+    for i, ranks in enumerate(workers):
+        sgd = step_model.sgd_step(work, ranks, device, fabric, precision, forward_backward_s)
+        steps = {config: step_model.kfac_step(work, config, ranks, device, fabric, precision,
+                                              forward_backward_s) for config in configs}
+        times = {config: step_model.step_seconds(phases) for config, phases in steps.items()}
+        best = min(configs, key=times.get)
+        exact = [c for c in configs if same_approximation(c)]
+        entry = {"workers": ranks, "global_batch": ranks * work.batch, "sgd": sgd,
+                 "sgd_step_s": step_model.step_seconds(sgd), "times": times, "best": best,
+                 "best_phases": steps[best],
+                 "best_default_approximation": min(exact, key=times.get) if exact else None}
+        if entry["best_default_approximation"] is not None:
+            entry["best_default_phases"] = steps[entry["best_default_approximation"]]
+        if step_model.LIBRARY_DEFAULTS in steps:
+            entry["library_defaults_phases"] = steps[step_model.LIBRARY_DEFAULTS]
+        if sgd_steps and kfac_steps:
+            entry["sgd_time_to_target_s"] = sgd_steps[i] * entry["sgd_step_s"]
+            entry["kfac_time_to_target_s"] = kfac_steps[i] * times[best]
+        results.append(entry)
+    return results
+
+
+def fastest_to_target(results):
+    """(workers, optimizer, seconds) with the lowest time to target, or None."""
+    options = [(entry["workers"], name, entry[f"{name}_time_to_target_s"])
+               for entry in results if "sgd_time_to_target_s" in entry
+               for name in ("sgd", "kfac")]
+    return min(options, key=lambda option: option[2]) if options else None
+
+
+# ------------------------------------------------------------ one-factor bound
+def slowest_rank(seconds, owners, ranks):
+    """The largest per-rank sum of `seconds` under `owners`."""
+    return max(map(sum, step_model.by_rank([[s] for s in seconds], owners, ranks)))
+
+
+def one_factor_bound(work, config, workers, device):
+    """The decomposition phase on the slowest rank (seconds per decomposition step) at each
+    worker count with the library's owners (LPT on n³), the speed-up bound total / largest
+    unit, and three remedies the library does not implement:
+    - timed: LPT on the device's time per unit (a decomposition call's latency included),
+      where the library's n³ costs let many small factors pile up on one rank;
+    - split (on top of timed): each unit above the mean load decomposed by SPLIT_RANKS
+      ranks at SPLIT_EFFICIENCY (a distributed eigensolver);
+    - refresh (on top of timed): those units decomposed every REFRESH_EVERY decomposition
+      intervals, amortized over them (Osawa et al. 2019: A factors change slowly)."""
+    units = [kernels for kernels, _ in step_model.decomposition_units(work, config)]
+    blocks = work.blocks[config.weight_sharing]
+    one = [device.seconds(unit, "decomposition") for unit in units]
+    rows = []
+    for ranks in workers:
+        seconds = [device.seconds(unit, "decomposition", ranks=ranks) for unit in units]
+        base = slowest_rank(seconds, placement_lib.owners(config.placement, blocks, ranks),
+                            ranks)
+        timed_owners = assignment.lpt_assignment(seconds, ranks)
+        timed = slowest_rank(seconds, timed_owners, ranks)
+        big = [s > sum(seconds) / ranks for s in seconds]
+        split = [s for s, b in zip(seconds, big) if not b] + [
+            s / (SPLIT_RANKS * SPLIT_EFFICIENCY) for s, b in zip(seconds, big) if b
+            for _ in range(SPLIT_RANKS)]
+        rest = [0.0 if b else s for s, b in zip(seconds, big)]
+        rows.append({
+            "workers": ranks, "slowest_rank_s": base, "speedup": sum(seconds) / base,
+            "timed_s": timed,
+            "split_s": slowest_rank(split, assignment.lpt_assignment(split, ranks), ranks),
+            "refresh_s": (timed + (REFRESH_EVERY - 1) * slowest_rank(rest, timed_owners, ranks))
+            / REFRESH_EVERY})
+    return {"total_s": sum(one), "largest_s": max(one), "bound": sum(one) / max(one),
+            "rows": rows}

@@ -1,0 +1,175 @@
+"""The plan as a table on stdout, a JSON document and a PNG."""
+
+import json
+import os
+
+from trainers.planning import recommend, step_model
+
+LABELS = {"forward_backward": "forward/backward", "factor_statistics": "factor statistics",
+          "factor_reduction": "factor reduction", "decomposition": "decompositions (slowest)",
+          "decomposition_sharing": "decomposition sharing",
+          "preconditioning": "preconditioning", "preconditioned_sharing": "precond. sharing",
+          "gradient_reduction": "gradient reduction", "update": "update"}
+
+
+def _columns(entry):
+    """(heading, Configuration or None for SGD, phases) of the table's columns."""
+    columns = [("SGD", None, entry["sgd"]), ("K-FAC fastest", entry["best"],
+                                             entry["best_phases"])]
+    if entry["best_default_approximation"] is not None:
+        columns.append(("K-FAC default approx.", entry["best_default_approximation"],
+                        entry["best_default_phases"]))
+    if "library_defaults_phases" in entry:
+        columns.append(("K-FAC defaults", step_model.LIBRARY_DEFAULTS,
+                        entry["library_defaults_phases"]))
+    return columns
+
+
+def table(setting, results, bound):
+    """The per-phase table of every worker count and the recommendation, as text."""
+    lines = [f"{setting['model']}: {setting['batch']} examples per worker, "
+             f"{setting['trainable_parameters']:,} parameters; device {setting['device']} "
+             f"({setting['precision']}), network {setting['network']}, "
+             f"{setting['ranks_per_node']} worker(s) and {setting['links_per_node']} "
+             f"link(s) per node; {setting['configurations']} K-FAC configurations",
+             "Times are per step, amortized over each configuration's intervals."]
+    for entry in results:
+        columns = _columns(entry)
+        lines.append("")
+        lines.append(f"{entry['workers']} worker(s), global batch {entry['global_batch']}")
+        lines.append(f"  {'ms per step':32s}"
+                     + "".join(f"{heading:>23s}" for heading, _, _ in columns))
+        for phase in step_model.PHASES:
+            values = [phases[phase].per_step * 1e3 if phase in phases else None
+                      for _, _, phases in columns]
+            lines.append(f"  {LABELS[phase]:32s}" + "".join(
+                f"{v:23.2f}" if v is not None else f"{'-':>23s}" for v in values))
+        steps = [step_model.step_seconds(phases) for _, _, phases in columns]
+        lines.append(f"  {'step':32s}" + "".join(f"{s * 1e3:23.2f}" for s in steps))
+        lines.append(f"  {'x SGD':32s}" + "".join(f"{s / steps[0]:23.2f}" for s in steps))
+        for heading, config, _ in columns[1:]:
+            lines.append(f"  {heading}: {config.label()}")
+        if "sgd_time_to_target_s" in entry:
+            lines.append(f"  time to target: SGD {entry['sgd_time_to_target_s']:.0f} s, "
+                         f"K-FAC fastest {entry['kfac_time_to_target_s']:.0f} s")
+    lines += ["", recommendation(results), bound_text(bound)]
+    return "\n".join(lines)
+
+
+def recommendation(results):
+    lines = ["Recommendation (lowest predicted time per step; the approximation's effect on "
+             "steps to target is not modelled):"]
+    for entry in results:
+        best, time = entry["best"], entry["times"][entry["best"]]
+        text = (f"  {entry['workers']:5d} workers: {best.label()}: {time * 1e3:.1f} ms/step, "
+                f"{time / entry['sgd_step_s']:.2f}x SGD")
+        exact = entry["best_default_approximation"]
+        if exact is not None and exact != best:
+            text += (f"; default approximation: {exact.label()}: "
+                     f"{entry['times'][exact] * 1e3:.1f} ms, "
+                     f"{entry['times'][exact] / entry['sgd_step_s']:.2f}x")
+        lines.append(text)
+    fastest = recommend.fastest_to_target(results)
+    if fastest is not None:
+        workers, name, seconds = fastest
+        lines.append(f"  fastest to target: {'K-FAC' if name == 'kfac' else 'SGD'} on "
+                     f"{workers} workers, {seconds:.0f} s")
+    return "\n".join(lines)
+
+
+def bound_text(bound):
+    config = bound["configuration"]
+    lines = [f"One-factor bound ({config.label()}): decompositions take "
+             f"{bound['total_s'] * 1e3:.1f} ms on one worker, the largest unit "
+             f"{bound['largest_s'] * 1e3:.1f} ms: no worker count speeds them up more than "
+             f"{bound['bound']:.2f}x.",
+             f"  {'workers':>8s} {'slowest rank ms':>16s} {'speed-up':>9s} {'timed ms':>9s} "
+             f"{'split ms':>9s} {'refresh ms':>11s}   (per decomposition step)"]
+    for row in bound["rows"]:
+        lines.append(f"  {row['workers']:8d} {row['slowest_rank_s'] * 1e3:16.1f} "
+                     f"{row['speedup']:9.2f} {row['timed_s'] * 1e3:9.1f} "
+                     f"{row['split_s'] * 1e3:9.1f} {row['refresh_s'] * 1e3:11.1f}")
+    lines.append("  timed: owners by LPT on the device's time per decomposition (latency "
+                 "included) instead of n³; on top of it, split: units above the mean load "
+                 f"decomposed by {recommend.SPLIT_RANKS} ranks at "
+                 f"{recommend.SPLIT_EFFICIENCY:.0%} efficiency; refresh: those units every "
+                 f"{recommend.REFRESH_EVERY} decomposition intervals (amortized). None is in "
+                 "the library.")
+    return "\n".join(lines)
+
+
+def _phases_json(phases):
+    return {name: {"ms_per_occurrence": phase.seconds * 1e3, "every": phase.every,
+                   "ms_per_step": phase.per_step * 1e3, "category": phase.category,
+                   "payload_bytes_per_rank": list(phase.payload)}
+            for name, phase in phases.items()}
+
+
+def to_json(setting, results, bound, sources):
+    entries = []
+    for entry in results:
+        item = {"workers": entry["workers"], "global_batch": entry["global_batch"],
+                "sgd_ms": entry["sgd_step_s"] * 1e3, "sgd_phases": _phases_json(entry["sgd"]),
+                "best": entry["best"].label(), "best_phases": _phases_json(entry["best_phases"]),
+                "kfac_ms": {c.label(): t * 1e3 for c, t in entry["times"].items()}}
+        if entry["best_default_approximation"] is not None:
+            item["best_default_approximation"] = entry["best_default_approximation"].label()
+        for key in ("sgd_time_to_target_s", "kfac_time_to_target_s"):
+            if key in entry:
+                item[key] = entry[key]
+        entries.append(item)
+    return {"setting": setting, "sources": list(sources), "results": entries,
+            "one_factor_bound": {**{k: v for k, v in bound.items() if k != "configuration"},
+                                 "configuration": bound["configuration"].label()}}
+
+
+def write(document, results, bound, output_dir):
+    """plan.json and plan.png in `output_dir`; returns their paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    json_path, png_path = (os.path.join(output_dir, f"plan.{ext}") for ext in ("json", "png"))
+    with open(json_path, "w") as f:
+        json.dump(document, f, indent=1)
+    plot(document["setting"], results, bound, png_path)
+    return json_path, png_path
+
+
+def plot(setting, results, bound, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    positions = range(len(results))
+    for offset, (name, key) in ((-0.2, ("SGD", "sgd")), (0.2, ("K-FAC fastest", "best_phases"))):
+        bottom = [0.0] * len(results)
+        for k, phase in enumerate(step_model.PHASES):
+            values = [entry[key][phase].per_step * 1e3 if phase in entry[key] else 0.0
+                      for entry in results]
+            left.bar([p + offset for p in positions], values, 0.38, bottom=bottom,
+                     color=f"C{k}", label=step_model.PHASES[k] if offset > 0 else None,
+                     hatch="//" if offset < 0 else None)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    left.set_xticks(list(positions), [str(entry["workers"]) for entry in results])
+    left.set_xlabel("workers (hatched: SGD; plain: fastest K-FAC configuration)")
+    left.set_ylabel("ms per step (amortized)")
+    left.legend(fontsize=7)
+    workers = [entry["workers"] for entry in results]
+    right.plot(workers, [entry["times"][entry["best"]] / entry["sgd_step_s"] for entry in results],
+               "o-", label="K-FAC fastest / SGD")
+    right.plot(workers, [entry["times"][step_model.LIBRARY_DEFAULTS] / entry["sgd_step_s"]
+                         if step_model.LIBRARY_DEFAULTS in entry["times"] else float("nan")
+                         for entry in results], "s--", label="K-FAC library defaults / SGD")
+    right.plot([row["workers"] for row in bound["rows"]],
+               [row["speedup"] for row in bound["rows"]], "^:",
+               label="decomposition speed-up (slowest rank)")
+    right.axhline(bound["bound"], color="0.5", lw=0.8,
+                  label=f"one-factor bound {bound['bound']:.2f}x")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("workers")
+    right.legend(fontsize=8)
+    figure.suptitle(f"{setting['model']}, {setting['batch']} per worker, {setting['device']} "
+                    f"({setting['precision']}), {setting['network']}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,201 @@
+"""The phases of an SGD and a K-FAC step on p workers, and what each costs.
+
+Per phase: its time on the slowest rank when it runs, how often it runs (factor phases
+every factor interval, decomposition phases every decomposition interval, the rest every
+step), and for collectives the bytes each rank hands to the communicator (its counters'
+unit: the test checks them against a real 2-rank job). The work is the library's:
+`Workload`'s kernels, `packing.packed_size` for the factor buffer, `placement.owners`
+for who decomposes and who preconditions, the Horovod communicator's bfloat16 mean as an
+allgather (`horovod_comm.GATHERED_MEAN_DTYPES`). What is not modelled: overlap of
+communication with computation, Horovod's negotiation, input pipelines.
+"""
+
+import dataclasses
+
+from tfkfac import placement as placement_lib
+from tfkfac.config import KFACConfig
+from tfkfac.distributed import packing
+from tfkfac.distributed.horovod_comm import GATHERED_MEAN_DTYPES
+from bench import floor_model
+from trainers.planning import collectives
+
+PHASES = ("forward_backward", "factor_statistics", "factor_reduction", "decomposition",
+          "decomposition_sharing", "preconditioning", "preconditioned_sharing",
+          "gradient_reduction", "update")
+# The methods whose costs differ; "eigen_adam" costs what "eigen" does (the same
+# decompositions and two rotations) plus elementwise work the model leaves out.
+METHODS = ("eigen", "inverse")
+PLACEMENTS = placement_lib.PLACEMENTS
+WIRE_DTYPES = tuple(d for d in packing.WIRE_DTYPES if d != "float64")  # float64: checks only
+STATE_ITEMSIZE = 4  # float32 factors, decompositions and gradients
+
+
+_LIBRARY = KFACConfig()  # the library's defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """The K-FAC settings the planner compares (tfkfac.KFAC's arguments of the same
+    meaning: placement, factor_wire_dtype, decomposition_wire_dtype, factor_update_freq,
+    the decomposition interval, weight_sharing, method)."""
+
+    placement: str = _LIBRARY.placement
+    factor_wire: str = _LIBRARY.factor_wire_dtype
+    decomposition_wire: str = _LIBRARY.decomposition_wire_dtype
+    factor_interval: int = _LIBRARY.factor_update_freq
+    decomposition_interval: int = _LIBRARY.decomposition_update_freq
+    weight_sharing: str = _LIBRARY.weight_sharing
+    method: str = _LIBRARY.method
+
+    def label(self):
+        return (f"{self.placement} {self.factor_wire}/{self.decomposition_wire} "
+                f"f={self.factor_interval} d={self.decomposition_interval} "
+                f"{self.weight_sharing} {self.method}")
+
+
+LIBRARY_DEFAULTS = Configuration()
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """`seconds` on the slowest rank each time the phase runs, every `every` steps;
+    `payload`: bytes each rank hands to the communicator's `category` counter each time."""
+
+    seconds: float
+    every: int = 1
+    category: str = None
+    payload: tuple = ()
+
+    @property
+    def per_step(self):
+        return self.seconds / self.every
+
+
+def fabric(device, network, ranks_per_node=1, links_per_node=1):
+    """Where the ranks run; ranks sharing the local machine never leave it."""
+    if device.cores:
+        if device.intra_node is None:
+            raise ValueError("device local: collectives between its ranks need "
+                             "bench/results/loopback.json (bench/plan_validation.py --measure)")
+        return collectives.Fabric(device.intra_node, device.intra_node, device.cores, 1)
+    return collectives.Fabric(network.link, device.intra_node, ranks_per_node, links_per_node,
+                              network.base_latency)
+
+
+def _itemsize(wire):
+    return packing.wire_dtype(wire).size
+
+
+def _mean(payload, ranks, fabric_, wire="float32"):
+    """Time of the communicator's mean of `payload` bytes per rank."""
+    if wire in GATHERED_MEAN_DTYPES:
+        return collectives.allgather(payload * ranks, ranks, fabric_)
+    return collectives.allreduce(payload, ranks, fabric_)
+
+
+def _forward_backward(work, device, ranks, precision, phase, measured):
+    if measured is not None:
+        return measured
+    return device.seconds(work.forward_backward(precision), phase, precision, ranks)
+
+
+def sgd_step(work, ranks, device, fabric_, precision="float32", forward_backward_s=None):
+    """{phase: Phase} of data-parallel SGD with momentum (gradients: one grouped allreduce)."""
+    gradients = STATE_ITEMSIZE * work.trainable_parameters
+    return {
+        "forward_backward": Phase(_forward_backward(work, device, ranks, precision, "sgd",
+                                                    forward_backward_s)),
+        "gradient_reduction": Phase(_mean(gradients, ranks, fabric_), 1, "gradients",
+                                    (gradients,) * ranks),
+        "update": Phase(device.seconds(work.update(), "sgd", "float32", ranks)),
+    }
+
+
+def decomposition_units(work, config):
+    """Per unit of work an owner takes under `config`, in `placement.owners` order (a
+    symmetric factor for "replicated", a block for "owner"): (its decomposition kernels,
+    the elements of its stored decompositions)."""
+    blocks = work.blocks[config.weight_sharing]
+    kernels = work.decompositions(config.method)
+    elements = work.decomposition_elements(config.method)
+    if config.placement == "owner":
+        return list(zip(kernels, elements))
+    position = lambda b, j: blocks[b].symmetric_factors().index(j)
+    return [([kernels[b][position(b, j)]], [elements[b][position(b, j)]])
+            for b, j in placement_lib.factor_items(blocks)]
+
+
+def by_rank(values, owners, ranks):
+    """Per rank, the concatenation of the lists in `values` it owns."""
+    owned = [[] for _ in range(ranks)]
+    for value, owner in zip(values, owners):
+        owned[owner] += value
+    return owned
+
+
+def kfac_step(work, config, ranks, device, fabric_, precision="float32",
+              forward_backward_s=None):
+    """{phase: Phase} of a K-FAC step under `config` on `ranks` workers."""
+    seconds = lambda kernels, phase: device.seconds(kernels, phase, "float32", ranks)
+    owners = placement_lib.owners(config.placement, work.blocks[config.weight_sharing], ranks)
+    kernels, elements = zip(*decomposition_units(work, config))
+    wire = _itemsize(config.decomposition_wire)
+    preconditioning = work.preconditioning(config.method)
+    parameters = work.managed_parameters()
+    clip = floor_model.kl_clip_kernels(sum(parameters))
+    if config.placement == "replicated":  # owners decompose, every rank preconditions all
+        shared = [wire * sum(e) for e in by_rank(elements, owners, ranks)]
+        sharing = Phase(collectives.allgather(sum(shared), ranks, fabric_),
+                        config.decomposition_interval, "decompositions", tuple(shared))
+        precondition_s = seconds([k for ks in preconditioning for k in ks] + clip,
+                                 "preconditioning")
+        preconditioned = Phase(0.0)
+    else:  # a block's owner decomposes and preconditions it; the results are gathered
+        sharing = Phase(0.0, config.decomposition_interval)
+        precondition_s = max(seconds(ks, "preconditioning")
+                             for ks in by_rank(preconditioning, owners, ranks))
+        precondition_s += seconds(clip, "preconditioning")
+        sent = [wire * sum(p) for p in by_rank([[p] for p in parameters], owners, ranks)]
+        preconditioned = Phase(collectives.allgather(sum(sent), ranks, fabric_), 1,
+                               "preconditioned", tuple(sent))
+
+    shapes = work.factor_shapes()
+    factors = _itemsize(config.factor_wire) * (
+        packing.packed_size([s for s in shapes if len(s) >= 2])
+        + sum(s[0] for s in shapes if len(s) == 1))
+    gradients = STATE_ITEMSIZE * (work.trainable_parameters + work.running_statistics)
+    metrics = STATE_ITEMSIZE  # the loss, averaged over ranks for `fit`'s logs
+    statistics = [k for ks in work.statistics(config.weight_sharing) for k in ks]
+    return {
+        "forward_backward": Phase(_forward_backward(work, device, ranks, precision,
+                                                    "forward_backward", forward_backward_s)),
+        "factor_statistics": Phase(seconds(statistics, "factor_statistics"),
+                                   config.factor_interval),
+        "factor_reduction": Phase(_mean(factors, ranks, fabric_, config.factor_wire),
+                                  config.factor_interval, "factors", (factors,) * ranks),
+        "decomposition": Phase(max(seconds(ks, "decomposition")
+                                   for ks in by_rank(kernels, owners, ranks)),
+                               config.decomposition_interval),
+        "decomposition_sharing": sharing,
+        "preconditioning": Phase(precondition_s),
+        "preconditioned_sharing": preconditioned,
+        "gradient_reduction": Phase(_mean(gradients, ranks, fabric_)
+                                    + _mean(metrics, ranks, fabric_), 1, "gradients",
+                                    (gradients,) * ranks),
+        "update": Phase(seconds(work.update(), "update")),
+    }
+
+
+def step_seconds(phases):
+    """Time per step, amortized over the intervals."""
+    return sum(phase.per_step for phase in phases.values())
+
+
+def payload_per_step(phases, rank):
+    """{category: bytes rank `rank` hands to the communicator per step, amortized}."""
+    totals = {}
+    for phase in phases.values():
+        if phase.category and phase.payload:
+            totals[phase.category] = totals.get(phase.category, 0.0) + (
+                phase.payload[rank] / phase.every)
+    return totals

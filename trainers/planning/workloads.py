@@ -1,0 +1,148 @@
+"""What one worker computes in a step, from the real model: the library's blocks and
+bench/floor_model.py's kernels, grouped by phase.
+
+A model is one of the trainer's models, a `keras.applications` name or a saved `.keras`
+file. Its geometry is recorded once at a small batch (the recorder holds every managed
+layer's activations) and scaled to the worker's batch (`floor_model.at_batch`); the
+blocks are `tfkfac.blocks.discover`'s, so the factor shapes, packing and owners below
+are the optimizer's own.
+"""
+
+import dataclasses
+import functools
+import math
+import os
+
+import keras
+
+from bench import floor_model
+from pipelines import idx_dataset
+from tfkfac import KFACConfig, blocks as blocks_lib, keras_integration
+from tfkfac.attachment import running_statistics
+from trainers import models
+
+WEIGHT_SHARING = blocks_lib.WEIGHT_SHARING
+PRECISIONS = {"float32": 4, "mixed": 2}  # itemsize of the forward/backward's activations
+# The trainer's default dataset (Fashion-MNIST) for its models; ImageNet for applications.
+TRAINER_INPUT, TRAINER_CLASSES = (idx_dataset.IMAGE_SIZE, idx_dataset.IMAGE_SIZE, 1), 10
+APPLICATION_INPUT, APPLICATION_CLASSES = (224, 224, 3), 1000
+RECORDING_BATCH = 1
+
+
+def application_names():
+    """{lowercase name: constructor} of the `keras.applications` models."""
+    return {name.lower(): builder for name, builder in vars(keras.applications).items()
+            if callable(builder) and name[:1].isupper()}
+
+
+def model_names():
+    return sorted(models.MODEL_NAMES) + sorted(application_names())
+
+
+def load_model(name, input_shape=None, classes=None):
+    """The Keras model `name`: a trainer model, a `keras.applications` name (untrained)
+    or the path of a saved `.keras` file. Raises ValueError naming the allowed values."""
+    if name.endswith(".keras"):
+        if not os.path.isfile(name):
+            raise ValueError(f"model: no saved model at {name!r}")
+        return keras.saving.load_model(name, compile=False)
+    if name in models.MODEL_NAMES:
+        return models.build_model(name, input_shape or TRAINER_INPUT, classes or TRAINER_CLASSES)
+    applications = application_names()
+    if name.lower() in applications:
+        return applications[name.lower()](weights=None,
+                                          input_shape=input_shape or APPLICATION_INPUT,
+                                          classes=classes or APPLICATION_CLASSES)
+    raise ValueError(f"model must be a path ending in .keras or one of {', '.join(model_names())}; "
+                     f"got {name!r}")
+
+
+@dataclasses.dataclass
+class Workload:
+    """One worker's step of `name` at `batch` examples.
+
+    geometries[rule]: {block path: floor_model geometry} under weight-sharing `rule`;
+    blocks[rule]: the library's blocks in the same order; attention: MultiHeadAttention's
+    weightless products; skipped: layers on the plain gradient (their forward products are
+    not counted); running_statistics: elements averaged with the gradients by K-FAC.
+    """
+
+    name: str
+    batch: int
+    geometries: dict
+    blocks: dict
+    attention: list
+    trainable_parameters: int
+    running_statistics: int
+    skipped: list
+
+    def at_batch(self, batch):
+        """This workload at `batch` examples per worker (a multiple of this one's)."""
+        if batch % self.batch:
+            raise ValueError(f"batch {batch} is not a multiple of {self.batch}")
+        scaled = {rule: floor_model.at_batch(g, self.attention, batch // self.batch)
+                  for rule, g in self.geometries.items()}
+        return dataclasses.replace(
+            self, batch=batch, geometries={rule: g for rule, (g, _) in scaled.items()},
+            attention=scaled["expand"][1])
+
+    def forward_backward(self, precision):
+        itemsize = PRECISIONS[precision]
+        kernels = [k for g in self.geometries["expand"].values()
+                   for k in g.forward_kernels(itemsize)]
+        return kernels + [floor_model.Kernel(k.kind, k.flops, k.bytes * itemsize / 4)
+                          for k in self.attention]
+
+    def update(self):
+        return floor_model.update_kernels(self.trainable_parameters)
+
+    def statistics(self, rule):
+        """Per block, its factor statistics' kernels under weight-sharing `rule`."""
+        return [g.statistics_kernels() for g in self.geometries[rule].values()]
+
+    def decompositions(self, method):
+        """Per block, one kernel per symmetric factor (in `symmetric_factors()` order)."""
+        return [g.decomposition_kernels(method) for g in self.geometries["expand"].values()]
+
+    def decomposition_elements(self, method):
+        """Per block, the elements of each symmetric factor's stored decomposition."""
+        return [g.decomposition_elements(method) for g in self.geometries["expand"].values()]
+
+    def preconditioning(self, method):
+        """Per block, its preconditioning kernels."""
+        return [g.precondition_kernels(method) for g in self.geometries["expand"].values()]
+
+    def managed_parameters(self):
+        """Per block, the parameters it preconditions."""
+        return [g.parameters for g in self.geometries["expand"].values()]
+
+    def factor_shapes(self):
+        return [s for g in self.geometries["expand"].values() for s in g.factor_shapes()]
+
+
+@functools.lru_cache(maxsize=None)
+def named(name, input_shape=None, classes=None):
+    """The `Workload` of model `name` (as `load_model` builds it) at one example, once per
+    process: the planner and the GPU profiles' ResNet-50 reference share it."""
+    return workload(load_model(name, input_shape, classes), RECORDING_BATCH, name)
+
+
+def workload(model, batch, name):
+    """The `Workload` of `model` at `batch` examples per worker."""
+    layers = keras_integration.leaf_layers(model)
+    geometries, blocks, attention, skipped = {}, {}, None, None
+    for rule in WEIGHT_SHARING:
+        try:
+            geometries[rule], attention, skipped = floor_model.record_geometries(
+                model, RECORDING_BATCH, rule)
+        except NotImplementedError as error:
+            raise ValueError(f"model {name}: the planner has no count for a layer: {error}") \
+                from error
+        blocks[rule], _ = blocks_lib.discover(layers, KFACConfig(weight_sharing=rule))
+    unit = Workload(
+        name=name, batch=RECORDING_BATCH, geometries=geometries, blocks=blocks,
+        attention=attention,
+        trainable_parameters=sum(math.prod(v.shape) for v in model.trainable_variables),
+        running_statistics=sum(math.prod(v.shape) for v in running_statistics(layers.values())),
+        skipped=skipped)
+    return unit.at_batch(batch)
