@@ -11,11 +11,15 @@ baseline's shuffle and repeats batches in place.
 """
 
 import dataclasses
+import inspect
+import types
 
 import tensorflow as tf
 
 from pipelines import augment, counters, echoing, seeds, sources
-from pipelines.validation import check_number
+from pipelines.validation import (MAX_ECHO_FACTOR, MAX_READ_LATENCY, MAX_SEED,
+                                  MAX_SHUFFLE_BUFFER, check_bool, check_int, check_number,
+                                  check_one_of, check_path)
 
 ECHO_MODES = ("none", "example_before_augment", "example_after_augment", "batch")
 _SHUFFLE_SALT, _ECHO_SALT, _AUGMENT_SALT, _MIXUP_SALT = range(4)
@@ -47,11 +51,11 @@ class Augmentation:
     running_mixup: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.crop_padding, int) or self.crop_padding < 0:
-            raise ValueError(f"`crop_padding` must be an int >= 0; received "
-                             f"{self.crop_padding!r}")
+        check_int("crop_padding", self.crop_padding, low=0)
+        check_bool("flip", self.flip)
         check_number("erasing_probability", self.erasing_probability, 0, 1)
         check_number("mixup_alpha", self.mixup_alpha, low=0)
+        check_bool("running_mixup", self.running_mixup)
         if self.running_mixup and not self.mixup_alpha > 0:
             raise ValueError("running_mixup needs mixup_alpha > 0, "
                              f"got mixup_alpha={self.mixup_alpha!r}")
@@ -78,15 +82,18 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
       source: dataset name or `tf.data.Dataset` (see `pipelines.sources.load`).
       batch_size: examples per batch (per rank when sharded).
       echo_mode: one of `ECHO_MODES`.
-      echo_factor: echo factor e >= 1, fractional allowed (see `pipelines.echo`).
-      shuffle_buffer: examples in the one shuffle buffer; 0 turns shuffling off.
-      augmentation: an `Augmentation`.
+      echo_factor: echo factor e in [1, 100], fractional allowed (see `pipelines.echo`).
+      shuffle_buffer: examples in the one shuffle buffer, up to 10^7; 0 turns
+        shuffling off.
+      augmentation: an `Augmentation`; its crop padding at most the images' shorter
+        side.
       seed, epoch, num_epochs: the data of epochs `epoch .. epoch + num_epochs - 1`
-        (None: endless, for `fit(steps_per_epoch=...)`).
+        (None: endless, for `fit(steps_per_epoch=...)`); seed in [0, 2^32 - 1].
       num_shards, shard_index: this rank's shard (`hvd.size()`, `hvd.rank()`).
       dtype: image dtype, e.g. from `pipelines.set_precision`.
       cache: keep decoded examples in memory after the first pass.
-      read_latency: seconds of simulated storage latency per example (benchmarks).
+      read_latency: seconds of simulated storage latency per example (benchmarks),
+        at most 1.
       drop_remainder: drop a last short batch (running mixup needs it).
       skip_batches: start this many batches into the stream (every random choice is
         still made for them, so the rest is exactly what an unskipped stream yields
@@ -106,16 +113,10 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
       >>> model.fit(dataset, callbacks=[EchoCountersCallback(counters)])
       >>> counters.result()  # trained: 937 batches x 128 = 119936; fresh: about 60000
     """
-    _check_args(batch_size, echo_mode, echo_factor, shuffle_buffer, augmentation,
-                num_classes, epoch, num_epochs, dtype, drop_remainder)
-    check_number("read_latency", read_latency, low=0)
-    _check_moments(mean, stddev)
-    if not isinstance(skip_batches, int) or skip_batches < 0:
-        raise ValueError(f"`skip_batches` must be an int >= 0; received {skip_batches!r}")
-    if not isinstance(fresh_flags, bool):
-        raise ValueError(f"`fresh_flags` must be True or False; received {fresh_flags!r}")
+    check_arguments(**{name: value for name, value in locals().items() if name != "source"})
     examples = sources.load(source, split, data_dir, num_shards=num_shards,
                             shard_index=shard_index, idx_dir=idx_dir)
+    check_crop_padding(augmentation.crop_padding, examples.element_spec["image"].shape)
     examples = (examples.apply(sources.simulate_read_latency(read_latency))
                 .map(_decoder(num_classes, mean, stddev), num_parallel_calls=tf.data.AUTOTUNE))
     if cache:
@@ -153,29 +154,69 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
     return echo_counters.count(batches, fresh_flags), echo_counters
 
 
-def _check_args(batch_size, echo_mode, echo_factor, shuffle_buffer, augmentation,
-                num_classes, epoch, num_epochs, dtype, drop_remainder):
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if echo_mode not in ECHO_MODES:
-        raise ValueError(f"echo_mode must be one of {', '.join(ECHO_MODES)}; got {echo_mode!r}")
-    check_number("echo_factor", echo_factor, low=1)
-    if echo_mode == "none" and echo_factor != 1:
-        raise ValueError(f"echo_factor={echo_factor!r} needs an echo_mode other than 'none'")
-    if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
-        raise ValueError(f"shuffle_buffer must be an int >= 0, got {shuffle_buffer!r}")
+def check_arguments(image_shape=None, **arguments):
+    """Raises ValueError naming the first of `build`'s keyword `arguments` (its defaults
+    stand for those not given) of a wrong type, out of its range or inconsistent with
+    another, before anything is built. `image_shape` (H, W, C), when known, also bounds
+    the crop padding.
+
+    The trainer calls it with its flags' values, so a bad flag is refused with the
+    same words before any model is built.
+    """
+    bound = inspect.signature(build).bind_partial(None, **arguments)
+    bound.apply_defaults()
+    args = types.SimpleNamespace(**bound.arguments)
+    check_int("batch_size", args.batch_size, low=1)
+    if not isinstance(args.split, str) or not args.split:
+        raise ValueError(f"`split` must be a split name such as 'train' or 'train[:10%]'; "
+                         f"received {args.split!r}")
+    check_path("data_dir", args.data_dir)
+    check_path("idx_dir", args.idx_dir)
+    check_one_of("echo_mode", args.echo_mode, ECHO_MODES)
+    check_number("echo_factor", args.echo_factor, 1, MAX_ECHO_FACTOR)
+    if args.echo_mode == "none" and args.echo_factor != 1:
+        raise ValueError(f"echo_factor={args.echo_factor!r} needs an echo_mode other than "
+                         "'none'")
+    check_int("shuffle_buffer", args.shuffle_buffer, 0, MAX_SHUFFLE_BUFFER)
+    augmentation = args.augmentation
     if not isinstance(augmentation, Augmentation):
-        raise ValueError(f"augmentation must be a pipelines.Augmentation, got {augmentation!r}")
-    if augmentation.mixup_alpha > 0 and not num_classes:
+        raise ValueError(f"`augmentation` must be a pipelines.Augmentation; received "
+                         f"{augmentation!r}")
+    check_int("num_classes", args.num_classes, low=1, allow_none=True)
+    if augmentation.mixup_alpha > 0 and not args.num_classes:
         raise ValueError("mixup needs num_classes (labels become one-hot)")
-    if augmentation.running_mixup and not drop_remainder:
+    _check_moments(args.mean, args.stddev)
+    check_int("seed", args.seed, 0, MAX_SEED)
+    check_int("epoch", args.epoch, low=0)
+    check_int("num_epochs", args.num_epochs, low=1, allow_none=True)
+    check_int("num_shards", args.num_shards, low=1)
+    check_int("shard_index", args.shard_index, 0, args.num_shards - 1)
+    try:
+        floating = tf.as_dtype(args.dtype).is_floating
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(f"`dtype` must be a floating dtype such as tf.float32; received "
+                         f"{args.dtype!r}")
+    check_bool("cache", args.cache)
+    check_number("read_latency", args.read_latency, 0, MAX_READ_LATENCY)
+    check_bool("drop_remainder", args.drop_remainder)
+    if augmentation.running_mixup and not args.drop_remainder:
         raise ValueError("running_mixup needs drop_remainder=True (batches of one size)")
-    if not isinstance(epoch, int) or epoch < 0:
-        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-    if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
-        raise ValueError(f"num_epochs must be None or an int >= 1, got {num_epochs!r}")
-    if not tf.as_dtype(dtype).is_floating:
-        raise ValueError(f"dtype must be a floating dtype, got {dtype!r}")
+    check_int("skip_batches", args.skip_batches, low=0)
+    check_bool("fresh_flags", args.fresh_flags)
+    if image_shape is not None:
+        check_crop_padding(augmentation.crop_padding, image_shape)
+
+
+def check_crop_padding(padding, image_shape):
+    """Padding beyond the image's shorter side only adds crops that are all padding
+    (and a padded copy of every image, 100000 pixels a side would not fit in memory)."""
+    sides = [side for side in list(image_shape)[:2] if side is not None]
+    if sides and padding > min(sides):
+        raise ValueError(f"`crop_padding` must be an int in [0, {min(sides)}] (the shorter "
+                         f"side of the {'x'.join(str(s) for s in image_shape)} images); "
+                         f"received {padding!r}")
 
 
 def _check_moments(mean, stddev):

@@ -12,7 +12,7 @@ import math
 import tensorflow as tf
 
 from pipelines import counters, seeds
-from pipelines.validation import check_number
+from pipelines.validation import MAX_ECHO_FACTOR, MAX_SHUFFLE_BUFFER, check_int, check_number
 
 # Small elements (single examples) are echoed in chunks of consecutive elements: one
 # `batch`, one vectorized repeat per chunk and one `unbatch`, same output order. Per
@@ -35,9 +35,9 @@ def echo(factor, shuffle_buffer=0, seed=None):
     """Returns a `tf.data.Dataset.apply` transformation repeating each element.
 
     Args:
-      factor: echo factor e >= 1. An integer repeats every element exactly e times; a
-        fraction repeats each element floor(e) or ceil(e) times, ceil with probability
-        e - floor(e), so the mean is e. The draw is a pure function of `seed` and the
+      factor: echo factor e in [1, 100]. An integer repeats every element exactly e
+        times; a fraction repeats each element floor(e) or ceil(e) times, ceil with
+        probability e - floor(e), so the mean is e. The draw is a pure function of `seed` and the
         element's position.
       shuffle_buffer: if > 0, shuffle the echoed stream with a buffer of this many
         elements, so repeats are spread apart.
@@ -54,8 +54,7 @@ def echo(factor, shuffle_buffer=0, seed=None):
       [0, 0, 1, 1, 2, 2]
     """
     factor = _check_factor(factor)
-    if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
-        raise ValueError(f"shuffle_buffer must be an int >= 0, got {shuffle_buffer!r}")
+    check_int("shuffle_buffer", shuffle_buffer, 0, MAX_SHUFFLE_BUFFER)
     whole = math.floor(factor)
     fraction = factor - whole
 
@@ -106,10 +105,10 @@ def echo(factor, shuffle_buffer=0, seed=None):
 
 def _check_factor(factor):
     try:
-        factor = float(factor)
+        number = float(factor)
     except (TypeError, ValueError):
-        raise ValueError(f"`echo_factor` must be a finite number >= 1; received {factor!r}") from None
-    return check_number("echo_factor", factor, low=1)
+        number = factor  # not a number: refused below, naming the value received
+    return check_number("echo_factor", number, 1, MAX_ECHO_FACTOR)
 
 
 def _seed_or_draw(seed):

@@ -97,6 +97,8 @@ class BadInputTest(parameterized.TestCase):
         ("product_dtype", "product_dtype", "float16"),
         ("phase_clocks", "phase_clocks", 1),
         ("skip_layers_string", "skip_layers", "dense"),
+        ("momentum_string", "momentum", "0.9"),
+        ("weight_decay_string", "weight_decay", "1e-4"),
     )
     def test_value_error_names_argument(self, argument, value):
         with self.assertRaisesRegex(ValueError, f"^`{argument}` must be .*; received "):
@@ -118,6 +120,9 @@ class BadInputTest(parameterized.TestCase):
         ("config_wire_dtype", "factor_wire_dtype", "int8"),
         ("config_xla_string", "xla", "true"),
         ("config_factor_freq_inf", "factor_update_freq", float("inf")),
+        ("config_decay_string", "factor_decay", "0.95"),
+        ("config_diagonal_none", "diagonal_damping_multiplier", None),
+        ("config_fraction_string", "factor_batch_fraction", "half"),
     )
     def test_config_rejects_bad_values_naming_the_setting(self, setting, value):
         with self.assertRaisesRegex(ValueError, f"^`{setting}` must be .*; received "

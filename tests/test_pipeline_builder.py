@@ -232,10 +232,11 @@ class ArgumentTest(absltest.TestCase):
 
     def test_bad_arguments_name_the_argument_and_the_allowed_values(self):
         cases = [
-            (dict(echo_mode="examples"), "echo_mode must be one of none, example_before_augment, "
-                                         "example_after_augment, batch"),
+            (dict(echo_mode="examples"), "`echo_mode` must be one of none, "
+                                         "example_before_augment, example_after_augment, batch"),
             (dict(echo_factor=2), "needs an echo_mode"),
-            (dict(echo_mode="batch", echo_factor=0.5), "`echo_factor` must be a finite number >= 1"),
+            (dict(echo_mode="batch", echo_factor=0.5),
+             r"`echo_factor` must be a finite number in \[1, 100\]"),
             (dict(batch_size=0), "batch_size"),
             (dict(shuffle_buffer=-1), "shuffle_buffer"),
             (dict(augmentation=pipelines.Augmentation(mixup_alpha=0.4)), "num_classes"),

@@ -60,7 +60,8 @@ class FlagValidationTest(parameterized.TestCase):
             config_from_argv(arg)
 
     @parameterized.parameters(
-        (["--echo_factor=0.5", "--echo_mode=batch"], "`echo_factor` must be a finite number >= 1"),
+        (["--echo_factor=0.5", "--echo_mode=batch"],
+         r"`echo_factor` must be a finite number in \[1, 100\]"),
         (["--echo_factor=2"], "echo_factor=2.0 needs an echo_mode"),
         (["--optimizer=sgd", "--damping=0.01", "--kl_clip=0.01"],
          "damping, kl_clip only apply to optimizer=kfac"),
@@ -143,7 +144,7 @@ class FlagValidationTest(parameterized.TestCase):
             cwd=ROOT, capture_output=True, text=True, timeout=120,
             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
         self.assertNotEqual(result.returncode, 0)
-        self.assertIn("`echo_factor` must be a finite number >= 1", result.stderr)
+        self.assertIn("`echo_factor` must be a finite number in [1, 100]", result.stderr)
         self.assertNotIn("Traceback", result.stderr)
 
 

@@ -6,7 +6,8 @@ optimizer's slots and K-FAC factors and decompositions, its step counter) and
 `trainer_state.json` (counters, history, the epoch's running metrics). It is written
 under a temporary name and renamed into place only when complete, so a crash during a
 write never leaves a half-written checkpoint that looks like the newest; leftovers of
-such a write are removed at the next save.
+such a write are removed when the next run starts and before every save. A write that
+fails (a full disk) removes its partial checkpoint and says what is safe to delete.
 
 On resume the newest checkpoint that loads is used. One that does not (a truncated or
 missing file, unreadable state) is reported by path with the reason, and the run falls
@@ -25,9 +26,10 @@ import shutil
 import signal
 
 from absl import logging
+import numpy as np
 import tensorflow as tf
 
-from trainers import reporting
+from trainers import errors, reporting, storage
 
 CHECKPOINT_SUBDIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -44,22 +46,68 @@ FAULT_ENV = "TRAINERS_CHECKPOINT_FAULT"
 FAULT_POINTS = ("after_variables", "before_rename", "after_rename")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(errors.RunError):
     """No checkpoint of a run can be loaded; the message names each one tried and why."""
+
+
+class RunFileError(errors.RunError):
+    """config.json or run_history.json cannot be read; the message names it and why."""
 
 
 class _Unloadable(Exception):
     """Why one checkpoint cannot be loaded, naming the file (the message is the reason)."""
 
 
+# What each run file is for and what to do when it is damaged, for its error message.
+CONFIG_ROLE = ("it holds the settings the run started with: restore it, or start a new run "
+                "in another model_dir")
+HISTORY_ROLE = ("it only records what each start changed: delete it to resume with the "
+                 f"settings of {CONFIG_FILE}")
+
+
 def read_config(model_dir):
-    """The config dict the run in `model_dir` was started with, or None."""
-    return _read_json(os.path.join(model_dir, CONFIG_FILE))
+    """The config dict the run in `model_dir` was started with, or None.
+
+    Raises `RunFileError` naming the file if it is not a readable JSON object."""
+    path = os.path.join(model_dir, CONFIG_FILE)
+    config = _read_run_file(path, CONFIG_ROLE)
+    if config is not None and not isinstance(config, dict):
+        raise RunFileError(f"{path} is damaged (a JSON {type(config).__name__}, not an "
+                           f"object); {CONFIG_ROLE}")
+    return config
 
 
 def read_run_history(model_dir):
-    """The list of the run's starts (see runner.py), or [] before the first."""
-    return _read_json(os.path.join(model_dir, RUN_HISTORY_FILE)) or []
+    """The list of the run's starts (see runner.py), or [] before the first.
+
+    Raises `RunFileError` naming the file unless it is a list of starts, each with a
+    `changed` object of `[before, after]` pairs."""
+    path = os.path.join(model_dir, RUN_HISTORY_FILE)
+    history = _read_run_file(path, HISTORY_ROLE)
+    if history is None:
+        return []
+    if not (isinstance(history, list) and all(
+            isinstance(entry, dict) and isinstance(entry.get("changed", {}), dict)
+            and all(isinstance(pair, list) and len(pair) == 2
+                    for pair in entry.get("changed", {}).values())
+            for entry in history)):
+        raise RunFileError(f"{path} is damaged (not a list of starts with their changed "
+                           f"settings as [before, after] pairs); {HISTORY_ROLE}")
+    return history
+
+
+def _read_run_file(path, role):
+    """The JSON value in `path`, or None if there is none; `RunFileError` naming the
+    file, why it cannot be read and (`role`) what it is for and what to do."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as error:
+        raise RunFileError(f"{path} cannot be read ({error.strerror}); {role}") from None
+    except ValueError as error:  # bad JSON, or bytes that are not UTF-8
+        raise RunFileError(f"{path} is damaged (not valid JSON: {error}); {role}") from None
 
 
 def _read_json(path):
@@ -206,28 +254,89 @@ class CheckpointStore:
         self.directory = os.path.join(model_dir, CHECKPOINT_SUBDIR)
         self.max_to_keep = max_to_keep
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        variables = {id(v): v for v in model.variables + optimizer.variables}.values()
+        # What a checkpoint's data file holds (its index and state file add a few KB).
+        self._variable_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+                                   for v in variables)
 
     def save(self, step, state):
         """Writes checkpoint `step-<step>` (variables and `state`) atomically: complete
-        under a temporary name first, then renamed; older ones beyond `max_to_keep` go."""
+        under a temporary name first, then renamed; older ones beyond `max_to_keep` go.
+
+        Leftovers of writes a stopped process did not finish are removed first. A write
+        that fails (a full disk, an I/O error) removes its partial checkpoint and raises
+        `storage.WriteError` saying how much room it needs and what is safe to delete;
+        the newest complete checkpoint stays as it was.
+        """
         os.makedirs(self.directory, exist_ok=True)
+        self.remove_unfinished()
         name = f"step-{step}"
         temporary = os.path.join(self.directory, f"{_TEMP_MARK}{name}")
-        shutil.rmtree(temporary, ignore_errors=True)
-        os.makedirs(temporary)
-        self._checkpoint.write(os.path.join(temporary, VARIABLES_PREFIX))
-        _fault("after_variables", step)
-        reporting.write_json(os.path.join(temporary, STATE_FILE), state)
-        _fsync_tree(temporary)
-        _fault("before_rename", step)
         final = os.path.join(self.directory, name)
-        if os.path.exists(final):  # the same step again (a resume with nothing to train)
-            os.rename(final, os.path.join(self.directory, f"{_TEMP_MARK}old-{name}"))
-        os.rename(temporary, final)
-        _fsync_dir(self.directory)
+        replaced = os.path.join(self.directory, f"{_TEMP_MARK}old-{name}")
+        with storage.failing_cleanly(final, self._variable_bytes + 8192,
+                                     leftovers=[temporary], advice=self.space_advice):
+            try:
+                os.makedirs(temporary)
+                self._checkpoint.write(os.path.join(temporary, VARIABLES_PREFIX))
+                _fault("after_variables", step)
+                # No temp file of its own: the directory is renamed into place whole.
+                with open(os.path.join(temporary, STATE_FILE), "w", encoding="utf-8") as f:
+                    json.dump(state, f, indent=2, sort_keys=True)
+                _fsync_tree(temporary)
+                _fault("before_rename", step)
+                if os.path.exists(final):  # the same step again (a resume with nothing left)
+                    os.rename(final, replaced)
+                os.rename(temporary, final)
+                _fsync_dir(self.directory)
+            finally:
+                if os.path.exists(replaced) and not os.path.exists(final):
+                    os.rename(replaced, final)  # a failed rename keeps the one there was
+        storage.remove(replaced)
         _fault("after_rename", step)
         self._prune(keep=final)
         return final
+
+    def remove_unfinished(self):
+        """Removes what writes that did not finish left in the checkpoint directory (a
+        process stopped mid-write, or a write that failed); logs each one removed."""
+        if not os.path.isdir(self.directory):
+            return
+        for name in sorted(os.listdir(self.directory)):
+            if name.startswith(_TEMP_MARK):
+                path = os.path.join(self.directory, name)
+                logging.warning("removing %s (%s), left by a checkpoint write that did not "
+                                "finish", path, storage.human_bytes(storage.tree_bytes(path)))
+                storage.remove(path)
+
+    def space_advice(self):
+        """What of the run is safe to delete to make room, and what must be kept, as one
+        phrase for `storage.WriteError`."""
+        complete = [(step, path) for step, path, _ in candidates(self.model_dir)
+                    if os.path.dirname(path) == self.directory and os.path.isdir(path)]
+        deletable = [f"{path} ({storage.human_bytes(storage.tree_bytes(path))}, an older "
+                     "checkpoint)" for _, path in complete[1:]]
+        logs = os.path.join(self.model_dir, reporting.TENSORBOARD_SUBDIR)
+        if os.path.isdir(logs):
+            deletable.append(f"{logs} ({storage.human_bytes(storage.tree_bytes(logs))}, "
+                             f"TensorBoard logs; {reporting.METRICS_FILE} holds the same "
+                             "numbers)")
+        advice = ("safe to delete: " + ", ".join(deletable) if deletable
+                  else "nothing of this run is safe to delete: free space on that file system")
+        if complete:
+            step, path = complete[0]
+            advice += (f"; keep {path}, the newest complete checkpoint (step {step}): "
+                       "--resume continues from it")
+        return advice
+
+    def resume_hint(self):
+        """Where a restart of the run continues from, as a phrase."""
+        complete = [(step, path) for step, path, _ in candidates(self.model_dir)
+                    if os.path.isdir(path)]
+        if not complete:
+            return "the run has no checkpoint yet: a restart starts it over"
+        step, path = complete[0]
+        return f"--resume continues from {path} (step {step})"
 
     def _prune(self, keep):
         complete = [path for _, path, _ in candidates(self.model_dir)
@@ -235,9 +344,6 @@ class CheckpointStore:
         for path in complete[self.max_to_keep:]:
             if path != keep:
                 shutil.rmtree(path, ignore_errors=True)
-        for name in os.listdir(self.directory):
-            if name.startswith(_TEMP_MARK):  # left by a write that did not finish
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def restore(self, report=True):
         """Restores the newest checkpoint that loads and returns its trainer state (None
@@ -248,14 +354,6 @@ class CheckpointStore:
             self._checkpoint.read(prefix).assert_existing_objects_matched()
 
         state, path, failures = find_loadable(self.model_dir, restore_variables)
-        unfinished = (sorted(name for name in os.listdir(self.directory)
-                             if name.startswith(_TEMP_MARK))
-                      if os.path.isdir(self.directory) else [])
-        if report and unfinished:
-            logging.warning("ignoring the unfinished checkpoint write %s (the process stopped "
-                            "while writing it); the newest complete checkpoint is %s",
-                            ", ".join(os.path.join(self.directory, n) for n in unfinished),
-                            path)
         if report and failures:
             for step, failed, reason in failures:
                 logging.warning("checkpoint %s (step %d) cannot be loaded: %s", failed, step,

@@ -10,7 +10,8 @@ import os
 from typing import Optional, Tuple
 
 import pipelines
-from pipelines.validation import check_number
+from pipelines import validation as limits
+from pipelines.validation import check_int, check_number
 from tfkfac import config as kfac_config, validation
 from trainers import models
 
@@ -41,6 +42,7 @@ RENAMED_FIELDS = {old: new for old, new in kfac_config.RENAMED.items() if new in
 RESUME_MAY_CHANGE_FIELDS = (
     "steps", "epochs", "eval_every_steps", "target_accuracy", "stop_at_target",
     "data_dir", "idx_dir", "model_dir", "verbose", "resume", "auto_resume", "phase_clocks",
+    "preemption_grace_seconds",
 )
 
 
@@ -88,6 +90,9 @@ class _RunConfig:
     resume: bool = False
     auto_resume: bool = False
     seed: int = 0
+    # Seconds after SIGTERM/SIGINT to finish the step and write its checkpoint before
+    # exiting anyway (trainers/preemption.py); below the scheduler's own grace period.
+    preemption_grace_seconds: float = 25.0
     xla: bool = False
     verbose: int = 1
 
@@ -112,6 +117,9 @@ class _RunConfig:
         validation.fraction("momentum", self.momentum)
         if self.weight_decay is not None:
             validation.finite_number("weight_decay", self.weight_decay, low=0)
+        check_int("seed", self.seed, 0, limits.MAX_SEED)
+        check_number("preemption_grace_seconds", self.preemption_grace_seconds, low=0,
+                     low_open=True)
         validation.positive_integer("batch_size", self.batch_size)
         validation.positive_integer("epochs", self.epochs)
         if self.steps is not None:
@@ -121,7 +129,7 @@ class _RunConfig:
                              f"{self.eval_every_steps}")
         self._validate_schedule()
         self._validate_kfac(explicitly_set)
-        check_number("echo_factor", self.echo_factor, low=1)
+        check_number("echo_factor", self.echo_factor, 1, limits.MAX_ECHO_FACTOR)
         if self.echo_factor > 1.0 and self.echo_mode == "none":
             raise ValueError(
                 f"echo_factor={self.echo_factor} needs an echo_mode; choose one of "
@@ -149,18 +157,15 @@ class _RunConfig:
                              f"not dataset={self.dataset}")
 
     def _validate_augmentation(self):
-        if self.shuffle_buffer < 0:
-            raise ValueError(f"shuffle_buffer must be >= 0 (0 = no shuffling), got "
-                             f"{self.shuffle_buffer}")
-        if self.crop_padding < 0:
-            raise ValueError(f"crop_padding must be >= 0, got {self.crop_padding}")
+        check_int("shuffle_buffer", self.shuffle_buffer, 0, limits.MAX_SHUFFLE_BUFFER)
+        check_int("crop_padding", self.crop_padding, low=0)  # the image bounds it: runner
         check_number("erasing_probability", self.erasing_probability, 0, 1)
         check_number("mixup_alpha", self.mixup_alpha, low=0)
         if self.running_mixup and self.mixup_alpha == 0:
             raise ValueError("running_mixup needs mixup_alpha > 0")
         if self.mixup_alpha > 0 and models.is_autoencoder(self.model):
             raise ValueError(f"mixup mixes class labels; model={self.model} has none")
-        check_number("read_latency", self.read_latency, low=0)
+        check_number("read_latency", self.read_latency, 0, limits.MAX_READ_LATENCY)
 
     def _validate_schedule(self):
         # Every float of the schedule is checked, used by this schedule or not.

@@ -49,11 +49,35 @@ def split_sizes(config):
     for flag in ("train_split", "eval_split"):
         split = getattr(config, flag)
         try:
-            sizes.append(info.splits[split].num_examples)
+            size = info.splits[split].num_examples
         except (KeyError, ValueError) as error:
             raise ValueError(f"{flag} must be one of {', '.join(sorted(info.splits.keys()))} "
                              f"(or a TFDS slice of one); got {split!r}: {error}") from error
+        if size <= 0:  # TFDS counts a reversed slice such as train[500:100] as negative
+            raise ValueError(f"{flag} {split!r} selects no examples: it is a reversed or "
+                             "empty slice ([a:b] needs a < b)")
+        sizes.append(size)
     return (info, *sizes)
+
+
+def check_pipeline(config, info):
+    """Refuses the run's pipeline settings with the words of `pipelines.check_arguments`
+    (absurd sizes: echo factor, shuffle buffer, a crop padding beyond the image, seed),
+    before anything is built."""
+    pipelines.check_arguments(image_shape=info.features["image"].shape,
+                              **_train_arguments(config))
+
+
+def _train_arguments(config):
+    """`pipelines.build` arguments of a config's training stream, but rank and epoch."""
+    return dict(
+        split=config.train_split, batch_size=config.batch_size, seed=config.seed,
+        echo_mode=config.echo_mode, echo_factor=config.echo_factor,
+        shuffle_buffer=config.shuffle_buffer, read_latency=config.read_latency,
+        augmentation=pipelines.Augmentation(
+            crop_padding=config.crop_padding, flip=config.flip,
+            erasing_probability=config.erasing_probability, mixup_alpha=config.mixup_alpha,
+            running_mixup=config.running_mixup))
 
 
 def steps_per_epoch(config, train_examples, num_ranks):
@@ -101,13 +125,9 @@ class TrainingData:
     def train(self, epoch, skip_batches=0):
         """Epoch `epoch`'s training batches (then later epochs' without end), from its
         `skip_batches`-th batch on (a resumed run continuing the epoch there)."""
-        config = self._config
         dataset, self._counters = self._build(
-            split=config.train_split, batch_size=config.batch_size, seed=config.seed,
-            epoch=epoch, num_epochs=None, skip_batches=skip_batches, echo_mode=config.echo_mode,
-            echo_factor=config.echo_factor, shuffle_buffer=config.shuffle_buffer,
-            augmentation=self._augmentation(), read_latency=config.read_latency,
-            fresh_flags=self._fresh_flags)
+            epoch=epoch, num_epochs=None, skip_batches=skip_batches,
+            fresh_flags=self._fresh_flags, **_train_arguments(self._config))
         return self._with_targets(dataset)
 
     def evaluation(self):
@@ -122,13 +142,6 @@ class TrainingData:
     def fresh_examples(self):
         """Fresh examples this rank's current training stream has fed to training."""
         return 0 if self._counters is None else self._counters.result()["fresh_examples"]
-
-    def _augmentation(self):
-        config = self._config
-        return pipelines.Augmentation(
-            crop_padding=config.crop_padding, flip=config.flip,
-            erasing_probability=config.erasing_probability, mixup_alpha=config.mixup_alpha,
-            running_mixup=config.running_mixup)
 
     def _with_targets(self, dataset):
         """Classifiers learn the labels; the autoencoder reconstructs its flattened input."""

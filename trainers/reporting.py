@@ -11,6 +11,7 @@ stores, so a resumed run reports the same totals as an uninterrupted one.
 
 import csv
 import dataclasses
+import io
 import json
 import os
 import time
@@ -21,7 +22,11 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
+from trainers import storage
+
 EVAL_ACCURACY_KEY = "val_accuracy"
+METRICS_FILE = "metrics.csv"
+TENSORBOARD_SUBDIR = "tensorboard"
 # What `tf.summary.scalar` attaches; written directly because that function lives in the
 # `tensorboard` package, which tensorflow-cpu does not install. TensorBoard reads the
 # events as ordinary scalars.
@@ -205,6 +210,16 @@ class EpochRecorder(StepTimer):
         self._record_evaluation({k: v for k, v in logs.items() if k.startswith("val_")},
                                 counters.fresh_examples, epochs)
 
+    def cut_epoch(self):
+        """Training stopped before the epoch's end (preemption, see preemption.py): the
+        clock stops, the fresh examples read so far are counted and the epoch's running
+        metrics kept in `epoch_metrics` for the checkpoint, as `on_test_begin` and
+        `on_epoch_end` do; the epoch gets no history row, since it is not over."""
+        self._stop_clock()
+        self.counters.fresh_examples += self._global_fresh_examples()
+        self.epoch_metrics = [variable.numpy().tolist()
+                              for variable in getattr(self.model, "metrics_variables", [])]
+
     def _start_clock(self):
         self._clock_start = time.perf_counter()
 
@@ -257,28 +272,32 @@ class EpochWriter(keras.callbacks.Callback):
     """Writes the recorder's history to `metrics.csv` and TensorBoard scalars (chief only).
 
     The CSV is rewritten whole from the history each epoch, so after a resume it holds
-    exactly the checkpointed epochs followed by the new ones.
+    exactly the checkpointed epochs followed by the new ones. A failed write raises
+    `storage.WriteError`; `advice` returns what of the run is safe to delete.
     """
 
-    def __init__(self, model_dir, recorder):
+    def __init__(self, model_dir, recorder, advice=None):
         super().__init__()
-        self.csv_path = os.path.join(model_dir, "metrics.csv")
-        self.tensorboard_dir = os.path.join(model_dir, "tensorboard")
+        self.csv_path = os.path.join(model_dir, METRICS_FILE)
+        self.tensorboard_dir = os.path.join(model_dir, TENSORBOARD_SUBDIR)
         self._recorder = recorder
+        self._advice = advice
         self._summary_writer = None
 
     def on_epoch_end(self, epoch, logs=None):
         history = self._recorder.counters.history
-        write_csv(self.csv_path, history)
-        if self._summary_writer is None:
-            self._summary_writer = tf.summary.create_file_writer(self.tensorboard_dir)
+        write_csv(self.csv_path, history, self._advice)
         row = history[-1]
-        with self._summary_writer.as_default():
-            for key, value in row.items():
-                if key != "epoch":
-                    tf.summary.write(key, tf.constant(value, tf.float32),
-                                     step=int(row["epoch"]), metadata=_SCALAR_METADATA)
-        self._summary_writer.flush()
+        # An event holds the scalar, its tag and metadata: well under 256 bytes.
+        with storage.failing_cleanly(self.tensorboard_dir, 256 * len(row), advice=self._advice):
+            if self._summary_writer is None:
+                self._summary_writer = tf.summary.create_file_writer(self.tensorboard_dir)
+            with self._summary_writer.as_default():
+                for key, value in row.items():
+                    if key != "epoch":
+                        tf.summary.write(key, tf.constant(value, tf.float32),
+                                         step=int(row["epoch"]), metadata=_SCALAR_METADATA)
+            self._summary_writer.flush()
 
 
 # metrics.csv's first columns; the others follow in alphabetical order, so the columns
@@ -286,22 +305,30 @@ class EpochWriter(keras.callbacks.Callback):
 LEADING_COLUMNS = ("epoch", "steps", "train_time_s")
 
 
-def write_csv(path, rows):
+def write_csv(path, rows, advice=None):
     """Writes dict rows with the union of their keys as columns: `LEADING_COLUMNS`, then
-    the rest sorted."""
+    the rest sorted; atomically (temp file + rename). A failed write raises
+    `storage.WriteError` (with `advice`, see `storage.failing_cleanly`)."""
     keys = {key for row in rows for key in row}
     columns = [key for key in LEADING_COLUMNS if key in keys] + sorted(
         keys.difference(LEADING_COLUMNS))
-    with open(path + ".tmp", "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(path + ".tmp", path)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    _write_text(path, text.getvalue(), advice)
 
 
-def write_json(path, value):
-    """Writes JSON atomically (temp file + rename), so readers never see half a file."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+def write_json(path, value, advice=None):
+    """Writes JSON atomically (temp file + rename), so readers never see half a file. A
+    failed write raises `storage.WriteError` (with `advice`)."""
+    _write_text(path, json.dumps(value, indent=2, sort_keys=True) + "\n", advice)
+
+
+def _write_text(path, text, advice):
+    temporary = path + ".tmp"
+    with storage.failing_cleanly(path, len(text.encode("utf-8")), leftovers=[temporary],
+                                 advice=advice):
+        with open(temporary, "w", newline="", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temporary, path)

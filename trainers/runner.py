@@ -21,6 +21,7 @@ import json
 import math
 import os
 import tempfile
+import typing
 
 from absl import logging
 import keras
@@ -29,9 +30,13 @@ import pipelines
 import tfkfac
 from tfkfac import distributed
 from trainers import checkpoints, config as config_lib, data as data_lib, data_parallel
-from trainers import lr_schedules, models, reporting
+from trainers import lr_schedules, models, preemption as preemption_lib, reporting
 
 SUMMARY_FILE = "summary.json"
+# What a run writes in its model_dir: name -> whether it is a directory.
+_RUN_LAYOUT = {checkpoints.CHECKPOINT_SUBDIR: True, reporting.TENSORBOARD_SUBDIR: True,
+               checkpoints.CONFIG_FILE: False, checkpoints.RUN_HISTORY_FILE: False,
+               reporting.METRICS_FILE: False, SUMMARY_FILE: False}
 # Fields of a config that say how it was started, not what the run is.
 _INVOCATION_FIELDS = ("resume", "auto_resume", "model_dir", "verbose")
 
@@ -55,6 +60,7 @@ def check(config, explicitly_set=None, num_ranks=1):
         config = _resumed_config(config, given, model_dir)
         config.validate(given or ())
     info, train_examples, _ = data_lib.split_sizes(config)
+    data_lib.check_pipeline(config, info)
     steps_per_epoch = data_lib.steps_per_epoch(config, train_examples, num_ranks)
     total = config.steps or config.epochs * steps_per_epoch
     # A schedule that cannot fit the run (a warmup as long as it) is a usage error too.
@@ -68,9 +74,17 @@ def check(config, explicitly_set=None, num_ranks=1):
 
 
 def _check_model_dir_usable(model_dir):
-    """A model_dir that is a file, or that cannot be created or written, is an error."""
+    """A model_dir that is a file, or that cannot be created or written, is an error; so
+    is a file where the trainer writes a directory (checkpoints/, tensorboard/), or the
+    reverse."""
     if os.path.exists(model_dir) and not os.path.isdir(model_dir):
         raise ValueError(f"model_dir {model_dir} is a file, not a directory")
+    for name, is_directory in _RUN_LAYOUT.items():
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path) and os.path.isdir(path) != is_directory:
+            what, needed = ("a file", "directory") if is_directory else ("a directory", "file")
+            raise ValueError(f"{path} is {what}, but the trainer writes its {name} {needed} "
+                             "there: move it away or choose another model_dir")
     existing = model_dir
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -106,15 +120,49 @@ def _resuming(config, model_dir):
 
 def saved_settings(model_dir):
     """The settings the run in `model_dir` last ran with (config.json updated by what
-    run_history.json records as changed), or None if it has no config.json."""
+    run_history.json records as changed), or None if it has no config.json. A value of
+    the wrong type is a `checkpoints.RunFileError` naming the file and the setting."""
     saved = checkpoints.read_config(model_dir)
     history = checkpoints.read_run_history(model_dir)
-    if saved is not None and history:
-        saved.update({name: now for name, (_, now) in history[-1].get("changed", {}).items()})
-    if saved is not None:  # written by an earlier version: today's names
-        saved = {config_lib.RENAMED_FIELDS.get(name, name): value
-                 for name, value in saved.items()}
+    if saved is None:
+        return None
+    # Written by an earlier version: today's names.
+    saved = {config_lib.RENAMED_FIELDS.get(name, name): value for name, value in saved.items()}
+    _check_saved_types(os.path.join(model_dir, checkpoints.CONFIG_FILE), saved,
+                       checkpoints.CONFIG_ROLE)
+    if history:
+        changed = {config_lib.RENAMED_FIELDS.get(name, name): now
+                   for name, (_, now) in history[-1].get("changed", {}).items()}
+        _check_saved_types(os.path.join(model_dir, checkpoints.RUN_HISTORY_FILE), changed,
+                           checkpoints.HISTORY_ROLE)
+        saved.update(changed)
     return saved
+
+
+def _check_saved_types(path, values, role):
+    """Each known setting in `values` (read from `path`) must have its field's type."""
+    hints = typing.get_type_hints(config_lib.TrainConfig)
+    for name, value in values.items():
+        if name in hints and not _fits(hints[name], value):
+            kind = str(hints[name]).replace("typing.", "").replace("<class '", "").rstrip("'>")
+            raise checkpoints.RunFileError(f"{path} is damaged ({name} is {value!r}, not "
+                                           f"{kind}); {role}")
+
+
+def _fits(annotation, value):
+    """Whether a JSON value can stand for a field annotated `annotation`."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:  # Optional[...]
+        return any(_fits(arg, value) for arg in args)
+    if origin is tuple:  # Tuple[float, ...], stored as a JSON list
+        return isinstance(value, list) and all(_fits(args[0], item) for item in value)
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation) if isinstance(annotation, type) else True
 
 
 def _resumed_config(config, given, model_dir):
@@ -135,6 +183,8 @@ def _resumed_config(config, given, model_dir):
                 changed.append(f"{name} ({theirs!r} -> {mine!r})")
         else:
             values[name] = tuple(theirs) if isinstance(theirs, list) else theirs
+    if given is not None and "epochs" in given and "steps" not in given:
+        values["steps"] = None  # a new --epochs budget replaces the run's --steps
     if changed:
         raise ValueError(
             f"resume must keep the settings of the run in {model_dir}; changed: "
@@ -148,8 +198,11 @@ def run(config, explicitly_set=None):
     """Trains as `config` says and returns the run summary (also in `summary.json`).
 
     Under horovodrun every rank calls this; only rank 0 writes files and prints logs.
+    SIGTERM or SIGINT stop the run after the step in progress with a checkpoint of it
+    and raise `preemption.Preempted` (exit code 75); see `trainers/preemption.py`.
     """
-    return Trainer(config, explicitly_set).train()
+    with preemption_lib.Preemption() as preemption:
+        return Trainer(config, explicitly_set, preemption).train()
 
 
 class Trainer:
@@ -160,7 +213,8 @@ class Trainer:
     use the pieces (`model`, `data`, ...) to time steps without a second training loop.
     """
 
-    def __init__(self, config, explicitly_set=None):
+    def __init__(self, config, explicitly_set=None, preemption=None):
+        self._preemption = preemption  # None: signals keep their usual effect
         self.communicator = distributed.get_communicator()
         self.chief = self.communicator.rank == 0
         config = check(config, explicitly_set, self.communicator.size)
@@ -200,7 +254,8 @@ class Trainer:
         history_path = os.path.join(self.model_dir, checkpoints.RUN_HISTORY_FILE)
         original = checkpoints.read_config(self.model_dir) if self.config.resume else None
         if original is None:
-            reporting.write_json(os.path.join(self.model_dir, checkpoints.CONFIG_FILE), config)
+            reporting.write_json(os.path.join(self.model_dir, checkpoints.CONFIG_FILE), config,
+                                 self._store.space_advice)
             original, history = config, []
         else:
             history = checkpoints.read_run_history(self.model_dir)
@@ -208,15 +263,19 @@ class Trainer:
                    if name not in _INVOCATION_FIELDS and original.get(name) != value}
         history.append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
                         "from_step": self.counters.steps, "changed": changed})
-        reporting.write_json(history_path, history)
+        reporting.write_json(history_path, history, self._store.space_advice)
 
     def train(self):
         """Runs the steps left, checkpointing after each epoch (and at the end); returns
         the run summary."""
         config = self.config
         steps_per_epoch = self.data.steps_per_epoch
+        if self._preemption is not None:
+            self._preemption.start(self.communicator, config.preemption_grace_seconds,
+                                   self._store.resume_hint)
         if self.chief:
             os.makedirs(self.model_dir, exist_ok=True)
+            self._store.remove_unfinished()  # they may fill the disk the next writes need
             self._record_start()
         eval_data = self.data.evaluation()
         recorder = reporting.EpochRecorder(
@@ -231,9 +290,12 @@ class Trainer:
             steps_per_epoch=steps_per_epoch, epoch_metrics=self._epoch_metrics)
         callbacks = [recorder]
         if self.chief:
-            callbacks.append(reporting.EpochWriter(self.model_dir, recorder))
+            callbacks.append(reporting.EpochWriter(self.model_dir, recorder,
+                                                   self._store.space_advice))
             if config.verbose:  # last, so it shows the logs the recorder completed
                 callbacks.append(reporting.RunProgressBar(self.num_epochs))
+        if self._preemption is not None:  # after the recorder has counted the step
+            callbacks.insert(1, self._preemption)
         if self.counters.steps >= self.total_steps and self.chief:
             logging.warning("the run in %s has trained the %d steps asked already; nothing "
                             "left to train", self.model_dir, self.total_steps)
@@ -242,24 +304,35 @@ class Trainer:
                 break
             epoch, done_in_epoch = divmod(self.counters.steps, steps_per_epoch)
             before = self.counters.steps
-            self.model.fit(
-                self.data.train(epoch, skip_batches=done_in_epoch), epochs=epoch + 1,
-                initial_epoch=epoch,
-                steps_per_epoch=min(steps_per_epoch - done_in_epoch,
-                                    self.total_steps - self.counters.steps),
-                validation_data=eval_data, callbacks=callbacks, shuffle=False,
-                verbose=config.verbose if self.chief else 0)
+            try:
+                self.model.fit(
+                    self.data.train(epoch, skip_batches=done_in_epoch), epochs=epoch + 1,
+                    initial_epoch=epoch,
+                    steps_per_epoch=min(steps_per_epoch - done_in_epoch,
+                                        self.total_steps - self.counters.steps),
+                    validation_data=eval_data, callbacks=callbacks, shuffle=False,
+                    verbose=config.verbose if self.chief else 0)
+            except preemption_lib.StopNow:
+                recorder.cut_epoch()
             if self.counters.steps == before:
                 raise RuntimeError(f"fit trained no step at step {before}")
+            checkpoint = None
             if self.chief:
                 mid_epoch = self.counters.steps % steps_per_epoch != 0
-                self._store.save(self.counters.steps, {
+                checkpoint = self._store.save(self.counters.steps, {
                     "counters": self.counters.to_dict(),
                     "epoch_metrics": recorder.epoch_metrics if mid_epoch else None})
+            if (self._preemption is not None and self.counters.steps < self.total_steps
+                    and self._preemption.stop_agreed()):
+                if self.chief:
+                    self._preemption.report(self.counters.steps, self.total_steps,
+                                            checkpoint, self.model_dir)
+                raise preemption_lib.Preempted(self.counters.steps)
 
         summary = self.summary()
         if self.chief:
-            reporting.write_json(os.path.join(self.model_dir, SUMMARY_FILE), summary)
+            reporting.write_json(os.path.join(self.model_dir, SUMMARY_FILE), summary,
+                                 self._store.space_advice)
             _print_summary(summary)
         return summary
 

@@ -12,7 +12,7 @@ import sys
 from absl import app, flags, logging
 
 from tfkfac import distributed
-from trainers import checkpoints, config as config_lib
+from trainers import config as config_lib, errors
 from trainers import models, runner
 
 # Printed before a usage error, which is always the last line.
@@ -121,6 +121,10 @@ flags.DEFINE_bool("auto_resume", _DEFAULTS.auto_resume,
                   "Like --resume when --model_dir holds a run, else start a new run there "
                   "(for job schedulers that restart the same command).")
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of initialization and data order.")
+flags.DEFINE_float("preemption_grace_seconds", _DEFAULTS.preemption_grace_seconds,
+                   "After SIGTERM or SIGINT, seconds to finish the step and write its "
+                   "checkpoint (then exit code 75) before exiting without it (code 128 + "
+                   "signal); set it below the job scheduler's grace period.")
 flags.DEFINE_bool("xla", _DEFAULTS.xla,
                   "Compile with XLA: the whole train step for sgd/adam, K-FAC's local stages "
                   "(factors, decompositions, preconditioning) for kfac.")
@@ -182,7 +186,7 @@ def main(argv):
         usage_error(str(error))
     try:
         runner.run(config, explicitly_set)
-    except checkpoints.CheckpointError as error:  # checkpoints damaged since the check
+    except errors.RunError as error:  # e.g. a full disk, ranks that disagree
         usage_error(str(error))
 
 
