@@ -8,7 +8,7 @@ recorded beside them. Entries (bench/trials.py OPTIMIZERS): `adamw`, `sgd` (mome
 0.9), K-FAC `kfac_inverse` and `kfac_eigen` (KL clip on), `kfac_constant` (the protocol
 before issue 27, for reference), and issue 27's `kfac_adamw` (K-FAC in front of AdamW),
 `kfac_graft_adam` (layer-wise grafting of Adam's step length) and `kfac_eigen_adam`
-(Adam in the Kronecker eigenbasis), which run once the trainer has their settings.
+(Adam in the Kronecker eigenbasis).
 Protocol (issue 27), identical for every entry but `kfac_constant`:
 1. Schedule: linear warm-up over the first 5% of the run's budget, then half a cosine
    to 0 at the budget's last step (`--lr_schedule=cosine`); decoupled weight decay of

@@ -32,11 +32,9 @@ OPTIMIZERS = {
     # The protocol before issue 27, for reference: constant learning rate 0.05, KL clip
     # 1e-3 (chosen on the CNN), no weight decay, damping tuned.
     "kfac_constant": dict(_KFAC, kfac_method="inverse", learning_rate=0.05, kl_clip=1e-3),
-    # K-FAC in front of AdamW (the protocol's weight decay goes to the inner AdamW), and
-    # issue 27's library features (docs/design.md §2c), named by the trainer settings
-    # they are to have; `check_entry` says which this trainer lacks. Their step length
-    # is Adam's (an inner AdamW, a graft, Adam's rule in the eigenbasis), so the KL clip
-    # is off.
+    # K-FAC in front of AdamW (the protocol's weight decay goes to the inner AdamW),
+    # grafted to Adam's step length, and Adam in the Kronecker eigenbasis (docs/design.md
+    # §2c). Their step length is Adam's, so the KL clip is off.
     "kfac_adamw": dict(_KFAC, kfac_method="inverse", kfac_inner_optimizer="adamw",
                        kl_clip=None),
     "kfac_graft_adam": dict(_KFAC, kfac_method="inverse", grafting="adam", kl_clip=None),
