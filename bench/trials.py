@@ -78,16 +78,20 @@ def grids(sgd_from, dampings):
     the step length is the clip's and the learning rate sets when the decayed schedule
     takes over); K-FAC under an inner AdamW or grafted to Adam tunes 4 Adam-like
     learning rates x 2 dampings; the constant-rate reference tunes damping alone, as it
-    did before. `dampings`: the two K-FAC dampings around the model's earlier picks."""
+    did before. `dampings`: the two K-FAC dampings around the model's earlier picks.
+    Grafted and eigen_adam K-FAC hand Adam-scaled steps to the default inner SGD with
+    momentum 0.9, whose steady step is 10x its learning rate: their rates are AdamW's
+    divided by 10."""
     adam_like = points(learning_rate=(5e-4, 1e-3, 2e-3, 5e-3), damping=dampings)
+    grafted = points(learning_rate=(5e-5, 1e-4, 2e-4, 5e-4), damping=dampings)
     clipped = points(learning_rate=(0.05, 0.2), damping=dampings, kl_clip=(1e-3, 1e-2))
     return {
         "adamw": points(learning_rate=series(1e-4)),
         "sgd": points(learning_rate=series(sgd_from)),
         "kfac_inverse": clipped, "kfac_eigen": clipped,
         "kfac_constant": points(damping=series(2e-3)),
-        "kfac_adamw": adam_like, "kfac_graft_adam": adam_like,
-        "kfac_eigen_adam": points(learning_rate=series(1e-4)),
+        "kfac_adamw": adam_like, "kfac_graft_adam": grafted,
+        "kfac_eigen_adam": points(learning_rate=series(1e-5)),
     }
 
 
