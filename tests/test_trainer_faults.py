@@ -8,16 +8,28 @@
    every float flag and float argument; 5.-7. predictable failures are one line and exit
    code 1; 8. loss-scale-skipped steps are counted; 9. usage errors end with the error
    line, metrics.csv keeps its columns, data_dir is created only under an existing parent.
+
+Issue 29 (the classes say "Issue 29, n"): 4. SIGTERM/SIGINT checkpoint the step in
+progress and resume exactly (`PreemptionTest`); 5. a full disk is one clear error that
+blocks no resume (`DiskFaultTest`); 7. a new --epochs on resume is the budget
+(`ResumeBudgetTest`); 8. absurd sizes are refused up front (`AbsurdSizeTest`); 9. every
+`pipelines.build` argument is checked (`PipelineArgumentTest`), damaged run files,
+empty splits and a wrong kind of entry in model_dir are named (`RunFileTest`). The
+rank items (4, 6 under Horovod) are in tests/test_trainer_horovod.py.
 """
 
 import json
 import math
 import os
+import re
 import shutil
+import signal
+import subprocess
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import flags
+from absl import flags, logging
 from absl.testing import absltest, parameterized
 import numpy as np
 
@@ -26,13 +38,29 @@ import tfkfac
 from idx_testing import write_small_idx_dir
 from pipelines import augment, idx_dataset
 import trainer_testing as tt
-from trainers import checkpoints, config as config_lib, runner, train
+from trainers import checkpoints, config as config_lib, preemption, runner, storage, train
 
 FLAGS = flags.FLAGS
 KFAC = dict(model="mlp", factor_update_freq=5, decomposition_update_freq=10,
             learning_rate=0.01)
 # What a user types on resume; everything else comes from the run itself.
 RESUME_GIVEN = {"model_dir", "resume", "steps"}
+
+
+# The same K-FAC run as flags of the binary (without --model_dir and the budget).
+KFAC_FLAGS = [f"--{name}={value}" for name, value in KFAC.items()] + tt.SMALL_FLAGS
+_UNINTERRUPTED = {}
+
+
+def uninterrupted_run():
+    """The model_dir of a 40-step K-FAC run never stopped (checkpoints step-20 and
+    step-40), made once and shared by the tests that resume a stopped run to 40."""
+    if not _UNINTERRUPTED:
+        model_dir = os.path.join(absltest.get_default_test_tmpdir(), "uninterrupted")
+        shutil.rmtree(model_dir, ignore_errors=True)
+        run(model_dir, steps=40, **KFAC)
+        _UNINTERRUPTED["model_dir"] = model_dir
+    return _UNINTERRUPTED["model_dir"]
 
 
 def run(model_dir, explicitly_set=None, **settings):
@@ -44,13 +72,6 @@ def resume(model_dir, steps):
     """`--resume --model_dir=D --steps=N` and nothing else."""
     return runner.run(config_lib.TrainConfig(model_dir=model_dir, steps=steps, resume=True,
                                              verbose=0), RESUME_GIVEN | {"verbose"})
-
-
-def assert_same_tensors(test, want, have):
-    test.assertEqual(sorted(want), sorted(have))
-    for key, value in want.items():
-        if "phase_seconds" not in key:  # wall-clock totals, not training state
-            np.testing.assert_array_equal(have[key], value, err_msg=key)
 
 
 def float_flags():
@@ -89,8 +110,8 @@ class ResumeByStepTest(parameterized.TestCase):
         self.assertEqual(saved["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"], 50)
 
     def test_variables_equal_an_uninterrupted_run(self):
-        assert_same_tensors(self, tt.step_tensors(self.straight, 50),
-                            tt.step_tensors(self.resumed, 50))
+        tt.assert_same_tensors(self, tt.step_tensors(self.straight, 50),
+                               tt.step_tensors(self.resumed, 50))
 
     def test_metrics_equal_an_uninterrupted_run_with_the_same_columns(self):
         want = tt.read_csv(os.path.join(self.straight, "metrics.csv"))
@@ -158,9 +179,7 @@ class CheckpointFaultTest(parameterized.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.base = os.path.join(absltest.get_default_test_tmpdir(), "fault_base")
-        shutil.rmtree(cls.base, ignore_errors=True)
-        run(cls.base, steps=40, **KFAC)  # checkpoints step-20 and step-40
+        cls.base = uninterrupted_run()
         cls.want = tt.step_tensors(cls.base, 40)
 
     def damaged_copy(self, damage):
@@ -198,7 +217,7 @@ class CheckpointFaultTest(parameterized.TestCase):
                       "(step 20) instead: 20 steps of training (steps 20 to 40) are lost",
                       warnings)
         self.assertEqual(summary["steps"], 40)
-        assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
+        tt.assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
 
     def test_none_loading_is_one_error_naming_every_checkpoint(self):
         def damage(directory):
@@ -233,7 +252,7 @@ class CheckpointFaultTest(parameterized.TestCase):
         shutil.rmtree(step_20)
         summary = resume(model_dir, 40)
         self.assertEqual(summary["steps"], 40)
-        assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
+        tt.assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
 
     def test_run_with_the_setting_names_before_0_2_resumes(self):
         # config.json of a run started before the renames names the decomposition interval
@@ -247,23 +266,24 @@ class CheckpointFaultTest(parameterized.TestCase):
         summary = resume(model_dir, 40)
         self.assertEqual(summary["config"]["decomposition_update_freq"], 10)
         self.assertNotIn("inv_update_freq", summary["config"])
-        assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
+        tt.assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
 
     def test_killed_while_writing_a_checkpoint(self):
         model_dir = os.path.join(self.create_tempdir().full_path, "run")
-        argv = [f"--model_dir={model_dir}", "--steps=40", "--model=mlp", "--learning_rate=0.01",
-                "--factor_update_freq=5", "--decomposition_update_freq=10", *tt.SMALL_FLAGS]
-        killed = tt.run_binary(*argv, env={checkpoints.FAULT_ENV: "before_rename@40"})
+        killed = tt.run_binary(f"--model_dir={model_dir}", "--steps=40", *KFAC_FLAGS,
+                               env={checkpoints.FAULT_ENV: "before_rename@40"})
         self.assertEqual(killed.returncode, -9, killed.stderr[-2000:])
         listing = sorted(os.listdir(os.path.join(model_dir, "checkpoints")))
         self.assertEqual(listing, [".partial-step-40", "step-20"])  # step-20 is the newest
         with self.assertLogs("absl", "WARNING") as logs:
             summary = resume(model_dir, 40)
-        self.assertIn("ignoring the unfinished checkpoint write", "\n".join(logs.output))
+        partial = os.path.join(model_dir, "checkpoints", ".partial-step-40")
+        self.assertRegex("\n".join(logs.output), f"removing {partial} \\(.* MB\\), left by a "
+                         "checkpoint write that did not finish")
         self.assertEqual(summary["steps"], 40)
         self.assertEqual(sorted(os.listdir(os.path.join(model_dir, "checkpoints"))),
                          ["step-20", "step-40"])
-        assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
+        tt.assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
 
 
 class FloatValidationTest(parameterized.TestCase):
@@ -484,6 +504,299 @@ class UsageOutputTest(parameterized.TestCase):
             runner.check(config_lib.TrainConfig(data_dir=new, **settings))
         self.assertIn(f"data_dir {new} did not exist; created it", "\n".join(logs.output))
         self.assertTrue(os.path.isdir(new))
+
+
+
+def own_stderr(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+class PreemptionTest(absltest.TestCase):
+    """Issue 29, 4: SIGTERM (a job scheduler) or SIGINT (Ctrl-C) mid-epoch: the step in
+    progress finishes, its checkpoint is written, the process exits with code 75 and
+    one line saying how to continue; resuming ends with the variables and metrics of a
+    run never stopped. Past the grace period the process ends with 128 + the signal,
+    saying where a restart continues from. Real signals sent to real trainer processes;
+    --read_latency only slows the input (the data and so the run stay the same)."""
+
+    def start(self, model_dir, *argv):
+        log_dir = self.create_tempdir().full_path
+        process = tt.start_binary(f"--model_dir={model_dir}", "--steps=40", *KFAC_FLAGS, *argv,
+                                  log_dir=log_dir)
+        return process, log_dir
+
+    def signal_mid_epoch_2(self, signum):
+        """Starts the run and signals it once the progress bar shows epoch 2 training (3
+        steps done); returns (model_dir, exit code, seconds from the signal to the exit,
+        stderr lines). A generous grace period: a loaded machine is not the subject."""
+        model_dir = os.path.join(self.create_tempdir().full_path, "run")
+        # 5 ms per example: a step takes at least 0.16 s.
+        process, log_dir = self.start(model_dir, "--read_latency=0.005", "--verbose=1",
+                                      "--preemption_grace_seconds=300")
+        tt.wait_for(process, os.path.join(log_dir, "stdout"), r"Epoch 2/2.*\b([3-9]|1\d)/20")
+        sent = time.monotonic()
+        process.send_signal(signum)
+        returncode = process.wait(timeout=600)
+        return (model_dir, returncode, time.monotonic() - sent,
+                tt.own_lines(own_stderr(os.path.join(log_dir, "stderr"))))
+
+    def test_sigterm_mid_epoch_checkpoints_the_step_and_resume_is_exact(self):
+        model_dir, returncode, seconds, lines = self.signal_mid_epoch_2(signal.SIGTERM)
+        self.assertEqual(returncode, preemption.EXIT_CODE, lines[-5:])
+        step = int(re.search(r"holds step (\d+) of 40", lines[-1]).group(1))
+        self.assertRegex(lines[-1], f"^trainers.train: preempted by SIGTERM \\(rank 0\\): "
+                         f"checkpoint {tt.checkpoint_dir(model_dir, step)} holds step {step} "
+                         f"of 40; continue with --resume --model_dir={model_dir} \\(or "
+                         "--auto_resume\\); exit code 75$")
+        self.assertTrue(20 < step < 40, step)  # in the middle of epoch 2
+        self.assertNotIn("Traceback", "\n".join(lines))
+        logging.info("SIGTERM -> checkpoint at step %d, exit code %d after %.1f s", step,
+                     returncode, seconds)
+        summary = resume(model_dir, 40)
+        self.assertEqual(summary["steps"], 40)
+        straight = uninterrupted_run()
+        tt.assert_same_tensors(self, tt.step_tensors(straight, 40), tt.step_tensors(model_dir, 40))
+        have = tt.read_csv(os.path.join(model_dir, "metrics.csv"))
+        want = tt.read_csv(os.path.join(straight, "metrics.csv"))
+        for row in have + want:
+            row.pop("train_time_s")
+        self.assertEqual(have, want)
+
+    def test_sigint_is_the_same_without_a_traceback(self):
+        _, returncode, _, lines = self.signal_mid_epoch_2(signal.SIGINT)
+        self.assertEqual(returncode, preemption.EXIT_CODE, lines[-5:])
+        self.assertRegex(lines[-1], "^trainers.train: preempted by SIGINT .* holds step "
+                         "(2[1-9]|3[0-9]) of 40")
+        self.assertFalse([line for line in lines if "Traceback" in line
+                          or "KeyboardInterrupt" in line], lines)
+
+    def test_past_the_grace_period_exits_with_the_signal_code(self):
+        # 50 ms per example: a step takes 1.6 s, longer than the 0.3 s grace period.
+        model_dir = os.path.join(self.create_tempdir().full_path, "run")
+        process, log_dir = self.start(model_dir, "--read_latency=0.05",
+                                      "--preemption_grace_seconds=0.3")
+        # run_history.json is written once training has begun.
+        tt.wait_for(process, os.path.join(model_dir, checkpoints.RUN_HISTORY_FILE))
+        process.send_signal(signal.SIGTERM)
+        self.assertEqual(process.wait(timeout=600), 128 + signal.SIGTERM)
+        lines = tt.own_lines(own_stderr(os.path.join(log_dir, "stderr")))
+        self.assertEqual(lines[-1], "trainers.train: stopped by SIGTERM, and the 0.3 s grace "
+                         "period passed before its checkpoint was written; exiting without a "
+                         "new checkpoint; the run has no checkpoint yet: a restart starts it "
+                         "over")
+        # Nothing half-written that a restart could take for a checkpoint.
+        self.assertFalse(checkpoints.candidates(model_dir))
+
+
+class DiskFaultTest(absltest.TestCase):
+    """Issue 29, 5: on a real full disk (a small tmpfs) a checkpoint write fails with one
+    line naming the path, the bytes needed and free, what is safe to delete and what to
+    keep; the partial write is removed, so with room made the run resumes exactly."""
+
+    def setUp(self):
+        super().setUp()
+        self.mount_point = self.create_tempdir().full_path
+        straight = uninterrupted_run()
+        self.checkpoint_bytes = storage.tree_bytes(tt.checkpoint_dir(straight, 20))
+        # Room for one checkpoint and the run's small files, not for a second checkpoint.
+        size = int(self.checkpoint_bytes * 1.5)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                                  self.mount_point], capture_output=True, text=True)
+        if mounted.returncode:
+            self.skipTest(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+        self.addCleanup(subprocess.run, ["umount", "-l", self.mount_point], check=True)
+
+    def test_full_disk_is_one_clear_error_and_blocks_no_resume(self):
+        model_dir = os.path.join(self.mount_point, "run")
+        first = tt.run_binary(f"--model_dir={model_dir}", "--steps=20", *KFAC_FLAGS)
+        self.assertEqual(first.returncode, 0, first.stderr[-2000:])
+        full = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=40")
+        self.assertEqual(full.returncode, 1, full.stderr[-3000:])
+        self.assertNotIn("Traceback", full.stderr)
+        lines = tt.own_lines(full.stderr)
+        step_20 = tt.checkpoint_dir(model_dir, 20)
+        self.assertRegex(
+            lines[-1], f"^trainers.train: error: cannot write {tt.checkpoint_dir(model_dir, 40)}"
+            ": No space left on device \\(the partial write was removed\\); it needs about "
+            "[0-9.]+ MB and [0-9.]+ MB are free there; safe to delete: "
+            f"{model_dir}/tensorboard \\(.*, TensorBoard logs; metrics.csv holds the same "
+            f"numbers\\); keep {step_20}, the newest complete checkpoint \\(step 20\\): "
+            "--resume continues from it$")
+        needed = float(re.search(r"needs about ([0-9.]+) MB", lines[-1]).group(1))
+        self.assertAlmostEqual(needed, self.checkpoint_bytes / 1e6, delta=0.1)
+        self.assertEqual(os.listdir(os.path.join(model_dir, "checkpoints")), ["step-20"])
+        # Room made (the file system grown), the same command resumes from step 20.
+        subprocess.run(["mount", "-o", f"remount,size={4 * self.checkpoint_bytes}",
+                        self.mount_point], check=True)
+        resumed = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=40")
+        self.assertEqual(resumed.returncode, 0, resumed.stderr[-2000:])
+        tt.assert_same_tensors(self, tt.step_tensors(uninterrupted_run(), 40),
+                               tt.step_tensors(model_dir, 40))
+
+
+class ResumeBudgetTest(absltest.TestCase):
+    """Issue 29, 7: a run started with --steps and resumed with only --epochs trains to
+    the new epochs (the new budget replaces the old one), recorded in run_history."""
+
+    def test_epochs_given_on_resume_replace_the_steps_budget(self):
+        model_dir = self.create_tempdir().full_path
+        self.assertEqual(run(model_dir, steps=30, **KFAC)["steps"], 30)
+        summary = runner.run(config_lib.TrainConfig(model_dir=model_dir, resume=True, epochs=3,
+                                                    verbose=0),
+                             {"model_dir", "resume", "epochs", "verbose"})
+        self.assertEqual((summary["steps"], summary["epochs"]), (3 * tt.STEPS_PER_EPOCH, 3))
+        history = tt.read_json(os.path.join(model_dir, checkpoints.RUN_HISTORY_FILE))
+        self.assertEqual(history[-1]["changed"], {"steps": [30, None], "epochs": [2, 3]})
+
+
+class AbsurdSizeTest(parameterized.TestCase):
+    """Issue 29, 8: sizes that would hang or exhaust memory before the first step are
+    refused by the check before anything is built, with the allowed range."""
+
+    @parameterized.parameters(
+        (["--echo_mode=example_before_augment", "--echo_factor=1e9"],
+         r"`echo_factor` must be a finite number in \[1, 100\]; received 1000000000.0"),
+        (["--shuffle_buffer=1000000000000"],
+         r"`shuffle_buffer` must be an int in \[0, 10000000\]; received 1000000000000"),
+        (["--crop_padding=100000"], r"`crop_padding` must be an int in \[0, 28\] \(the shorter "
+         r"side of the 28x28x1 images\); received 100000"),
+        (["--seed=-1"], r"`seed` must be an int in \[0, 4294967295\]; received -1"),
+        (["--seed=9223372036854775808"], r"`seed` must be an int in \[0, 4294967295\]"),
+        (["--read_latency=1e9"], r"`read_latency` must be a finite number in \[0, 1\]"),
+    )
+    def test_refused_with_the_allowed_range(self, argv, message):
+        config, explicitly_set = tt.config_from_argv("--model=mlp", *tt.SMALL_FLAGS, *argv)
+        with self.assertRaisesRegex(ValueError, f"^{message}"):
+            runner.check(config, explicitly_set)
+
+    def test_binary_refuses_in_one_line(self):
+        result = tt.run_binary("--model=mlp", "--echo_mode=example_before_augment",
+                               "--echo_factor=1e9")
+        self.assertEqual(result.returncode, 1, result.stderr[-2000:])
+        self.assertRegex(tt.own_lines(result.stderr)[-1],
+                         r"^trainers.train: error: `echo_factor` must be a finite number")
+
+
+class PipelineArgumentTest(parameterized.TestCase):
+    """Issue 29, 9: every `pipelines.build` argument of a wrong type or out of range is
+    refused in Python, naming the argument and what it must be, before any graph."""
+
+    @parameterized.parameters(
+        (dict(batch_size="32"), "batch_size", "an int >= 1"),
+        (dict(batch_size=True), "batch_size", "an int >= 1"),
+        (dict(split=5), "split", "a split name"),
+        (dict(data_dir=5), "data_dir", "a path"),
+        (dict(idx_dir=["a"]), "idx_dir", "a path"),
+        (dict(echo_mode=None), "echo_mode", "one of none, example_before_augment"),
+        (dict(echo_mode="batch", echo_factor="2"), "echo_factor", "a finite number in"),
+        (dict(echo_mode="batch", echo_factor=101), "echo_factor", "a finite number in"),
+        (dict(shuffle_buffer=1e4), "shuffle_buffer", r"an int in \[0, 10000000\]"),
+        (dict(shuffle_buffer=10**12), "shuffle_buffer", r"an int in \[0, 10000000\]"),
+        (dict(augmentation="flip"), "augmentation", "a pipelines.Augmentation"),
+        (dict(num_classes="10"), "num_classes", "an int >= 1 or None"),
+        (dict(mean="0.5"), "mean", "a finite number"),
+        (dict(seed="1"), "seed", r"an int in \[0, 4294967295\]"),
+        (dict(seed=2**70), "seed", r"an int in \[0, 4294967295\]"),
+        (dict(epoch=1.5), "epoch", "an int >= 0"),
+        (dict(num_epochs="2"), "num_epochs", "an int >= 1 or None"),
+        (dict(num_shards=0), "num_shards", "an int >= 1"),
+        (dict(num_shards=2, shard_index=2), "shard_index", r"an int in \[0, 1\]"),
+        (dict(dtype="no_such_dtype"), "dtype", "a floating dtype"),
+        (dict(cache="yes"), "cache", "True or False"),
+        (dict(read_latency=1e9), "read_latency", r"a finite number in \[0, 1\]"),
+        (dict(drop_remainder=None), "drop_remainder", "True or False"),
+        (dict(skip_batches=-1), "skip_batches", "an int >= 0"),
+        (dict(fresh_flags=1), "fresh_flags", "True or False"),
+    )
+    def test_argument_named(self, arguments, name, allowed):
+        with self.assertRaisesRegex(ValueError, f"^`{name}` must be {allowed}"):
+            pipelines.build("fashion_mnist", **dict(dict(batch_size=8), **arguments))
+
+    def test_augmentation_fields_and_crop_beyond_the_image(self):
+        for fields, name in ((dict(flip="yes"), "flip"), (dict(crop_padding=2.0), "crop_padding"),
+                             (dict(running_mixup=1, mixup_alpha=0.2), "running_mixup")):
+            with self.assertRaisesRegex(ValueError, f"^`{name}` must be"):
+                pipelines.Augmentation(**fields)
+        with self.assertRaisesRegex(ValueError, r"^`crop_padding` must be an int in \[0, 28\]"):
+            pipelines.build("fashion_mnist", batch_size=8,
+                            augmentation=pipelines.Augmentation(crop_padding=29))
+
+
+class RunFileTest(parameterized.TestCase):
+    """Issue 29, 9: a damaged config.json or run_history.json is named with the reason and
+    what to do; a reversed or empty split is named as such; a file where the trainer
+    writes a directory (checkpoints/, tensorboard/), or the reverse, is refused before
+    training. Each is one ValueError from `runner.check`, one line from the binary."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.base = os.path.join(absltest.get_default_test_tmpdir(), "run_files")
+        shutil.rmtree(cls.base, ignore_errors=True)
+        run(cls.base, steps=5, **KFAC)
+
+    def copy_with(self, name, content):
+        model_dir = os.path.join(self.create_tempdir().full_path, "run")
+        shutil.copytree(self.base, model_dir)
+        with open(os.path.join(model_dir, name), "w", encoding="utf-8") as f:
+            f.write(content)
+        return model_dir
+
+    @parameterized.parameters(
+        (checkpoints.CONFIG_FILE, '{"model": "mlp", "batch', r"is damaged \(not valid JSON: "
+         r"Unterminated string .*\); it holds the settings the run started with: restore it, "
+         "or start a new run in another model_dir"),
+        (checkpoints.CONFIG_FILE, "[1, 2]", r"is damaged \(a JSON list, not an object\); it "
+         "holds the settings"),
+        (checkpoints.CONFIG_FILE, '{"batch_size": "abc"}', r"is damaged \(batch_size is 'abc',"
+         r" not int\); it holds the settings"),
+        (checkpoints.RUN_HISTORY_FILE, "[{", r"is damaged \(not valid JSON: .*\); it only "
+         "records what each start changed: delete it to resume with the settings of "
+         "config.json"),
+        (checkpoints.RUN_HISTORY_FILE, '[{"changed": {"steps": 5}}]', r"is damaged \(not a "
+         r"list of starts with their changed settings as \[before, after\] pairs\)"),
+        (checkpoints.RUN_HISTORY_FILE, '[{"changed": {"kl_clip": ["x", "y"]}}]',
+         r"is damaged \(kl_clip is 'y', not Optional\[float\]\)"),
+    )
+    def test_damaged_run_file_is_named(self, name, content, reason):
+        model_dir = self.copy_with(name, content)
+        config = config_lib.TrainConfig(model_dir=model_dir, resume=True, steps=10)
+        with self.assertRaisesRegex(checkpoints.RunFileError,
+                                    f"^{os.path.join(model_dir, name)} {reason}"):
+            runner.check(config, RESUME_GIVEN)
+
+    def test_binary_names_the_damaged_file_in_one_line(self):
+        model_dir = self.copy_with(checkpoints.CONFIG_FILE, "{")
+        result = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=10")
+        self.assertEqual(result.returncode, 1, result.stderr[-2000:])
+        self.assertNotIn("Traceback", result.stderr)
+        self.assertRegex(tt.own_lines(result.stderr)[-1], "^trainers.train: error: "
+                         f"{model_dir}/config.json is damaged \\(not valid JSON")
+
+    @parameterized.parameters("train[500:100]", "train[:0]")
+    def test_reversed_or_empty_split(self, split):
+        config = config_lib.TrainConfig(model="mlp", train_split=split)
+        with self.assertRaisesRegex(ValueError, f"^train_split '{re.escape(split)}' selects no "
+                                    r"examples: it is a reversed or empty slice \(\[a:b\] needs "
+                                    "a < b\\)$"):
+            runner.check(config)
+
+    @parameterized.parameters(("checkpoints", "file"), ("tensorboard", "file"),
+                              ("metrics.csv", "directory"), ("config.json", "directory"))
+    def test_wrong_kind_of_entry_in_model_dir(self, name, made):
+        model_dir = self.create_tempdir().full_path
+        path = os.path.join(model_dir, name)
+        if made == "file":
+            open(path, "w", encoding="utf-8").close()
+        else:
+            os.makedirs(path)
+        needed = "directory" if made == "file" else "file"
+        config = config_lib.TrainConfig(model_dir=model_dir, **dict(tt.SMALL, **KFAC))
+        with self.assertRaisesRegex(ValueError, f"^{path} is a {made}, but the trainer writes "
+                                    f"its {name} {needed} there: move it away or choose "
+                                    "another model_dir$"):
+            runner.check(config)
 
 
 if __name__ == "__main__":

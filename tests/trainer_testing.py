@@ -4,11 +4,14 @@ what a run wrote (checkpoint tensors, metrics.csv, JSON)."""
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 from absl import flags
 from absl.testing import flagsaver
+import numpy as np
 import tensorflow as tf
 
 from trainers import train
@@ -52,6 +55,14 @@ def checkpoint_tensors(prefix):
             if "OBJECT_GRAPH" not in key}
 
 
+def assert_same_tensors(test, want, have):
+    """The same tensor keys and, but K-FAC's wall-clock phase totals, equal values."""
+    test.assertEqual(sorted(want), sorted(have))
+    for key, value in want.items():
+        if "phase_seconds" not in key:  # wall-clock totals, not training state
+            np.testing.assert_array_equal(have[key], value, err_msg=key)
+
+
 def checkpoint_dir(model_dir, step):
     return os.path.join(model_dir, "checkpoints", f"step-{step}")
 
@@ -67,6 +78,38 @@ def run_binary(*argv, env=None, timeout=300):
         [sys.executable, "-m", "trainers.train", *argv], cwd=ROOT, capture_output=True,
         text=True, timeout=timeout,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {})))
+
+
+def start_binary(*argv, log_dir, env=None):
+    """Starts `python -m trainers.train argv` with its output in `log_dir`/stdout and
+    `log_dir`/stderr; returns the Popen, for tests that signal the process as it trains."""
+    with open(os.path.join(log_dir, "stdout"), "w", encoding="utf-8") as stdout, \
+            open(os.path.join(log_dir, "stderr"), "w", encoding="utf-8") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainers.train", *argv], cwd=ROOT, stdout=stdout,
+            stderr=stderr, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {})))
+
+
+def wait_for(process, path, pattern=None, timeout=900):
+    """Waits until `path` exists (and its text matches the regex `pattern`, if given);
+    fails if `process` ends first or `timeout` s pass (the generous default is for a
+    loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if os.path.exists(path) and pattern is None:
+            return
+        if pattern is not None and os.path.exists(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                if re.search(pattern, f.read(), re.DOTALL):
+                    return
+        if process.poll() is not None:
+            raise AssertionError(f"the process ended (exit code {process.returncode}) "
+                                 f"before {path} appeared" + (f" holding {pattern!r}"
+                                                               if pattern else ""))
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
 
 
 def own_lines(stderr):

@@ -259,6 +259,10 @@ class CheckpointStore:
         self._variable_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
                                    for v in variables)
 
+    def path(self, step):
+        """Where checkpoint `step` is (once written)."""
+        return os.path.join(self.directory, f"step-{step}")
+
     def save(self, step, state):
         """Writes checkpoint `step-<step>` (variables and `state`) atomically: complete
         under a temporary name first, then renamed; older ones beyond `max_to_keep` go.
@@ -270,9 +274,9 @@ class CheckpointStore:
         """
         os.makedirs(self.directory, exist_ok=True)
         self.remove_unfinished()
-        name = f"step-{step}"
+        final = self.path(step)
+        name = os.path.basename(final)
         temporary = os.path.join(self.directory, f"{_TEMP_MARK}{name}")
-        final = os.path.join(self.directory, name)
         replaced = os.path.join(self.directory, f"{_TEMP_MARK}old-{name}")
         with storage.failing_cleanly(final, self._variable_bytes + 8192,
                                      leftovers=[temporary], advice=self.space_advice):

@@ -97,7 +97,7 @@ class TrainingData:
     """Training and evaluation streams of one rank for a `TrainConfig`."""
 
     def __init__(self, config, rank, num_ranks, input_dtype):
-        info, train_examples, eval_examples = split_sizes(config)
+        info, self.train_examples, self.eval_examples = split_sizes(config)
         self._config = config
         self._rank = rank
         self._num_ranks = num_ranks
@@ -106,9 +106,9 @@ class TrainingData:
         self.input_shape = tuple(info.features["image"].shape)
         self.num_classes = info.features["label"].num_classes
         # `Dataset.shard` gives rank r every num_ranks-th example starting at r.
-        eval_examples_here = -(-(eval_examples - rank) // num_ranks)
+        eval_examples_here = -(-(self.eval_examples - rank) // num_ranks)
         self._eval_batches = -(-eval_examples_here // config.batch_size)
-        self.steps_per_epoch = steps_per_epoch(config, train_examples, num_ranks)
+        self.steps_per_epoch = steps_per_epoch(config, self.train_examples, num_ranks)
         self._autoencoder = models.is_autoencoder(config.model)
         # K-FAC's factor_examples="fresh" reads the flags from the sample-weight slot.
         self._fresh_flags = config.optimizer == "kfac" and config.factor_examples == "fresh"

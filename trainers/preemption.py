@@ -52,14 +52,15 @@ class Preemption(keras.callbacks.Callback):
     a step all ranks agree on.
 
     Use: `with Preemption() as preemption:` around building and training a run;
-    `start(...)` when training begins; the callback in `fit`; `stop_agreed()` between
-    `fit` calls (a collective: every rank calls it at the same point).
+    `start(...)` when training begins; the callback in `fit`; `stop_agreed()` before
+    each `fit` (a collective: every rank calls it at the same point).
     """
 
     def __init__(self):
         super().__init__()
         self._previous = {}
-        self._signal = None  # the first signal received, until the process ends
+        self._received = None  # the first signal this process received
+        self._signal = None  # the signal the ranks stop for (received here or elsewhere)
         self._timer = None
         self._training = False
         self._agreed = False
@@ -99,33 +100,42 @@ class Preemption(keras.callbacks.Callback):
 
     def _on_signal(self, signum, frame):
         del frame
-        if self._signal is not None:
-            self._exit_now(signum, f"a second {signal.Signals(signum).name}")
-        self._signal = signum
+        name = signal.Signals(signum).name
         if not self._training:
-            self._exit_now(signum, f"{signal.Signals(signum).name} before training started")
+            self._exit_now(signum, f"{name} before training started; nothing new to save")
+        if self._received is not None:
+            self._exit_now(signum, f"a second {name}; exiting without a new checkpoint; "
+                                   f"{self._resume_hint()}")
+        self._received = signum
+        self._signal = self._signal or signum
         self._timer = threading.Timer(self._grace_seconds, self._grace_expired)
         self._timer.daemon = True
         self._timer.start()
 
     def _grace_expired(self):
-        self._exit_now(self._signal, f"{self.signal_name}, and the {self._grace_seconds:g} s "
-                                     "grace period passed before its checkpoint was written")
+        self._exit_now(self._received, (
+            f"{signal.Signals(self._received).name}, and the {self._grace_seconds:g} s grace "
+            "period passed before its checkpoint was written; exiting without a new "
+            f"checkpoint; {self._resume_hint()}"))
 
-    def _exit_now(self, signum, why):
-        hint = self._resume_hint() if self._resume_hint else "nothing was trained yet"
-        message = f"{_PREFIX}stopped by {why}; exiting without a new checkpoint; {hint}\n"
+    @staticmethod
+    def _exit_now(signum, why):
         # os.write and os._exit: safe from a signal handler or the timer's thread, and
         # nothing (a hung collective, interpreter shutdown) can delay the exit.
-        os.write(sys.stderr.fileno(), message.encode())
+        os.write(sys.stderr.fileno(), f"{_PREFIX}stopped by {why}\n".encode())
         os._exit(128 + signum)
+
+    @property
+    def agreed(self):
+        """Whether the ranks agreed to stop already (no communication)."""
+        return self._agreed
 
     def stop_agreed(self):
         """Whether any rank was signalled; a collective on several ranks. Once True it
         stays True without communicating (every rank knows it at the same step)."""
         if self._agreed or self._communicator is None:
             return self._agreed
-        local = tf.constant([self._signal or 0], tf.int32)
+        local = tf.constant([self._received or 0], tf.int32)
         if self._communicator.size > 1:
             flags = self._communicator.allgather(local, category="metrics").numpy()
         else:
@@ -142,11 +152,14 @@ class Preemption(keras.callbacks.Callback):
             raise StopNow()
 
     def report(self, step, total_steps, checkpoint, model_dir):
-        """The one line the chief prints after writing the preemption checkpoint."""
+        """The one line the chief prints when the run stops: `checkpoint` holds `step`
+        (None: stopped before its first step, nothing to save)."""
         ranks = ", ".join(str(rank) for rank in self.signalled_ranks)
         plural = "s" if len(self.signalled_ranks) > 1 else ""
-        sys.stderr.write(
-            f"{_PREFIX}preempted by {self.signal_name} (rank{plural} {ranks}): checkpoint "
-            f"{checkpoint} holds step {step} of {total_steps}; continue with --resume "
-            f"--model_dir={model_dir} (or --auto_resume); exit code {EXIT_CODE}\n")
+        where = (f"checkpoint {checkpoint} holds step {step} of {total_steps}; continue with "
+                 f"--resume --model_dir={model_dir} (or --auto_resume)" if checkpoint else
+                 "stopped before the first step, nothing to save; start the same command "
+                 "again")
+        sys.stderr.write(f"{_PREFIX}preempted by {self.signal_name} (rank{plural} {ranks}): "
+                         f"{where}; exit code {EXIT_CODE}\n")
         sys.stderr.flush()

@@ -29,8 +29,9 @@ import keras
 import pipelines
 import tfkfac
 from tfkfac import distributed
-from trainers import checkpoints, config as config_lib, data as data_lib, data_parallel
-from trainers import lr_schedules, models, preemption as preemption_lib, reporting
+from trainers import agreement, checkpoints, config as config_lib, data as data_lib
+from trainers import data_parallel, lr_schedules, models, preemption as preemption_lib
+from trainers import reporting
 
 SUMMARY_FILE = "summary.json"
 # What a run writes in its model_dir: name -> whether it is a directory.
@@ -39,6 +40,9 @@ _RUN_LAYOUT = {checkpoints.CHECKPOINT_SUBDIR: True, reporting.TENSORBOARD_SUBDIR
                reporting.METRICS_FILE: False, SUMMARY_FILE: False}
 # Fields of a config that say how it was started, not what the run is.
 _INVOCATION_FIELDS = ("resume", "auto_resume", "model_dir", "verbose")
+# Fields ranks may set differently: where each reads its data and keeps its files, how
+# it was invoked (the step it resumes from is compared instead), what it prints.
+_PER_RANK_FIELDS = _INVOCATION_FIELDS + ("data_dir", "idx_dir", "preemption_grace_seconds")
 
 
 def check(config, explicitly_set=None, num_ranks=1):
@@ -226,6 +230,10 @@ class Trainer:
                                           self.communicator.size, input_dtype)
         self.total_steps = config.steps or config.epochs * self.data.steps_per_epoch
         self.num_epochs = math.ceil(self.total_steps / self.data.steps_per_epoch)
+        # Before anything (the model's broadcast) communicates: ranks launched with
+        # different settings, data or storage end here with one line instead of a hang.
+        agreement.agree(self.communicator, self._run_defining_settings(),
+                        {"model_dir": self.model_dir})
 
         self.model = models.build_model(config.model, self.data.input_shape,
                                         self.data.num_classes, config.seed)
@@ -244,9 +252,25 @@ class Trainer:
         self.counters = (reporting.RunCounters.from_dict(state["counters"]) if state
                          else reporting.RunCounters())
         self._epoch_metrics = state.get("epoch_metrics") if state else None
+        # The step each rank actually restored (one may have fallen back to an older one).
+        agreement.agree(self.communicator, {"resume_step": self.counters.steps},
+                        {"model_dir": self.model_dir})
         # Every rank starts from rank 0's initial (or restored) variables.
         self.communicator.broadcast_variables(self.model.variables +
                                               self.model.optimizer.variables)
+
+    def _run_defining_settings(self):
+        """What every rank must share: the settings but per-rank paths and how the run
+        was invoked, the data as this rank sees it, and the step it would resume from
+        (its newest checkpoint)."""
+        settings = {name: value for name, value in self.config.to_dict().items()
+                    if name not in _PER_RANK_FIELDS}
+        newest = checkpoints.candidates(self.model_dir)
+        settings.update(
+            resume_step=newest[0][0] if self.config.resume and newest else 0,
+            train_examples=self.data.train_examples, eval_examples=self.data.eval_examples,
+            steps_per_epoch=self.data.steps_per_epoch)
+        return json.loads(json.dumps(settings))  # tuples as JSON lists
 
     def _record_start(self):
         """config.json for a new run; for every start, what it changed, in run_history."""
@@ -304,10 +328,14 @@ class Trainer:
                 break
             epoch, done_in_epoch = divmod(self.counters.steps, steps_per_epoch)
             before = self.counters.steps
+            # A signal since the last checkpoint (which holds this step) stops the run
+            # before another step; the callback checks after each step.
+            self._stop_if_preempted(agreed_only=True)  # no need to build the data
+            train_data = self.data.train(epoch, skip_batches=done_in_epoch)
+            self._stop_if_preempted()
             try:
                 self.model.fit(
-                    self.data.train(epoch, skip_batches=done_in_epoch), epochs=epoch + 1,
-                    initial_epoch=epoch,
+                    train_data, epochs=epoch + 1, initial_epoch=epoch,
                     steps_per_epoch=min(steps_per_epoch - done_in_epoch,
                                         self.total_steps - self.counters.steps),
                     validation_data=eval_data, callbacks=callbacks, shuffle=False,
@@ -316,18 +344,11 @@ class Trainer:
                 recorder.cut_epoch()
             if self.counters.steps == before:
                 raise RuntimeError(f"fit trained no step at step {before}")
-            checkpoint = None
             if self.chief:
                 mid_epoch = self.counters.steps % steps_per_epoch != 0
-                checkpoint = self._store.save(self.counters.steps, {
+                self._store.save(self.counters.steps, {
                     "counters": self.counters.to_dict(),
                     "epoch_metrics": recorder.epoch_metrics if mid_epoch else None})
-            if (self._preemption is not None and self.counters.steps < self.total_steps
-                    and self._preemption.stop_agreed()):
-                if self.chief:
-                    self._preemption.report(self.counters.steps, self.total_steps,
-                                            checkpoint, self.model_dir)
-                raise preemption_lib.Preempted(self.counters.steps)
 
         summary = self.summary()
         if self.chief:
@@ -335,6 +356,19 @@ class Trainer:
                                  self._store.space_advice)
             _print_summary(summary)
         return summary
+
+    def _stop_if_preempted(self, agreed_only=False):
+        """Raises `preemption.Preempted` on every rank if any was signalled (a collective
+        unless `agreed_only`: then only a stop the ranks agreed on already counts); the
+        checkpoint of the current step is written already."""
+        if self._preemption is None or not (
+                self._preemption.agreed if agreed_only else self._preemption.stop_agreed()):
+            return
+        if self.chief:
+            step = self.counters.steps
+            self._preemption.report(step, self.total_steps,
+                                    self._store.path(step) if step else None, self.model_dir)
+        raise preemption_lib.Preempted(self.counters.steps)
 
     def _evaluate_mid_epoch(self, eval_data):
         """Eval metrics ("val_" names, like fit's), leaving the running training metrics
