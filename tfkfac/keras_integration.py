@@ -10,7 +10,9 @@ names that remain, each because no public API serves:
 - `Layer._flatten_layers`: the only traversal that sees nested layers;
 - `Optimizer._learning_rate`: the inner optimizer's learning-rate variable, for the
   checkpoint layout of `checkpoint_children`;
-- `Trackable._trackable_children`: the hook that chooses a checkpoint's layout.
+- `Trackable._trackable_children`: the hook that chooses a checkpoint's layout;
+- `Optimizer._all_reduce_sum_gradients`: the sum over tf.distribute replicas that Keras's
+  TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer.
 Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras object.
 """
 
@@ -83,13 +85,16 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
             options = {"training": True} if with_training_arg else {}
             loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                       **options)
+            # Keras scales the loss down by the tf.distribute replicas in sync, for its
+            # optimizers' sum of gradients over replicas. K-FAC averages the gradients
+            # (and the output gradients of its factors) itself: it differentiates this
+            # replica's own mean loss, which the loss metric also shows, as Keras's does.
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            loss = loss * tf.cast(replicas, loss.dtype)
             tracker = loss_metric()
             if tracker is not None:
-                # Keras scales the loss down by the replicas in sync; the metric shows it
-                # per replica, as Keras's train step does.
-                replicas = tf.distribute.get_strategy().num_replicas_in_sync
                 batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-                tracker.update_state(loss * tf.cast(replicas, loss.dtype), sample_weight=batch)
+                tracker.update_state(loss, sample_weight=batch)
             return model.optimizer.scale_loss(loss), y_pred
 
         y_pred = step_with_tape(forward, fresh)
@@ -112,6 +117,39 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
 
     set_untracked(model, "train_step", train_step)
     set_untracked(model, "make_train_function", make_train_function)
+
+
+def without_replica_sum(optimizer):
+    """Turn off the sum of gradients over tf.distribute replicas that Keras's TensorFlow
+    optimizers do in `apply` (`_all_reduce_sum_gradients`; no public switch): KFAC hands
+    its inner optimizer gradients its communicator has averaged already. Without a
+    strategy that sum is the identity, so this changes nothing there."""
+    set_untracked(optimizer, "_all_reduce_sum_gradients", lambda grads_and_vars: grads_and_vars)
+
+
+def apply_if(condition, optimizer, grads, variables):
+    """`optimizer.apply(grads, variables)` when `condition` (a bool, equal on every rank).
+
+    Under a tf.distribute strategy Keras's TensorFlow optimizers update every replica's
+    copy of a variable through `ReplicaContext.merge_call`, which a `tf.cond` branch in
+    replica context may not call. So, as Keras's `LossScaleOptimizer` does, the condition
+    is taken in cross-replica context and the update runs in each replica from there.
+    Without a strategy that is a plain `tf.cond`. Call it in replica context.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        raise ValueError("KFAC.apply must be called in a replica context (inside "
+                         "`strategy.run`), as the Keras optimizers' `apply`.")
+
+    def cross_replica(strategy, condition, grads):
+        def update():
+            strategy.extended.call_for_each_replica(optimizer.apply, args=(grads, variables))
+            return tf.constant(True)
+
+        return tf.cond(strategy.experimental_local_results(condition)[0], update,
+                       lambda: tf.constant(False))
+
+    return context.merge_call(cross_replica, args=(condition, list(grads)))
 
 
 def checkpoint_children(children, kfac):

@@ -60,6 +60,8 @@ class KFAC(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name)
         self.config = config
         self.inner_optimizer = inner_optimizer
+        # KFAC hands it gradients its communicator has averaged over every rank.
+        keras_integration.without_replica_sum(inner_optimizer)
         self._comm = communicator or distributed.get_communicator("auto")
         self._init_kfac_fields()
         if model is not None:
@@ -129,6 +131,7 @@ class KFAC(keras.optimizers.Optimizer):
                                                  self.config.method,
                                                  self.config.state_dtype),
             self._comm, self.config)
+        distributed.check_model_strategy(self._comm, model.distribute_strategy)
         self._comm.broadcast_variables(model.variables, root_rank=0)
         self._attachment = Attachment(model, list(layers.values()), blocks, self._comm,
                                       fresh_only=self.config.factor_examples == "fresh")
@@ -214,12 +217,13 @@ class KFAC(keras.optimizers.Optimizer):
         damping = self._damping_at(step)
         config, curvature, clocks = self.config, self._curvature, self._clocks
 
+        managed = {id(v) for block in curvature.blocks for v in block.variables}
+        # The gradients that reach the update: every one present, and every managed
+        # variable's (a missing one is preconditioned as zeros).
+        slots = [i for i, (g, v) in enumerate(zip(grads, variables))
+                 if g is not None or id(v) in managed]
+
         def kfac_step():
-            # Every gradient must be a tensor of this branch's graph: Keras's update sums
-            # gradients over replicas through a custom_gradient, which rejects a mix of
-            # tensors captured from the outer graph (plain-gradient layers) and ones made
-            # in the branch (preconditioned layers).
-            branch_grads = [None if g is None else tf.identity(g) for g in grads]
             clocks.timed("factors", lambda: curvature.update_factors_if_due(
                 step, captures.calls, _interval(config.factor_update_freq),
                 captures.weights, captures.ready))
@@ -228,9 +232,8 @@ class KFAC(keras.optimizers.Optimizer):
             clip = None if config.kl_clip is None else curvature_lib.kl_clip(
                 self.learning_rate, config.kl_clip)
             preconditioned = clocks.timed("precondition", lambda: curvature.precondition(
-                branch_grads, variables, damping, clip))
-            clocks.timed("update", lambda: self._inner_update(preconditioned, variables))
-            return tf.constant(True)
+                grads, variables, damping, clip))
+            return [preconditioned[i] for i in slots]
 
         def skip_step():
             # A NaN/Inf gradient must not reach the weights, the factors or the step count.
@@ -238,15 +241,16 @@ class KFAC(keras.optimizers.Optimizer):
             curvature_lib.warn_if(
                 tf.constant(True),
                 "KFAC warning: non-finite gradients; step skipped, weights unchanged")
-            return tf.constant(False)
+            return [tf.zeros_like(variables[i]) if id(variables[i]) in managed else grads[i]
+                    for i in slots]  # the structure of kfac_step's; not applied
 
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
                                 for g in grads if g is not None])
-        tf.cond(finite, kfac_step, skip_step)
-
-    def _inner_update(self, grads, variables):
-        self.inner_optimizer.apply(grads, variables)
-        return tf.constant(0)
+        # The update runs outside the cond: under a tf.distribute strategy Keras's
+        # optimizers update through `merge_call`, which no cond branch may call.
+        preconditioned = tf.cond(finite, kfac_step, skip_step)
+        clocks.timed("update", lambda: keras_integration.apply_if(
+            finite, self.inner_optimizer, preconditioned, [variables[i] for i in slots]))
 
     # ---------------------------------------------------------- curvature API
     def factors(self, layer):

@@ -33,6 +33,12 @@ class Communicator:
     rank = 0
     size = 1
 
+    @property
+    def local_ranks(self):
+        """The ranks whose state this process holds: its own rank (all of this process's
+        replicas under a multi-device tf.distribute strategy)."""
+        return (self.rank,)
+
     def __init__(self):
         with tf.device("/CPU:0"):
             self._bytes = {c: _counter(f"comm_bytes_{c}") for c in CATEGORIES}
