@@ -12,7 +12,9 @@ names that remain, each because no public API serves:
   checkpoint layout of `checkpoint_children`;
 - `Trackable._trackable_children`: the hook that chooses a checkpoint's layout;
 - `Optimizer._all_reduce_sum_gradients`: the sum over tf.distribute replicas that Keras's
-  TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer.
+  TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer;
+- `Model._maybe_symbolic_build`: given this worker's batch under
+  MultiWorkerMirroredStrategy, where Keras's own fails (keras-team/keras#20585).
 Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras object.
 """
 
@@ -72,6 +74,7 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
     own TensorFlow train step; only `model` is changed.
     """
     with_training_arg = "training" in inspect.signature(model.compute_loss).parameters
+    multi_worker = _is_multi_worker(model.distribute_strategy)
     loss_metric = lambda: next((m for m in model.metrics if m.name == "loss"), None)
 
     def train_step(data):
@@ -98,7 +101,14 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
             return model.optimizer.scale_loss(loss), y_pred
 
         y_pred = step_with_tape(forward, fresh)
-        return reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        logs = reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        if multi_worker:
+            # Keras reduces fit's logs over workers with `strategy.reduce(MEAN, log,
+            # axis=0)`, which fails on a scalar (keras-team/keras#20585). They are
+            # averaged over ranks already: as one-element vectors they reduce to the same.
+            logs = {name: tf.reshape(value, [1]) if tf.is_tensor(value) and
+                    value.shape.rank == 0 else value for name, value in logs.items()}
+        return logs
 
     keras_make_train_function = type(model).make_train_function.__get__(model)
 
@@ -117,6 +127,41 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
 
     set_untracked(model, "train_step", train_step)
     set_untracked(model, "make_train_function", make_train_function)
+    if multi_worker:
+        set_untracked(model, "_maybe_symbolic_build", _symbolic_build_on_local_batch(model))
+
+
+def _is_multi_worker(strategy):
+    """Whether `strategy` runs replicas in other processes (MultiWorkerMirroredStrategy
+    with several workers)."""
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync)
+
+
+def _symbolic_build_on_local_batch(model):
+    """`model._maybe_symbolic_build` fed this worker's first replica's batch.
+
+    Before training, Keras builds the model, metrics and optimizer on one batch, which
+    it gets from a distributed batch by a mean over the replicas; under
+    MultiWorkerMirroredStrategy that mean fails eagerly (keras-team/keras#20585). Only
+    the batch's shapes matter there, and this replica's batch has them.
+    """
+    keras_build = type(model)._maybe_symbolic_build.__get__(model)
+    strategy = model.distribute_strategy
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    def symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, batches in iterator:  # the batch Keras's own build would take
+                data_batch = next(batches)
+                break
+        keras_build(data_batch=tf.nest.map_structure(local, data_batch))
+
+    return symbolic_build
 
 
 def without_replica_sum(optimizer):
