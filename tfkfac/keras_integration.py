@@ -88,16 +88,13 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
             options = {"training": True} if with_training_arg else {}
             loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                       **options)
-            # Keras scales the loss down by the tf.distribute replicas in sync, for its
-            # optimizers' sum of gradients over replicas. K-FAC averages the gradients
-            # (and the output gradients of its factors) itself: it differentiates this
-            # replica's own mean loss, which the loss metric also shows, as Keras's does.
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            loss = loss * tf.cast(replicas, loss.dtype)
             tracker = loss_metric()
             if tracker is not None:
+                # Keras scales the loss down by the replicas in sync (`replicas_in_sync`);
+                # the metric shows it per replica, as Keras's train step does.
                 batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-                tracker.update_state(loss, sample_weight=batch)
+                tracker.update_state(loss * tf.cast(replicas_in_sync(), loss.dtype),
+                                     sample_weight=batch)
             return model.optimizer.scale_loss(loss), y_pred
 
         y_pred = step_with_tape(forward, fresh)
@@ -162,6 +159,14 @@ def _symbolic_build_on_local_batch(model):
         keras_build(data_batch=tf.nest.map_structure(local, data_batch))
 
     return symbolic_build
+
+
+def replicas_in_sync():
+    """Replicas of the tf.distribute strategy in scope (1 without one). Keras's losses
+    (and `tf.nn.compute_average_loss` in custom loops) scale a replica's loss by its
+    inverse, so that the Keras optimizers' sum of gradients over replicas averages them;
+    K-FAC averages over ranks itself and undoes that scale."""
+    return tf.distribute.get_strategy().num_replicas_in_sync
 
 
 def without_replica_sum(optimizer):

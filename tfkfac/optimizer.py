@@ -155,6 +155,10 @@ class KFAC(keras.optimizers.Optimizer):
     def minimize(self, loss, var_list=None, tape=None, fresh=None):
         """Custom loop: gradients from `tape` (opened by `record()`), then the update.
 
+        Under a tf.distribute strategy call it inside `strategy.run`, with the loss as
+        tf.distribute defines it there: this replica's examples' losses summed and
+        divided by the global batch (what Keras's losses and `tf.nn.compute_average_loss`
+        give); K-FAC averages the gradients over replicas itself.
         `fresh`: the batch's fresh flags (N,), given exactly when factor_examples="fresh".
         """
         if tape is None:
@@ -163,7 +167,8 @@ class KFAC(keras.optimizers.Optimizer):
         attachment = self._attached()
         if var_list is None:
             var_list = attachment.model.trainable_variables
-        attachment.step(tape, loss, list(var_list), self.apply, fresh=fresh)
+        attachment.step(tape, loss, list(var_list), self.apply,
+                        replicas=keras_integration.replicas_in_sync(), fresh=fresh)
 
     # ---------------------------------------------------------------- state
     def build(self, var_list):

@@ -27,9 +27,8 @@ import keras
 
 import pipelines
 import tfkfac
-from tfkfac import distributed
 from trainers import checkpoints, config as config_lib, data as data_lib, data_parallel
-from trainers import lr_schedules, models, reporting
+from trainers import distribution, lr_schedules, models, reporting
 
 SUMMARY_FILE = "summary.json"
 # Fields of a config that say how it was started, not what the run is.
@@ -145,7 +144,8 @@ def _resumed_config(config, given, model_dir):
 def run(config, explicitly_set=None):
     """Trains as `config` says and returns the run summary (also in `summary.json`).
 
-    Under horovodrun every rank calls this; only rank 0 writes files and prints logs.
+    Distributed (`config.distribution`), every process calls this; only rank 0's writes
+    files and prints logs.
     """
     return Trainer(config, explicitly_set).train()
 
@@ -159,28 +159,33 @@ class Trainer:
     """
 
     def __init__(self, config, explicitly_set=None):
-        self.communicator = distributed.get_communicator()
+        self.engine = distribution.Engine(config.distribution)
+        self.communicator = self.engine.communicator
         self.chief = self.communicator.rank == 0
         config = check(config, explicitly_set, self.communicator.size)
         self.config = config
         self.model_dir = config.resolved_model_dir()
 
         input_dtype = pipelines.set_precision(config.precision)
-        self.data = data_lib.TrainingData(config, self.communicator.rank,
-                                          self.communicator.size, input_dtype)
+        # Each process reads its shard, a batch per replica it runs (one per rank).
+        self.data = data_lib.TrainingData(
+            dataclasses.replace(config, batch_size=config.batch_size *
+                                self.engine.replicas_per_process),
+            self.engine.process_index, self.engine.processes, input_dtype)
         self.total_steps = config.steps or config.epochs * self.data.steps_per_epoch
         self.num_epochs = math.ceil(self.total_steps / self.data.steps_per_epoch)
 
-        self.model = models.build_model(config.model, self.data.input_shape,
-                                        self.data.num_classes, config.seed)
-        self.optimizer = _build_optimizer(config, self.data.steps_per_epoch, self.total_steps,
-                                          self.communicator)
-        if config.optimizer == "kfac":
-            self.optimizer.attach(self.model)
-        self.model.compile(optimizer=self.optimizer, jit_compile=config.xla,
-                           **_loss_and_metrics(config))
-        # Create every optimizer variable now: the checkpoint and the broadcast need them.
-        self.model.optimizer.build(self.model.trainable_variables)
+        with self.engine.strategy.scope():
+            self.model = models.build_model(config.model, self.data.input_shape,
+                                            self.data.num_classes, config.seed)
+            self.optimizer = _build_optimizer(config, self.data.steps_per_epoch,
+                                              self.total_steps, self.communicator)
+            if config.optimizer == "kfac":
+                self.optimizer.attach(self.model)
+            self.model.compile(optimizer=self.optimizer, jit_compile=config.xla,
+                               **_loss_and_metrics(config))
+            # Create every optimizer variable now: the checkpoint and the broadcast need them.
+            self.model.optimizer.build(self.model.trainable_variables)
 
         self._store = checkpoints.CheckpointStore(self.model_dir, self.model,
                                                   self.model.optimizer)
@@ -216,7 +221,7 @@ class Trainer:
         if self.chief:
             os.makedirs(self.model_dir, exist_ok=True)
             self._record_start()
-        eval_data = self.data.evaluation()
+        eval_data = self.engine.distribute(self.data.evaluation(), config.batch_size)
         recorder = reporting.EpochRecorder(
             self.counters, self.communicator,
             scalars_fn=lambda: _optimizer_scalars(config, self.optimizer),
@@ -241,7 +246,8 @@ class Trainer:
             epoch, done_in_epoch = divmod(self.counters.steps, steps_per_epoch)
             before = self.counters.steps
             self.model.fit(
-                self.data.train(epoch, skip_batches=done_in_epoch), epochs=epoch + 1,
+                self.engine.distribute(self.data.train(epoch, skip_batches=done_in_epoch),
+                                       config.batch_size), epochs=epoch + 1,
                 initial_epoch=epoch,
                 steps_per_epoch=min(steps_per_epoch - done_in_epoch,
                                     self.total_steps - self.counters.steps),

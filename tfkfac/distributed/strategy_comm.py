@@ -76,10 +76,11 @@ def check_model_strategy(comm, strategy):
 class StrategyCommunicator(Communicator):
     """Collectives among the replicas of `strategy` (default: the current one).
 
-    Create it in cross-replica context (inside or outside `strategy.scope()`); call its
-    collectives in replica context, inside `strategy.run`. `rank` is the current
-    replica's `replica_id_in_sync_group`; outside a replica (cross-replica context) it
-    is this process's first replica, so `rank == 0` still picks one chief process.
+    Create it in cross-replica context (inside or outside `strategy.scope()`). Its
+    collectives run in replica context, inside `strategy.run`; called outside, they run
+    in every replica of this process, each giving this process's tensors. `rank` is the
+    current replica's `replica_id_in_sync_group`; outside a replica it is this process's
+    first replica's, so `rank == 0` still picks one chief process.
     """
 
     def __init__(self, strategy=None):
@@ -108,17 +109,35 @@ class StrategyCommunicator(Communicator):
     def local_ranks(self):
         return self._local_ranks
 
+    # Called in cross-replica context (callbacks, checkpoints), each collective runs in
+    # every replica of this process, each giving this process's value.
+    def grouped_allreduce_mean(self, tensors, category="gradients"):
+        return self._in_replicas(lambda: super(StrategyCommunicator, self)
+                                 .grouped_allreduce_mean(tensors, category))
+
+    def broadcast(self, tensors, root_rank=0, category="broadcast"):
+        return self._in_replicas(lambda: super(StrategyCommunicator, self)
+                                 .broadcast(tensors, root_rank, category))
+
+    def allgather(self, tensor, category="allgather"):
+        return self._in_replicas(lambda: super(StrategyCommunicator, self)
+                                 .allgather(tensor, category))
+
     def broadcast_variables(self, variables, root_rank=0):
         """Overwrite every variable with its value on `root_rank`, on every replica."""
         variables = list(variables)
-        if self.size == 1 or not variables:
-            return
+        if self.size > 1 and variables:
+            self._in_replicas(lambda: super(StrategyCommunicator, self)
+                              .broadcast_variables(variables, root_rank))
+
+    def _in_replicas(self, collective):
+        """`collective()` here in a replica context, else run by every local replica
+        (`strategy.run` in a `tf.function`), returning the first one's result."""
         if self._in_replica():
-            super().broadcast_variables(variables, root_rank)
-            return
-        tf.function(lambda: self.strategy.run(
-            lambda: super(StrategyCommunicator, self).broadcast_variables(
-                variables, root_rank)))()
+            return collective()
+        results = tf.function(lambda: self.strategy.run(collective))()
+        return tf.nest.map_structure(
+            lambda value: self.strategy.experimental_local_results(value)[0], results)
 
     # ------------------------------------------------------------ collectives
     def _grouped_allreduce_mean(self, tensors):
