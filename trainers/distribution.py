@@ -19,7 +19,7 @@ import os
 
 import tensorflow as tf
 
-from tfkfac import distributed
+from tfkfac import distributed, validation
 
 DISTRIBUTIONS = ("auto", "none", "horovod", "mirrored", "multi_worker")
 _COMMUNICATORS = {"none": "single", "horovod": "horovod", "mirrored": "strategy",
@@ -60,6 +60,7 @@ class Engine:
     model and optimizer inside `strategy.scope()`."""
 
     def __init__(self, distribution):
+        validation.one_of(DISTRIBUTIONS)("distribution", distribution)
         self.name = resolve(distribution)
         self.strategy = _strategy(self.name)
         with self.strategy.scope():

@@ -32,7 +32,7 @@ from trainers import distribution, lr_schedules, models, reporting
 
 SUMMARY_FILE = "summary.json"
 # Fields of a config that say how it was started, not what the run is.
-_INVOCATION_FIELDS = ("resume", "auto_resume", "model_dir", "verbose")
+_INVOCATION_FIELDS = ("resume", "auto_resume", "model_dir", "verbose", "distribution")
 
 
 def check(config, explicitly_set=None, num_ranks=1):

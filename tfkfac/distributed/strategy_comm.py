@@ -188,11 +188,6 @@ class StrategyCommunicator(Communicator):
 
     def _keys(self):
         """Group and next instance key of the current replica, and its ordering token."""
-        if not self._in_replica():
-            raise RuntimeError(
-                "tfkfac's tf.distribute collectives run in a replica context of the "
-                f"strategy they were made for ({type(self.strategy).__name__}): call them "
-                "inside `strategy.run`.")
         return {"group_size": self.size, "group_key": self._group_key,
                 "instance_key": next(_INSTANCE_KEYS[self._group_key, self.rank]),
                 "ordering_token": [self._ordering_token.handle]}
