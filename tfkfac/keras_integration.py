@@ -217,5 +217,13 @@ def checkpoint_children(children, kfac):
         children["_learning_rate"] = learning_rate
     else:
         children.pop("_learning_rate", None)
-    children["_variables"] = tf.__internal__.tracking.wrap(list(kfac.variables))
+    # One wrapper per list of variables: a checkpoint asks for the children more than
+    # once and matches them by identity (a new wrapper each time fails the write).
+    variables = list(kfac.variables)
+    key = tuple(id(v) for v in variables)
+    cached = kfac.__dict__.get("_checkpoint_variables")
+    if cached is None or cached[0] != key:
+        cached = (key, tf.__internal__.tracking.wrap(variables))
+        set_untracked(kfac, "_checkpoint_variables", cached)
+    children["_variables"] = cached[1]
     return children

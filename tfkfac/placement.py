@@ -43,8 +43,8 @@ class Placement:
         raise NotImplementedError
 
     def holds_decompositions(self, b):
-        """Whether this process keeps block `b`'s decompositions (for one of its ranks:
-        `comm.local_ranks`)."""
+        """Whether this process keeps block `b`'s decompositions (for one of the ranks in
+        `comm.state_ranks`)."""
         raise NotImplementedError
 
     def share_decompositions(self, results, wire_dtype):
@@ -124,7 +124,7 @@ class Owner(Placement):
         return [(b, j) for b, j in self.items if self._owns(b)]
 
     def holds_decompositions(self, b):
-        return self.owners[b] in self.comm.local_ranks
+        return self.owners[b] in self.comm.state_ranks
 
     def _owns(self, b):
         return self.owners[b] == self.comm.rank

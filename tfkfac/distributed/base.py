@@ -35,8 +35,14 @@ class Communicator:
 
     @property
     def local_ranks(self):
-        """The ranks whose state this process holds: its own rank (all of this process's
-        replicas under a multi-device tf.distribute strategy)."""
+        """The ranks this process runs: its own (all of this process's replicas under a
+        multi-device tf.distribute strategy)."""
+        return (self.rank,)
+
+    @property
+    def state_ranks(self):
+        """The ranks whose rank-specific state (an owner's decompositions) this process
+        creates: its own (every rank's under tf.distribute, see StrategyCommunicator)."""
         return (self.rank,)
 
     def __init__(self):

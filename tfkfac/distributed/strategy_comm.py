@@ -20,7 +20,10 @@
   other overheads (base.py).
 With more than one replica per process (MirroredStrategy), one Python object serves all
 of them: `rank` is read from the replica context while tracing, and every variable is a
-mirrored one, so each replica updates its own copy.
+mirrored one, so each replica updates its own copy. Rank-specific state (the "owner"
+placement's decompositions) exists on every replica: every process must create the same
+variables, which MultiWorkerMirroredStrategy initializes with collectives; each replica
+computes and reads only its own.
 """
 
 import collections
@@ -108,6 +111,12 @@ class StrategyCommunicator(Communicator):
     @property
     def local_ranks(self):
         return self._local_ranks
+
+    @property
+    def state_ranks(self):
+        # A strategy creates every variable on every replica, and MultiWorkerMirrored-
+        # Strategy initializes each with a collective that every worker must join.
+        return tuple(range(self.size))
 
     # Called in cross-replica context (callbacks, checkpoints), each collective runs in
     # every replica of this process, each giving this process's value.
