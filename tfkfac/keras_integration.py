@@ -14,7 +14,8 @@ names that remain, each because no public API serves:
 - `Optimizer._all_reduce_sum_gradients`: the sum over tf.distribute replicas that Keras's
   TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer;
 - `Model._maybe_symbolic_build`: given this worker's batch under
-  MultiWorkerMirroredStrategy, where Keras's own fails (keras-team/keras#20585).
+  MultiWorkerMirroredStrategy, where Keras's own fails (keras-team/keras#20585); the
+  attached model's `test_step` is wrapped there for the same bug.
 Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras object.
 """
 
@@ -99,13 +100,7 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
 
         y_pred = step_with_tape(forward, fresh)
         logs = reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
-        if multi_worker:
-            # Keras reduces fit's logs over workers with `strategy.reduce(MEAN, log,
-            # axis=0)`, which fails on a scalar (keras-team/keras#20585). They are
-            # averaged over ranks already: as one-element vectors they reduce to the same.
-            logs = {name: tf.reshape(value, [1]) if tf.is_tensor(value) and
-                    value.shape.rank == 0 else value for name, value in logs.items()}
-        return logs
+        return _as_vectors(logs) if multi_worker else logs
 
     keras_make_train_function = type(model).make_train_function.__get__(model)
 
@@ -126,6 +121,17 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
     set_untracked(model, "make_train_function", make_train_function)
     if multi_worker:
         set_untracked(model, "_maybe_symbolic_build", _symbolic_build_on_local_batch(model))
+        keras_test_step = model.test_step
+        set_untracked(model, "test_step", lambda data: _as_vectors(keras_test_step(data)))
+
+
+def _as_vectors(logs):
+    """Scalar logs as one-element vectors. Keras reduces a step's logs over
+    MultiWorkerMirroredStrategy workers with `strategy.reduce(MEAN, log, axis=0)`, which
+    fails on a scalar (keras-team/keras#20585); a one-element vector reduces to the mean
+    over workers, a scalar again."""
+    return {name: tf.reshape(value, [1]) if tf.is_tensor(value) and value.shape.rank == 0
+            else value for name, value in logs.items()}
 
 
 def _is_multi_worker(strategy):
