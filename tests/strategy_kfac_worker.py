@@ -18,8 +18,9 @@ the global batch. The models, data and settings are those of the Horovod suite
 - `batchnorm`: Input -> BatchNorm -> Dense, one step: moving statistics averaged.
 - `restore`: owner placement, worker 0 writes a checkpoint, every worker restores it into
   a fresh model and optimizer and trains on.
-The worker's `main` runs them under MultiWorkerMirroredStrategy, saves
-`<scenario>.worker<i>.npz` to $STRATEGY_KFAC_OUT_DIR, then worker 1 raises inside fit.
+The worker's `main` runs them under MultiWorkerMirroredStrategy (`fit` one step per
+execution: more is one clear error, saved), saves `<scenario>.worker<i>.npz` to
+$STRATEGY_KFAC_OUT_DIR, then worker 1 raises inside fit.
 """
 
 import os
@@ -109,7 +110,8 @@ def run_equivalence(strategy, placement, method, steps_per_execution=1, xla=Fals
     log = StepLog(optimizer._comm, optimizer)
     model.fit(x, y, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[log])
-    return dict(log.results(), **final_state(strategy, model, optimizer))
+    return dict(log.results(), steps_per_execution=np.asarray(steps_per_execution),
+                **final_state(strategy, model, optimizer))
 
 
 def run_wire(strategy, wire):
@@ -212,8 +214,10 @@ def wait_for_every_worker(comm):
 
 def scenarios(strategy, directory, chief=True):
     """{name: function returning the scenario's saved arrays} for `strategy`."""
+    # Across workers `fit` runs one step per execution (keras_integration).
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     cases = {f"equivalence_{p}_{m}": (lambda p=p, m=m, s=s, x=x: run_equivalence(
-        strategy, p, m, s, x)) for p, m, s, x in EQUIVALENCE_CASES}
+        strategy, p, m, 1 if multi_worker else s, x)) for p, m, s, x in EQUIVALENCE_CASES}
     cases.update({f"wire_{wire}": lambda wire=wire: run_wire(strategy, wire)
                   for wire in WIRES})
     cases.update({f"custom_loop_{p}": lambda p=p: run_custom_loop(strategy, p)
@@ -248,8 +252,16 @@ def main(out_dir):
         np.savez(os.path.join(out_dir, f"{name}.worker{worker}.npz"), **saved)
         print(f"worker {worker}: {name} done in {timings[name]:.1f} s", flush=True)
     np.savez(os.path.join(out_dir, f"timings.worker{worker}.npz"), **timings)
-    model, _ = compiled(strategy, **settings())
     x, y = horovod_suite.fixed_examples(8 * 2 * BATCH)
+    model, _ = compiled(strategy, steps_per_execution=2, **settings())
+    try:
+        model.fit(x, y, batch_size=2 * BATCH, epochs=1, verbose=0)
+        message = ""
+    except ValueError as error:
+        message = str(error)
+    np.savez(os.path.join(out_dir, f"steps_per_execution.worker{worker}.npz"),
+             message=np.asarray(message))
+    model, _ = compiled(strategy, **settings())
     print(f"worker {worker} saved its results", flush=True)
     model.fit(x, y, batch_size=2 * BATCH, epochs=1, verbose=0,
               callbacks=[FailOnWorker1(worker)])

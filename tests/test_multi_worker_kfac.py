@@ -50,7 +50,7 @@ class MultiWorkerKfacTest(checks.StrategyChecks, absltest.TestCase):
         logging.info("%d-worker job exited %d after %.1f s", WORKERS, cls.returncode,
                      cls.exit_time - start)
         cls.saved = {}
-        names = list(worker.scenarios(None, out_dir)) + ["timings"]
+        names = list(worker.scenarios(None, out_dir)) + ["timings", "steps_per_execution"]
         for name in names:
             cls.saved[name] = []
             for index in range(WORKERS):
@@ -63,6 +63,11 @@ class MultiWorkerKfacTest(checks.StrategyChecks, absltest.TestCase):
         logging.info("scenario seconds on worker 0: %s",
                      {k: round(float(v), 1) for k, v in cls.saved["timings"][0].items()})
         cls.references = checks.references()  # after the job, not competing with it
+
+    def test_several_steps_per_execution_is_one_clear_error(self):
+        for saved in self.saved["steps_per_execution"]:
+            self.assertRegex(str(saved["message"]), r"under MultiWorkerMirroredStrategy `fit` "
+                             r"runs one step per execution \(steps_per_execution=1, not 2\)")
 
     def test_failing_worker_ends_job_with_visible_error(self):
         self.assertNotEqual(self.returncode, 0)

@@ -105,6 +105,12 @@ def install_train_step(model, step_with_tape, reduce_logs, fresh_in_sample_weigh
     keras_make_train_function = type(model).make_train_function.__get__(model)
 
     def make_train_function(force=False):
+        if multi_worker and model.steps_per_execution > 1:
+            raise ValueError(
+                "KFAC: under MultiWorkerMirroredStrategy `fit` runs one step per execution "
+                f"(steps_per_execution=1, not {model.steps_per_execution}): TensorFlow's "
+                "cross-worker collectives in Keras's step loop (its iterator, its log "
+                "reduction) fail inside the tf.while_loop of several steps.")
         # K-FAC's step calls LAPACK and collectives, which XLA cannot compile: it runs as
         # a tf.function and compiles its own local stages (`KFACConfig.xla`).
         if model.jit_compile:

@@ -17,7 +17,8 @@
   one, the V2 ops wait forever for their peers (measured).
 - A gather needs the same shape on every replica: ranks first gather their sizes, then
   pad to the largest; the counters count the unpadded payload, like the transport's
-  other overheads (base.py).
+  other overheads (base.py). Gather and broadcast take no bfloat16: its bits travel as
+  float16.
 With more than one replica per process (MirroredStrategy), one Python object serves all
 of them: `rank` is read from the replica context while tracing, and every variable is a
 mirrored one, so each replica updates its own copy. Rank-specific state (the "owner"
@@ -155,10 +156,13 @@ class StrategyCommunicator(Communicator):
 
     def _broadcast(self, tensors, root_rank):
         def broadcast(flat, keys):
+            wire = _to_wire(flat)
             if self.rank == root_rank:
-                return tf.raw_ops.CollectiveBcastSendV2(input=flat, **_unordered(keys))
-            return tf.raw_ops.CollectiveBcastRecvV2(shape=tf.shape(flat), T=flat.dtype,
-                                                    **_unordered(keys))
+                wire = tf.raw_ops.CollectiveBcastSendV2(input=wire, **_unordered(keys))
+            else:
+                wire = tf.raw_ops.CollectiveBcastRecvV2(shape=tf.shape(wire), T=wire.dtype,
+                                                        **_unordered(keys))
+            return _from_wire(wire, flat.dtype)
         return self._per_dtype(tensors, broadcast)
 
     def _allgather(self, tensor):
@@ -168,9 +172,9 @@ class StrategyCommunicator(Communicator):
         flat = tf.reshape(tensor, [-1])
         row = tensor.shape[1:].num_elements()  # elements per entry of axis 0
         sizes = tf.raw_ops.CollectiveGatherV2(input=size, **self._keys())
-        padded = tf.pad(flat, [[0, (tf.reduce_max(sizes) - size[0]) * row]])
-        gathered = tf.reshape(tf.raw_ops.CollectiveGatherV2(input=padded, **self._keys()),
-                              [self.size, -1])
+        padded = _to_wire(tf.pad(flat, [[0, (tf.reduce_max(sizes) - size[0]) * row]]))
+        gathered = tf.reshape(_from_wire(tf.raw_ops.CollectiveGatherV2(
+            input=padded, **self._keys()), tensor.dtype), [self.size, -1])
         kept = tf.sequence_mask(sizes * row, tf.shape(gathered)[1])
         return tf.reshape(tf.boolean_mask(gathered, kept),
                           tf.concat([[-1], tf.shape(tensor)[1:]], axis=0))
@@ -205,3 +209,13 @@ class StrategyCommunicator(Communicator):
 def _unordered(keys):
     """Broadcast ops take no ordering token."""
     return {k: v for k, v in keys.items() if k != "ordering_token"}
+
+
+def _to_wire(tensor):
+    """Gather and broadcast ops take no bfloat16 (the reduction does): send its bits as
+    float16, which they copy unchanged."""
+    return tf.bitcast(tensor, tf.float16) if tensor.dtype == tf.bfloat16 else tensor
+
+
+def _from_wire(tensor, dtype):
+    return tf.bitcast(tensor, tf.bfloat16) if dtype == tf.bfloat16 else tensor
