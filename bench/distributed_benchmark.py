@@ -1,4 +1,6 @@
-"""Distributed K-FAC benchmark: 1 process vs 2 Horovod ranks on this machine.
+"""Distributed K-FAC benchmark: 1 process vs 2 ranks on this machine, on both engines:
+Horovod (horovodrun --gloo) and tf.distribute (MultiWorkerMirroredStrategy, 2 workers on
+localhost started by trainers.launch).
 
 Same global batch (strong scaling): one process with batch G against 2 ranks with G/2
 each, for the MLP and the small CNN of `trainers/models.py` on real Fashion-MNIST, with
@@ -35,6 +37,7 @@ import outputs  # noqa: E402
 from trainers import launch  # noqa: E402
 
 FLAGS = flags.FLAGS
+ENGINES = ("horovod", "multi_worker")
 flags.DEFINE_list("models", ["mlp", "cnn"], "Models of trainers/models.py to measure.")
 flags.DEFINE_integer("global_batch", 128, "Examples per step over all ranks.")
 flags.DEFINE_integer("warmup_steps", 6, "Untimed steps (include a factor and an inverse step).")
@@ -46,6 +49,8 @@ flags.DEFINE_list("timed_configs", ["replicated:float32:float32", "owner:float32
 flags.DEFINE_list("bytes_configs", ["replicated:float16:float16", "owner:float16:float16"],
                   "2-rank configurations run for the warm-up steps only (bytes).")
 flags.DEFINE_integer("num_ranks", 2, "Ranks of the distributed run.")
+flags.DEFINE_list("engines", list(ENGINES), "Engines of the distributed runs.")
+flags.DEFINE_string("engine", None, "Internal: the engine a worker runs under.")
 flags.DEFINE_integer("timeout", 900, "Seconds before a run is killed.")
 flags.DEFINE_string("output_dir", outputs.RESULTS_DIR,
                     "Where distributed.json and distributed.png go.")
@@ -54,6 +59,7 @@ flags.DEFINE_string("replot", None, "Only redraw the PNG and reprint the figures
 flags.DEFINE_string("worker_out", None, "Internal: run as a worker, write results here.")
 
 PHASES = ("factors", "decomposition", "precondition", "update")
+_ENGINE_LABELS = {"horovod": "Horovod ranks", "multi_worker": "MWMS workers"}
 
 
 # ----------------------------------------------------------------------------- worker
@@ -68,19 +74,27 @@ def worker_main(out_path):
     from trainers import models
 
     # Threading must be set before TensorFlow starts (the communicator makes variables).
-    threads = max(1, (os.cpu_count() or 1) // distributed.launched_world_size())
+    processes = (FLAGS.num_ranks if FLAGS.engine == "multi_worker"
+                 else distributed.launched_world_size())
+    threads = max(1, (os.cpu_count() or 1) // processes)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
-    comm = distributed.get_communicator("auto")
+    strategy = (tf.distribute.MultiWorkerMirroredStrategy() if FLAGS.engine == "multi_worker"
+                else tf.distribute.get_strategy())
+    with strategy.scope():
+        comm = distributed.get_communicator("auto")
     local_batch = FLAGS.global_batch // comm.size
     total_steps = FLAGS.warmup_steps + FLAGS.timed_steps
     ds = idx_dataset.load_idx("fashion_mnist", f"train[:{total_steps * FLAGS.global_batch}]")
     x, y = next(iter(ds.map(lambda e: (tf.cast(e["image"], tf.float32) / 255.0, e["label"]))
                      .batch(total_steps * FLAGS.global_batch)))
-    # Rank r takes the r-th part of every global batch.
-    shape = (total_steps, comm.size, local_batch)
-    x = x.numpy().reshape(shape + (28, 28, 1))[:, comm.rank].reshape((-1, 28, 28, 1))
-    y = y.numpy().reshape(shape)[:, comm.rank].reshape(-1)
+    x, y = x.numpy(), y.numpy()
+    fit_batch = FLAGS.global_batch  # tf.distribute: Keras gives each replica its part
+    if FLAGS.engine != "multi_worker":  # Horovod rank r takes the r-th part of each batch
+        shape = (total_steps, comm.size, local_batch)
+        x = x.reshape(shape + (28, 28, 1))[:, comm.rank].reshape((-1, 28, 28, 1))
+        y = y.reshape(shape)[:, comm.rank].reshape(-1)
+        fit_batch = local_batch
 
     class Probe(keras.callbacks.Callback):
         """Per-step bytes in the warm-up; time, phases and bytes over the timed window."""
@@ -113,18 +127,19 @@ def worker_main(out_path):
             self.marks["end"] = self.snapshot()
 
     def measure(model_name, placement, factor_wire, eigen_wire, steps):
-        model = models.build_model(model_name, (28, 28, 1), 10, seed=0)
-        optimizer = tfkfac.KFAC(
-            learning_rate=0.02, damping=1e-2, placement=placement,
-            factor_wire_dtype=factor_wire, decomposition_wire_dtype=eigen_wire,
-            factor_update_freq=FLAGS.factor_update_freq,
-            decomposition_update_freq=FLAGS.decomposition_update_freq, phase_clocks=True,
-            communicator=comm).attach(model)
-        model.compile(optimizer=optimizer,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with strategy.scope():
+            model = models.build_model(model_name, (28, 28, 1), 10, seed=0)
+            optimizer = tfkfac.KFAC(
+                learning_rate=0.02, damping=1e-2, placement=placement,
+                factor_wire_dtype=factor_wire, decomposition_wire_dtype=eigen_wire,
+                factor_update_freq=FLAGS.factor_update_freq,
+                decomposition_update_freq=FLAGS.decomposition_update_freq, phase_clocks=True,
+                communicator=comm).attach(model)
+            model.compile(optimizer=optimizer,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         probe = Probe(optimizer, FLAGS.warmup_steps)
         start = time.perf_counter()
-        model.fit(x[: steps * local_batch], y[: steps * local_batch], batch_size=local_batch,
+        model.fit(x[: steps * fit_batch], y[: steps * fit_batch], batch_size=fit_batch,
                   epochs=1, shuffle=False, verbose=0, callbacks=[probe])
         result = {
             "model": model_name, "placement": placement, "factor_wire": factor_wire,
@@ -197,17 +212,35 @@ def _worker_args(out):
 
 
 def run_all(work_dir):
+    """(the single process's results, {engine: [results of each rank]})."""
     env = launch.job_environment()
     single = os.path.join(work_dir, "single")
-    multi = os.path.join(work_dir, "multi")
     for line in _run([sys.executable] + _worker_args(single), env):
         print("  " + line)
     n = FLAGS.num_ranks
-    for line in _run(launch.horovodrun_command(_worker_args(multi), n, env), env):
-        print("  " + line)
     load = lambda path: json.load(open(path))
-    return (load(f"{single}.rank0.json"),
-            [load(f"{multi}.rank{r}.json") for r in range(n)])
+    per_engine = {}
+    for engine in FLAGS.engines:
+        out = os.path.join(work_dir, engine)
+        args = _worker_args(out) + [f"--engine={engine}"]
+        if engine == "horovod":
+            lines = _run(launch.horovodrun_command(args, n, env), env)
+        else:
+            lines = _run_multi_worker(args, n, env)
+        for line in lines:
+            print("  " + line)
+        per_engine[engine] = [load(f"{out}.rank{r}.json") for r in range(n)]
+    return load(f"{single}.rank0.json"), per_engine
+
+
+def _run_multi_worker(args, num_workers, env):
+    start = time.time()
+    code, output = launch.run_multi_worker_job(args, num_workers, FLAGS.timeout, env)
+    if code:
+        raise RuntimeError(f"multi_worker exited {code}:\n{output[-3000:]}")
+    print(f"{num_workers} MultiWorkerMirroredStrategy workers took {time.time() - start:.0f} s",
+          flush=True)
+    return [line for line in output.splitlines() if "steps in" in line]
 
 
 def _fmt(value, digits=3):
@@ -267,13 +300,13 @@ def _step_bytes(warmup_bytes, step):
     return {c: warmup_bytes[step][c] - before[c] for c in warmup_bytes[step]}
 
 
-def summarize(single, per_rank, load_at_start):
-    """One entry per model: the single process and each 2-rank configuration."""
+def summarize(single, per_engine, load_at_start):
+    """One entry per model: the single process and each engine's 2-rank configurations."""
     report = {"settings": {
         "global_batch": FLAGS.global_batch, "warmup_steps": FLAGS.warmup_steps,
         "timed_steps": FLAGS.timed_steps, "factor_update_freq": FLAGS.factor_update_freq,
         "decomposition_update_freq": FLAGS.decomposition_update_freq,
-        "num_ranks": FLAGS.num_ranks,
+        "num_ranks": FLAGS.num_ranks, "engines": list(per_engine),
         "cpu_count": os.cpu_count(), "load_average_1min_at_start": load_at_start},
         "models": {}}
     for base in single:
@@ -286,42 +319,50 @@ def summarize(single, per_rank, load_at_start):
                            kfac_state_bytes=base["kfac_state_bytes"],
                            batch=base["local_batch"], phase_seconds=timed["phase_seconds"]),
             "distributed": []}
-        configs = [r for r in per_rank[0] if r["model"] == name]
-        for index, config in enumerate(configs):
-            ranks = [[r for r in results if r["model"] == name][index] for results in per_rank]
-            row = {"placement": config["placement"], "factor_wire": config["factor_wire"],
-                   "eigen_wire": config["eigen_wire"], "batch_per_rank": config["local_batch"],
-                   "threads_per_rank": config["threads"],
-                   "kfac_state_bytes_per_rank": [r["kfac_state_bytes"] for r in ranks]}
-            # Warm-up step 0 is a factor + inverse step; step 1 is stale; the first
-            # factor-only step is factor_update_freq (if inside the warm-up).
-            per_step = [_step_bytes(r["warmup_bytes"], 0) for r in ranks]
-            row["inverse_step_bytes_per_rank"] = [sum(b.values()) for b in per_step]
-            row["factor_bytes_per_factor_step"] = per_step[0]["factors"]
-            row["decomposition_bytes_per_inverse_step_all_ranks"] = sum(
-                b["decompositions"] for b in per_step)
-            stale = [_step_bytes(r["warmup_bytes"], 1) for r in ranks]
-            row["stale_step_bytes_mean_of_ranks"] = {
-                c: sum(b[c] for b in stale) / len(stale) for c in stale[0]}
-            if "timed" in config:
-                timed_ranks = [r["timed"] for r in ranks]
-                row.update(_timing(timed_ranks))
-                single_row = entry["single"]
-                row.update({
-                    "speedup_vs_single": _ratio(single_row["step_seconds"],
-                                                row["step_seconds"]),
-                    "median_step_speedup_vs_single": _ratio(
-                        single_row["median_step_seconds"], row["median_step_seconds"]),
-                    "decomposition_speedup_vs_single": _ratio(
-                        single_row["decomposition_seconds_per_inverse_step"],
-                        row["decomposition_seconds_per_inverse_step"]),
-                    "phase_seconds_per_rank": [t["phase_seconds"] for t in timed_ranks],
-                    "bytes_per_step_per_rank": [t["bytes_per_step"] for t in timed_ranks],
-                    "calls_per_step": timed_ranks[0]["calls_per_step"],
-                })
-            entry["distributed"].append(row)
+        for engine, per_rank in per_engine.items():
+            entry["distributed"] += _rows(name, engine, per_rank, entry["single"])
         report["models"][name] = entry
     return report
+
+
+def _rows(name, engine, per_rank, single_row):
+    """The rows of one engine's configurations of model `name`."""
+    rows = []
+    configs = [r for r in per_rank[0] if r["model"] == name]
+    for index, config in enumerate(configs):
+        ranks = [[r for r in results if r["model"] == name][index] for results in per_rank]
+        row = {"engine": engine, "placement": config["placement"],
+               "factor_wire": config["factor_wire"],
+               "eigen_wire": config["eigen_wire"], "batch_per_rank": config["local_batch"],
+               "threads_per_rank": config["threads"],
+               "kfac_state_bytes_per_rank": [r["kfac_state_bytes"] for r in ranks]}
+        # Warm-up step 0 is a factor + inverse step; step 1 is stale; the first
+        # factor-only step is factor_update_freq (if inside the warm-up).
+        per_step = [_step_bytes(r["warmup_bytes"], 0) for r in ranks]
+        row["inverse_step_bytes_per_rank"] = [sum(b.values()) for b in per_step]
+        row["factor_bytes_per_factor_step"] = per_step[0]["factors"]
+        row["decomposition_bytes_per_inverse_step_all_ranks"] = sum(
+            b["decompositions"] for b in per_step)
+        stale = [_step_bytes(r["warmup_bytes"], 1) for r in ranks]
+        row["stale_step_bytes_mean_of_ranks"] = {
+            c: sum(b[c] for b in stale) / len(stale) for c in stale[0]}
+        if "timed" in config:
+            timed_ranks = [r["timed"] for r in ranks]
+            row.update(_timing(timed_ranks))
+            row.update({
+                "speedup_vs_single": _ratio(single_row["step_seconds"],
+                                            row["step_seconds"]),
+                "median_step_speedup_vs_single": _ratio(
+                    single_row["median_step_seconds"], row["median_step_seconds"]),
+                "decomposition_speedup_vs_single": _ratio(
+                    single_row["decomposition_seconds_per_inverse_step"],
+                    row["decomposition_seconds_per_inverse_step"]),
+                "phase_seconds_per_rank": [t["phase_seconds"] for t in timed_ranks],
+                "bytes_per_step_per_rank": [t["bytes_per_step"] for t in timed_ranks],
+                "calls_per_step": timed_ranks[0]["calls_per_step"],
+            })
+        rows.append(row)
+    return rows
 
 
 def plot(report, path):
@@ -333,7 +374,7 @@ def plot(report, path):
     names = list(report["models"])
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     axes = axes.ravel()
-    width = 0.25
+    width = 0.18
     # (1) mean step time, (2) median step time, (3) decomposition per inverse step.
     for ax, key, title in (
             (axes[0], "step_seconds", "mean time per training step (s)"),
@@ -345,13 +386,14 @@ def plot(report, path):
             entry = report["models"][name]
             rows = [r for r in entry["distributed"] if key in r]
             bars = [("1 process", entry["single"][key])] + [
-                (f"{FLAGS.num_ranks} ranks {r['placement']}", r[key]) for r in rows]
+                (f"{FLAGS.num_ranks} {_ENGINE_LABELS[r.get('engine', 'horovod')]} "
+                 f"{r['placement']}", r[key]) for r in rows]
             for j, (label, value) in enumerate(bars):
                 value = value or 0.0  # No inverse step in the timed window.
-                ax.bar(i + (j - 1) * width, value, width, color=f"C{j}",
+                ax.bar(i + (j - 2) * width, value, width, color=f"C{j}",
                        label=label if i == 0 else None)
-                ax.text(i + (j - 1) * width, value, f"{value:.3g}", ha="center",
-                        va="bottom", fontsize=7)
+                ax.text(i + (j - 2) * width, value, f"{value:.3g}", ha="center",
+                        va="bottom", fontsize=6)
         ax.set_xticks(range(len(names)), names)
         ax.set_title(title)
         ax.legend(fontsize=8)
@@ -361,7 +403,8 @@ def plot(report, path):
     labels, stacks = [], []
     for name in names:
         for row in report["models"][name]["distributed"]:
-            labels.append(f"{name}\n{row['placement'][:5]}\n{row['factor_wire']}")
+            labels.append(f"{name} {row.get('engine', 'horovod')[:5]}\n"
+                          f"{row['placement'][:5]}\n{row['factor_wire']}")
             stacks.append([row["amortized_bytes_per_step_per_rank"][c] / 1e6
                            for c in categories])
     bottom = [0.0] * len(labels)
@@ -376,7 +419,8 @@ def plot(report, path):
                  f"{FLAGS.decomposition_update_freq})")
     ax.legend(fontsize=8)
     fig.suptitle(f"Distributed K-FAC on {report['settings']['cpu_count']} cores: 1 process "
-                 f"vs {FLAGS.num_ranks} Gloo ranks, global batch {FLAGS.global_batch}")
+                 f"vs {FLAGS.num_ranks} ranks (Horovod Gloo, tf.distribute "
+                 f"MultiWorkerMirroredStrategy), global batch {FLAGS.global_batch}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -421,8 +465,8 @@ def main(argv):
     else:
         load_at_start = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as work_dir:
-            single, per_rank = run_all(work_dir)
-        report = summarize(single, per_rank, load_at_start)
+            single, per_engine = run_all(work_dir)
+        report = summarize(single, per_engine, load_at_start)
         add_amortized_bytes(report)
         report["settings"]["benchmark_seconds"] = time.time() - start
         outputs.write(report, FLAGS.output_dir, "distributed", plot)
@@ -437,7 +481,8 @@ def main(argv):
               f"step (min {_fmt(single_row['decomposition_seconds_min'])}), K-FAC state "
               f"{_megabytes(single_row.get('kfac_state_bytes'))} MB")
         for row in entry["distributed"]:
-            label = f"{row['placement']:>10} {row['factor_wire']}/{row['eigen_wire']}"
+            label = (f"{row.get('engine', 'horovod'):>12} {row['placement']:>10} "
+                     f"{row['factor_wire']}/{row['eigen_wire']}")
             text = (f"  {FLAGS.num_ranks} ranks {label}: "
                     f"{row['amortized_bytes_per_step_per_rank']['total'] / 1e3:.1f} kB/step/rank"
                     f" (factor step {row['factor_bytes_per_factor_step'] / 1e3:.1f} kB), "

@@ -147,7 +147,7 @@ def measure():
     command = [sys.executable, os.path.join(os.path.dirname(__file__), "distributed_benchmark.py"),
                f"--models={','.join(LOCAL_MODELS)}", f"--global_batch={LOCAL_BATCH}",
                f"--factor_update_freq={LOCAL_FACTOR}",
-               f"--inv_update_freq={LOCAL_DECOMPOSITION}", "--bytes_configs=",
+               f"--decomposition_update_freq={LOCAL_DECOMPOSITION}", "--bytes_configs=",
                f"--output_dir={MEASURED_DIR}"]
     code, output = launch.run_job(command, 1200, env)
     print(output[-3000:], flush=True)

@@ -17,7 +17,7 @@ import write_arguments_doc  # noqa: E402
 
 USER_DOCS = ["README.md"] + [os.path.join("docs", name) for name in
                              ("usage.md", "arguments.md", "trainer.md", "development.md",
-                              "design.md")]
+                              "design.md", "distributed.md")]
 
 
 def read(path):

@@ -78,16 +78,22 @@ class Attachment:
         with tf.GradientTape() as tape, self._recorder.recording():
             yield tape
 
-    def step(self, tape, loss, variables, apply, loss_scale=1.0, fresh=None, wrapped=False):
+    def step(self, tape, loss, variables, apply, loss_scale=1.0, replicas=1, fresh=None,
+             wrapped=False):
         """Gradients of `loss` (recorded by `tape`), then `apply(gradients, variables)`
         with this step's `Captures` provided to the optimizer. `fresh`: the batch's
-        fresh flags (N,), needed exactly when `fresh_only`. `wrapped`: `apply` is a
-        wrapping optimizer's, which may skip the step without calling K-FAC."""
+        fresh flags (N,), needed exactly when `fresh_only`. `replicas`: under a
+        tf.distribute strategy the loss is this replica's mean over the replicas in
+        sync (Keras's and tf.distribute's convention); its gradients are multiplied back
+        before they are averaged over ranks, so they are averaged exactly once.
+        `wrapped`: `apply` is a wrapping optimizer's, which may skip the step without
+        calling K-FAC."""
         if self.fresh_only != (fresh is not None):
             raise ValueError(FRESH_HINT if self.fresh_only else
                              "`fresh` flags are used only with KFAC(factor_examples="
                              "'fresh'); this optimizer counts every example")
-        gradients, captures = self._gradients(tape, loss, variables, loss_scale, fresh)
+        gradients, captures = self._gradients(tape, loss, variables, loss_scale, replicas,
+                                              fresh)
         self._captures = captures
         try:
             apply(gradients, variables)
@@ -110,7 +116,8 @@ class Attachment:
         with self.record() as tape:
             scaled_loss, y_pred = forward()
         self.step(tape, scaled_loss, model.trainable_variables, model.optimizer.apply,
-                  loss_scale=model.optimizer.scale_loss(1.0), fresh=fresh,
+                  loss_scale=model.optimizer.scale_loss(1.0),
+                  replicas=keras_integration.replicas_in_sync(), fresh=fresh,
                   wrapped=keras_integration.train_step_owner(model) is not model.optimizer)
         return y_pred
 
@@ -121,11 +128,12 @@ class Attachment:
             [tf.cast(logs[name], tf.float32) for name in names], category="metrics")
         return {**logs, **dict(zip(names, values))}
 
-    def _gradients(self, tape, loss, variables, loss_scale, fresh):
+    def _gradients(self, tape, loss, variables, loss_scale, replicas, fresh):
         """(weight gradients averaged over ranks, `Captures` with unscaled output
         gradients).
 
-        `loss_scale` is the factor `loss` was multiplied by (mixed precision).
+        `loss_scale` is the factor `loss` was multiplied by (mixed precision), besides
+        1/`replicas` (tf.distribute, see `step`), which is undone here for both.
         """
         calls = self._recorder.take()
         outputs = [[s for _, s in block_calls] for block_calls in calls]
@@ -155,6 +163,11 @@ class Attachment:
         weights, ready = (None, True) if flags is None else _fresh_weights(flags, reduced[-1])
         reduced = iter(reduced[:len(present)])
         gradients = [None if g is None else next(reduced) for g in gradients]
+        if replicas != 1:
+            gradients = [None if g is None else g * tf.cast(replicas, g.dtype)
+                         for g in gradients]
+            loss_scale = loss_scale / replicas
+
         def unscaled(s, g):  # float16 widened before unscaling; float64 stays float64
             if g is None:
                 return tf.zeros_like(s)

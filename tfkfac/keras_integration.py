@@ -10,7 +10,12 @@ names that remain, each because no public API serves:
 - `Layer._flatten_layers`: the only traversal that sees nested layers;
 - `Optimizer._learning_rate`: the inner optimizer's learning-rate variable, for the
   checkpoint layout of `checkpoint_children`;
-- `Trackable._trackable_children`: the hook that chooses a checkpoint's layout.
+- `Trackable._trackable_children`: the hook that chooses a checkpoint's layout;
+- `Optimizer._all_reduce_sum_gradients`: the sum over tf.distribute replicas that Keras's
+  TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer;
+- `Model._maybe_symbolic_build`: given this worker's batch under
+  MultiWorkerMirroredStrategy, where Keras's own fails (keras-team/keras#20585); the
+  attached model's `test_step` is wrapped there for the same bug.
 Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras object.
 """
 
@@ -78,6 +83,7 @@ def install_train_step(model, owner, step_with_tape, reduce_logs,
     own TensorFlow train step; only `model` is changed.
     """
     with_training_arg = "training" in inspect.signature(model.compute_loss).parameters
+    multi_worker = _is_multi_worker(model.distribute_strategy)
     loss_metric = lambda: next((m for m in model.metrics if m.name == "loss"), None)
 
     def train_step(data):
@@ -93,19 +99,26 @@ def install_train_step(model, owner, step_with_tape, reduce_logs,
                                       **options)
             tracker = loss_metric()
             if tracker is not None:
-                # Keras scales the loss down by the replicas in sync; the metric shows it
-                # per replica, as Keras's train step does.
-                replicas = tf.distribute.get_strategy().num_replicas_in_sync
+                # Keras scales the loss down by the replicas in sync (`replicas_in_sync`);
+                # the metric shows it per replica, as Keras's train step does.
                 batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-                tracker.update_state(loss * tf.cast(replicas, loss.dtype), sample_weight=batch)
+                tracker.update_state(loss * tf.cast(replicas_in_sync(), loss.dtype),
+                                     sample_weight=batch)
             return model.optimizer.scale_loss(loss), y_pred
 
         y_pred = step_with_tape(forward, fresh)
-        return reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        logs = reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        return _as_vectors(logs) if multi_worker else logs
 
     keras_make_train_function = type(model).make_train_function.__get__(model)
 
     def make_train_function(force=False):
+        if multi_worker and model.steps_per_execution > 1:
+            raise ValueError(
+                "KFAC: under MultiWorkerMirroredStrategy `fit` runs one step per execution "
+                f"(steps_per_execution=1, not {model.steps_per_execution}): TensorFlow's "
+                "cross-worker collectives in Keras's step loop (its iterator, its log "
+                "reduction) fail inside the tf.while_loop of several steps.")
         # K-FAC's step calls LAPACK and collectives, which XLA cannot compile: it runs as
         # a tf.function and compiles its own local stages (`KFACConfig.xla`).
         if model.jit_compile:
@@ -121,6 +134,93 @@ def install_train_step(model, owner, step_with_tape, reduce_logs,
     set_untracked(model, "train_step", train_step)
     set_untracked(model, "make_train_function", make_train_function)
     set_untracked(model, "_tfkfac_owner", weakref.ref(owner))
+    if multi_worker:
+        set_untracked(model, "_maybe_symbolic_build", _symbolic_build_on_local_batch(model))
+        keras_test_step = model.test_step
+        set_untracked(model, "test_step", lambda data: _as_vectors(keras_test_step(data)))
+
+
+def _as_vectors(logs):
+    """Scalar logs as one-element vectors. Keras reduces a step's logs over
+    MultiWorkerMirroredStrategy workers with `strategy.reduce(MEAN, log, axis=0)`, which
+    fails on a scalar (keras-team/keras#20585); a one-element vector reduces to the mean
+    over workers, a scalar again."""
+    return {name: tf.reshape(value, [1]) if tf.is_tensor(value) and value.shape.rank == 0
+            else value for name, value in logs.items()}
+
+
+def _is_multi_worker(strategy):
+    """Whether `strategy` runs replicas in other processes (MultiWorkerMirroredStrategy
+    with several workers)."""
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync)
+
+
+def _symbolic_build_on_local_batch(model):
+    """`model._maybe_symbolic_build` fed this worker's first replica's batch.
+
+    Before training, Keras builds the model, metrics and optimizer on one batch, which
+    it gets from a distributed batch by a mean over the replicas; under
+    MultiWorkerMirroredStrategy that mean fails eagerly (keras-team/keras#20585). Only
+    the batch's shapes matter there, and this replica's batch has them.
+    """
+    keras_build = type(model)._maybe_symbolic_build.__get__(model)
+    strategy = model.distribute_strategy
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    def symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, batches in iterator:  # the batch Keras's own build would take
+                data_batch = next(batches)
+                break
+        keras_build(data_batch=tf.nest.map_structure(local, data_batch))
+
+    return symbolic_build
+
+
+def replicas_in_sync():
+    """Replicas of the tf.distribute strategy in scope (1 without one). Keras's losses
+    (and `tf.nn.compute_average_loss` in custom loops) scale a replica's loss by its
+    inverse, so that the Keras optimizers' sum of gradients over replicas averages them;
+    K-FAC averages over ranks itself and undoes that scale."""
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def without_replica_sum(optimizer):
+    """Turn off the sum of gradients over tf.distribute replicas that Keras's TensorFlow
+    optimizers do in `apply` (`_all_reduce_sum_gradients`; no public switch): KFAC hands
+    its inner optimizer gradients its communicator has averaged already. Without a
+    strategy that sum is the identity, so this changes nothing there."""
+    set_untracked(optimizer, "_all_reduce_sum_gradients", lambda grads_and_vars: grads_and_vars)
+
+
+def apply_if(condition, optimizer, grads, variables):
+    """`optimizer.apply(grads, variables)` when `condition` (a bool, equal on every rank).
+
+    Under a tf.distribute strategy Keras's TensorFlow optimizers update every replica's
+    copy of a variable through `ReplicaContext.merge_call`, which a `tf.cond` branch in
+    replica context may not call. So, as Keras's `LossScaleOptimizer` does, the condition
+    is taken in cross-replica context and the update runs in each replica from there.
+    Without a strategy that is a plain `tf.cond`. Call it in replica context.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        raise ValueError("KFAC.apply must be called in a replica context (inside "
+                         "`strategy.run`), as the Keras optimizers' `apply`.")
+
+    def cross_replica(strategy, condition, grads):
+        def update():
+            strategy.extended.call_for_each_replica(optimizer.apply, args=(grads, variables))
+            return tf.constant(True)
+
+        return tf.cond(strategy.experimental_local_results(condition)[0], update,
+                       lambda: tf.constant(False))
+
+    return context.merge_call(cross_replica, args=(condition, list(grads)))
 
 
 def checkpoint_children(children, kfac):
@@ -138,5 +238,13 @@ def checkpoint_children(children, kfac):
         children["_learning_rate"] = learning_rate
     else:
         children.pop("_learning_rate", None)
-    children["_variables"] = tf.__internal__.tracking.wrap(list(kfac.variables))
+    # One wrapper per list of variables: a checkpoint asks for the children more than
+    # once and matches them by identity (a new wrapper each time fails the write).
+    variables = list(kfac.variables)
+    key = tuple(id(v) for v in variables)
+    cached = kfac.__dict__.get("_checkpoint_variables")
+    if cached is None or cached[0] != key:
+        cached = (key, tf.__internal__.tracking.wrap(variables))
+        set_untracked(kfac, "_checkpoint_variables", cached)
+    children["_variables"] = cached[1]
     return children

@@ -61,6 +61,8 @@ class KFAC(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name)
         self.config = config
         self.inner_optimizer = inner_optimizer
+        # KFAC hands it gradients its communicator has averaged over every rank.
+        keras_integration.without_replica_sum(inner_optimizer)
         self._comm = communicator or distributed.get_communicator("auto")
         self._init_kfac_fields()
         if model is not None:
@@ -141,6 +143,7 @@ class KFAC(keras.optimizers.Optimizer):
                                                  self.config.method,
                                                  self.config.state_dtype),
             self._comm, self.config)
+        distributed.check_model_strategy(self._comm, model.distribute_strategy)
         self._comm.broadcast_variables(model.variables, root_rank=0)
         self._attachment = Attachment(model, list(layers.values()), blocks, self._comm,
                                       fresh_only=self.config.factor_examples == "fresh",
@@ -165,6 +168,10 @@ class KFAC(keras.optimizers.Optimizer):
     def minimize(self, loss, var_list=None, tape=None, fresh=None):
         """Custom loop: gradients from `tape` (opened by `record()`), then the update.
 
+        Under a tf.distribute strategy call it inside `strategy.run`, with the loss as
+        tf.distribute defines it there: this replica's examples' losses summed and
+        divided by the global batch (what Keras's losses and `tf.nn.compute_average_loss`
+        give); K-FAC averages the gradients over replicas itself.
         `fresh`: the batch's fresh flags (N,), given exactly when factor_examples="fresh".
         """
         if tape is None:
@@ -173,7 +180,8 @@ class KFAC(keras.optimizers.Optimizer):
         attachment = self._attached()
         if var_list is None:
             var_list = attachment.model.trainable_variables
-        attachment.step(tape, loss, list(var_list), self.apply, fresh=fresh)
+        attachment.step(tape, loss, list(var_list), self.apply,
+                        replicas=keras_integration.replicas_in_sync(), fresh=fresh)
 
     # ---------------------------------------------------------------- state
     def build(self, var_list):
@@ -237,31 +245,38 @@ class KFAC(keras.optimizers.Optimizer):
         decomposition_interval = _interval("decomposition_update_freq",
                                            config.decomposition_update_freq)
 
+        managed = {id(v) for block in curvature.blocks for v in block.variables}
+        # The gradients that reach the update: every one present, and every managed
+        # variable's (a missing one is preconditioned as zeros).
+        slots = [i for i, (g, v) in enumerate(zip(grads, variables))
+                 if g is not None or id(v) in managed]
+
         def kfac_step():
-            # Every gradient must be a tensor of this branch's graph: Keras's update sums
-            # gradients over replicas through a custom_gradient, which rejects a mix of
-            # tensors captured from the outer graph (plain-gradient layers) and ones made
-            # in the branch (preconditioned layers).
-            branch_grads = [None if g is None else tf.identity(g) for g in grads]
             clocks.timed("factors", lambda: curvature.update_factors_if_due(
                 step, captures.calls, factor_interval,
                 captures.weights, captures.ready))
             clocks.timed("decomposition", lambda: curvature.update_decompositions_if_due(
                 step, damping, decomposition_interval, captures.ready))
             preconditioned = clocks.timed("precondition", lambda: self._precondition_step(
-                branch_grads, variables, damping, step))
-            clocks.timed("update", lambda: self._inner_update(preconditioned, variables))
-            return tf.constant(True)
+                grads, variables, damping, step))
+            return [preconditioned[i] for i in slots]
 
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
                                 for g in grads if g is not None])
+
         def skip_step():
             curvature_lib.warn_if(
                 tf.constant(True),
                 "KFAC warning: non-finite gradients; step skipped, weights unchanged")
-            return self._count_skipped_step()
+            self._count_skipped_step()
+            return [tf.zeros_like(variables[i]) if id(variables[i]) in managed else grads[i]
+                    for i in slots]  # the structure of kfac_step's; not applied
 
-        tf.cond(finite, kfac_step, skip_step)
+        # The update runs outside the cond: under a tf.distribute strategy Keras's
+        # optimizers update through `merge_call`, which no cond branch may call.
+        preconditioned = tf.cond(finite, kfac_step, skip_step)
+        clocks.timed("update", lambda: keras_integration.apply_if(
+            finite, self.inner_optimizer, preconditioned, [variables[i] for i in slots]))
 
     def _count_skipped_step(self):
         """A step with a NaN/Inf gradient: nothing reaches the weights, the factors or the
@@ -281,10 +296,6 @@ class KFAC(keras.optimizers.Optimizer):
         clip = None if config.kl_clip is None else curvature_lib.kl_clip(
             self.learning_rate, config.kl_clip)
         return curvature.precondition(grads, variables, damping, clip, step=step)
-
-    def _inner_update(self, grads, variables):
-        self.inner_optimizer.apply(grads, variables)
-        return tf.constant(0)
 
     # ---------------------------------------------------------- curvature API
     def factors(self, layer):

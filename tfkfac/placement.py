@@ -60,7 +60,8 @@ class Placement:
         raise NotImplementedError
 
     def holds_decompositions(self, b):
-        """Whether this rank keeps block `b`'s decompositions."""
+        """Whether this process keeps block `b`'s decompositions (for one of the ranks in
+        `comm.state_ranks`)."""
         raise NotImplementedError
 
     def share_decompositions(self, results, wire_dtype):
@@ -133,16 +134,19 @@ class Owner(Placement):
         self.owners = owners(self.name, self.blocks, comm.size)
 
     def decomposed_items(self):
-        return [(b, j) for b, j in self.items if self.holds_decompositions(b)]
+        return [(b, j) for b, j in self.items if self._owns(b)]
 
     def holds_decompositions(self, b):
+        return self.owners[b] in self.comm.state_ranks
+
+    def _owns(self, b):
         return self.owners[b] == self.comm.rank
 
     def share_decompositions(self, results, wire_dtype):
         return results
 
     def preconditioned_blocks(self):
-        return [b for b in range(len(self.blocks)) if self.holds_decompositions(b)]
+        return [b for b in range(len(self.blocks)) if self._owns(b)]
 
     def share_preconditioned(self, local, wire_dtype):
         shapes_of = lambda b: [v.shape for v in self.blocks[b].variables]

@@ -13,7 +13,7 @@ import pipelines
 from pipelines import validation as limits
 from pipelines.validation import check_int, check_number
 from tfkfac import config as kfac_config, validation
-from trainers import models
+from trainers import distribution, models
 
 OPTIMIZERS = ("kfac", "sgd", "adam", "adamw")
 # The update rules K-FAC can precondition for (`--kfac_inner_optimizer`).
@@ -42,7 +42,7 @@ RENAMED_FIELDS = {old: new for old, new in kfac_config.RENAMED.items() if new in
 RESUME_MAY_CHANGE_FIELDS = (
     "steps", "epochs", "eval_every_steps", "target_accuracy", "stop_at_target",
     "data_dir", "idx_dir", "model_dir", "verbose", "resume", "auto_resume", "phase_clocks",
-    "preemption_grace_seconds",
+    "preemption_grace_seconds", "distribution",
 )
 
 
@@ -95,6 +95,8 @@ class _RunConfig:
     preemption_grace_seconds: float = 25.0
     xla: bool = False
     verbose: int = 1
+    # The engine (trainers/distribution.py): auto, none, horovod, mirrored, multi_worker.
+    distribution: str = "auto"
 
     def validate(self, explicitly_set=()):
         """Raises ValueError naming the first bad or inconsistent setting.
@@ -110,6 +112,8 @@ class _RunConfig:
         validation.one_of(ECHO_MODES)("echo_mode", self.echo_mode)
         validation.one_of(PRECISIONS)("precision", self.precision)
         validation.one_of(VERBOSITIES)("verbose", self.verbose)
+        validation.one_of(distribution.DISTRIBUTIONS)("distribution", self.distribution)
+        distribution.check(self.distribution, self.optimizer)
         if not self.dataset:
             raise ValueError("`dataset` must be a dataset name, e.g. fashion_mnist")
         # The library's checks and wording, so the two never disagree.

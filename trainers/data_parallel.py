@@ -2,14 +2,19 @@
 
 K-FAC averages gradients over ranks itself, before preconditioning. Keras optimizers do
 not, and Horovod's Keras wrapper fails under Keras 3 (horovod#4290), so the trainer
-gives them the same one fused allreduce through the project's communicator.
+gives them the same one fused allreduce through the project's communicator. Under a
+tf.distribute strategy Keras's optimizers sum the replicas' gradients themselves (of a
+loss Keras scaled by 1/replicas): nothing to add there.
 """
+
+from tfkfac import distributed
 
 
 def averaging(optimizer_class, communicator):
-    """Returns `optimizer_class` itself on one rank, else a subclass whose `apply` first
-    averages the gradients over all ranks in one grouped allreduce."""
-    if communicator.size == 1:
+    """Returns `optimizer_class` itself on one rank or under a tf.distribute strategy, else
+    a subclass whose `apply` first averages the gradients over all ranks in one grouped
+    allreduce."""
+    if communicator.size == 1 or isinstance(communicator, distributed.StrategyCommunicator):
         return optimizer_class
 
     class GradientAveraging(optimizer_class):

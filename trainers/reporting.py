@@ -251,10 +251,12 @@ class EpochRecorder(StepTimer):
         return {key: float(value) for key, value in zip(keys, averaged)}
 
     def _global_fresh_examples(self):
-        """This epoch's fresh examples so far, summed over ranks (mean x rank count)."""
+        """This epoch's fresh examples so far, summed over processes (mean x their count;
+        a process feeds `len(local_ranks)` ranks from one stream)."""
         local = tf.constant(float(self._fresh_examples_fn()), tf.float64)
         mean = self._communicator.grouped_allreduce_mean([local], category="metrics")[0]
-        return int(round(float(mean) * self._communicator.size))
+        processes = self._communicator.size // len(self._communicator.local_ranks)
+        return int(round(float(mean) * processes))
 
 class RunProgressBar(keras.callbacks.ProgbarLogger):
     """Keras's progress bar, counting the run's epochs: the trainer calls `fit` once per

@@ -30,8 +30,8 @@ import pipelines
 import tfkfac
 from tfkfac import distributed
 from trainers import agreement, checkpoints, config as config_lib, data as data_lib
-from trainers import data_parallel, lr_schedules, models, preemption as preemption_lib
-from trainers import reporting
+from trainers import data_parallel, distribution, lr_schedules, models
+from trainers import preemption as preemption_lib, reporting
 
 SUMMARY_FILE = "summary.json"
 # What a run writes in its model_dir: name -> whether it is a directory.
@@ -39,7 +39,7 @@ _RUN_LAYOUT = {checkpoints.CHECKPOINT_SUBDIR: True, reporting.TENSORBOARD_SUBDIR
                checkpoints.CONFIG_FILE: False, checkpoints.RUN_HISTORY_FILE: False,
                reporting.METRICS_FILE: False, SUMMARY_FILE: False}
 # Fields of a config that say how it was started, not what the run is.
-_INVOCATION_FIELDS = ("resume", "auto_resume", "model_dir", "verbose")
+_INVOCATION_FIELDS = ("resume", "auto_resume", "model_dir", "verbose", "distribution")
 # Fields ranks may set differently: where each reads its data and keeps its files, how
 # it was invoked (the step it resumes from is compared instead), what it prints.
 _PER_RANK_FIELDS = _INVOCATION_FIELDS + ("data_dir", "idx_dir", "preemption_grace_seconds")
@@ -201,9 +201,10 @@ def _resumed_config(config, given, model_dir):
 def run(config, explicitly_set=None):
     """Trains as `config` says and returns the run summary (also in `summary.json`).
 
-    Under horovodrun every rank calls this; only rank 0 writes files and prints logs.
-    SIGTERM or SIGINT stop the run after the step in progress with a checkpoint of it
-    and raise `preemption.Preempted` (exit code 75); see `trainers/preemption.py`.
+    Distributed (`config.distribution`), every process calls this; only rank 0's writes
+    files and prints logs. SIGTERM or SIGINT stop the run after the step in progress with
+    a checkpoint of it and raise `preemption.Preempted` (exit code 75); see
+    `trainers/preemption.py`.
     """
     with preemption_lib.Preemption() as preemption:
         return Trainer(config, explicitly_set, preemption).train()
@@ -219,15 +220,19 @@ class Trainer:
 
     def __init__(self, config, explicitly_set=None, preemption=None):
         self._preemption = preemption  # None: signals keep their usual effect
-        self.communicator = distributed.get_communicator()
+        self.engine = distribution.Engine(config.distribution)
+        self.communicator = self.engine.communicator
         self.chief = self.communicator.rank == 0
         config = check(config, explicitly_set, self.communicator.size)
         self.config = config
         self.model_dir = config.resolved_model_dir()
 
         input_dtype = pipelines.set_precision(config.precision)
-        self.data = data_lib.TrainingData(config, self.communicator.rank,
-                                          self.communicator.size, input_dtype)
+        # Each process reads its shard, a batch per replica it runs (one per rank).
+        self.data = data_lib.TrainingData(
+            dataclasses.replace(config, batch_size=config.batch_size *
+                                self.engine.replicas_per_process),
+            self.engine.process_index, self.engine.processes, input_dtype)
         self.total_steps = config.steps or config.epochs * self.data.steps_per_epoch
         self.num_epochs = math.ceil(self.total_steps / self.data.steps_per_epoch)
         # Before anything (the model's broadcast) communicates: ranks launched with
@@ -235,16 +240,17 @@ class Trainer:
         agreement.agree(self.communicator, self._run_defining_settings(),
                         {"model_dir": self.model_dir})
 
-        self.model = models.build_model(config.model, self.data.input_shape,
-                                        self.data.num_classes, config.seed)
-        self.optimizer = _build_optimizer(config, self.data.steps_per_epoch, self.total_steps,
-                                          self.communicator)
-        if config.optimizer == "kfac":
-            self.optimizer.attach(self.model)
-        self.model.compile(optimizer=self.optimizer, jit_compile=config.xla,
-                           **_loss_and_metrics(config))
-        # Create every optimizer variable now: the checkpoint and the broadcast need them.
-        self.model.optimizer.build(self.model.trainable_variables)
+        with self.engine.strategy.scope():
+            self.model = models.build_model(config.model, self.data.input_shape,
+                                            self.data.num_classes, config.seed)
+            self.optimizer = _build_optimizer(config, self.data.steps_per_epoch,
+                                              self.total_steps, self.communicator)
+            if config.optimizer == "kfac":
+                self.optimizer.attach(self.model)
+            self.model.compile(optimizer=self.optimizer, jit_compile=config.xla,
+                               **_loss_and_metrics(config))
+            # Create every optimizer variable now: the checkpoint and the broadcast need them.
+            self.model.optimizer.build(self.model.trainable_variables)
 
         self._store = checkpoints.CheckpointStore(self.model_dir, self.model,
                                                   self.model.optimizer)
@@ -301,7 +307,7 @@ class Trainer:
             os.makedirs(self.model_dir, exist_ok=True)
             self._store.remove_unfinished()  # they may fill the disk the next writes need
             self._record_start()
-        eval_data = self.data.evaluation()
+        eval_data = self.engine.distribute(self.data.evaluation(), config.batch_size)
         recorder = reporting.EpochRecorder(
             self.counters, self.communicator,
             scalars_fn=lambda: _optimizer_scalars(config, self.optimizer),
@@ -331,7 +337,8 @@ class Trainer:
             # A signal since the last checkpoint (which holds this step) stops the run
             # before another step; the callback checks after each step.
             self._stop_if_preempted(agreed_only=True)  # no need to build the data
-            train_data = self.data.train(epoch, skip_batches=done_in_epoch)
+            train_data = self.engine.distribute(
+                self.data.train(epoch, skip_batches=done_in_epoch), config.batch_size)
             self._stop_if_preempted()
             try:
                 self.model.fit(

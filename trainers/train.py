@@ -2,8 +2,9 @@
 
 With no flags it is the `make train` job: the small CNN on real Fashion-MNIST with K-FAC,
 printing the test accuracy and where the logs went. Under
-`horovodrun -np N python -m trainers.train ...` each rank trains on its shard and rank 0
-writes the logs and checkpoints.
+`horovodrun -np N python -m trainers.train ...` or
+`python -m trainers.launch --engine=multi_worker --workers=N -- ...` (`--distribution`)
+each rank trains on its shard and rank 0 writes the logs and checkpoints.
 """
 
 import dataclasses
@@ -11,8 +12,7 @@ import sys
 
 from absl import app, flags, logging
 
-from tfkfac import distributed
-from trainers import config as config_lib, errors
+from trainers import checkpoints, config as config_lib, distribution, errors
 from trainers import models, runner
 
 # Printed before a usage error, which is always the last line.
@@ -128,6 +128,12 @@ flags.DEFINE_float("preemption_grace_seconds", _DEFAULTS.preemption_grace_second
 flags.DEFINE_bool("xla", _DEFAULTS.xla,
                   "Compile with XLA: the whole train step for sgd/adam, K-FAC's local stages "
                   "(factors, decompositions, preconditioning) for kfac.")
+flags.DEFINE_enum("distribution", _DEFAULTS.distribution, distribution.DISTRIBUTIONS,
+                  "none: one process; horovod: a rank per process under horovodrun; "
+                  "mirrored: tf.distribute.MirroredStrategy over this machine's GPUs; "
+                  "multi_worker: MultiWorkerMirroredStrategy, a process per worker with its "
+                  "TF_CONFIG (trainers.launch on one host); auto: horovod under horovodrun, "
+                  "multi_worker with TF_CONFIG, else none. See docs/distributed.md.")
 flags.DEFINE_enum("verbose", str(_DEFAULTS.verbose), ["0", "1", "2"],
                   "Keras fit verbosity: 0 silent, 1 progress bar, 2 one line per epoch.")
 
@@ -180,8 +186,9 @@ def main(argv):
     # Every mistake a user can make is found here, before a model is built.
     try:
         config, explicitly_set = config_from_flags(FLAGS)
-        num_ranks = distributed.get_communicator().size
-        config = runner.check(config, explicitly_set, num_ranks)
+        config.validate(explicitly_set)
+        engine = distribution.Engine(config.distribution)
+        config = runner.check(config, explicitly_set, engine.communicator.size)
     except ValueError as error:
         usage_error(str(error))
     try:

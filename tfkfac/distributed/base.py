@@ -33,6 +33,18 @@ class Communicator:
     rank = 0
     size = 1
 
+    @property
+    def local_ranks(self):
+        """The ranks this process runs: its own (all of this process's replicas under a
+        multi-device tf.distribute strategy)."""
+        return (self.rank,)
+
+    @property
+    def state_ranks(self):
+        """The ranks whose rank-specific state (an owner's decompositions) this process
+        creates: its own (every rank's under tf.distribute, see StrategyCommunicator)."""
+        return (self.rank,)
+
     def __init__(self):
         with tf.device("/CPU:0"):
             self._bytes = {c: _counter(f"comm_bytes_{c}") for c in CATEGORIES}

@@ -1,10 +1,14 @@
-"""Choosing the communicator: Horovod when launched as one of several ranks."""
+"""Choosing the communicator: Horovod when launched as one of several ranks, the
+tf.distribute strategy in scope when it has several replicas, else one process."""
 
 import os
 
-from tfkfac.distributed.base import SingleProcess
+import tensorflow as tf
 
-KINDS = ("auto", "single", "horovod")
+from tfkfac.distributed.base import SingleProcess
+from tfkfac.distributed.strategy_comm import StrategyCommunicator, check_supported
+
+KINDS = ("auto", "single", "horovod", "strategy")
 
 # World-size variables set by the launchers: horovodrun (Gloo), Open MPI, MPICH/Intel MPI.
 WORLD_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -19,16 +23,21 @@ def launched_world_size():
 
 
 def get_communicator(kind="auto"):
-    """A communicator of `kind`: `single`, `horovod`, or `auto`.
+    """A communicator of `kind`: `single`, `horovod`, `strategy`, or `auto`.
 
-    `auto` picks Horovod when the launcher started several ranks and `hvd.size() > 1`,
-    otherwise `SingleProcess`. Several launched ranks without an importable Horovod is
-    an error rather than a silent fallback: every rank would train alone.
+    `strategy` serves the replicas of the `tf.distribute` strategy in scope
+    (`MirroredStrategy`, `MultiWorkerMirroredStrategy`). `auto` picks Horovod when the
+    launcher started several ranks and `hvd.size() > 1`, else the strategy in scope when
+    it has several replicas, otherwise `SingleProcess`. Several launched ranks without an
+    importable Horovod is an error rather than a silent fallback: every rank would train
+    alone; so is a strategy tfkfac cannot run under.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind == "single" or (kind == "auto" and launched_world_size() == 1):
+    if kind == "single":
         return SingleProcess()
+    if kind == "strategy" or (kind == "auto" and launched_world_size() == 1):
+        return _strategy_communicator(kind)
     try:
         from tfkfac.distributed.horovod_comm import HorovodCommunicator
 
@@ -40,3 +49,10 @@ def get_communicator(kind="auto"):
     if kind == "auto" and communicator.size == 1:
         return SingleProcess()
     return communicator
+
+
+def _strategy_communicator(kind):
+    strategy = tf.distribute.get_strategy()
+    if check_supported(strategy) == 1 and kind == "auto":
+        return SingleProcess()
+    return StrategyCommunicator(strategy)

@@ -1,0 +1,129 @@
+"""trainers.train under MultiWorkerMirroredStrategy, started by
+`python -m trainers.launch --engine=multi_worker --workers=2`: a run saved by one process
+resumes on 2 workers and finishes, rank 0 alone writing; a worker killed mid-run ends the
+whole job, non-zero, within a minute, and no worker outlives it. No Horovod here."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import logging
+from absl.testing import absltest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TESTS_DIR)
+
+import trainer_testing as tt  # noqa: E402
+from trainers import launch  # noqa: E402
+
+WORKERS = 2
+FIRST_STEPS, STEPS = 6, 12
+KFAC_FLAGS = ["--factor_update_freq=5", "--decomposition_update_freq=10"]
+JOB_TIMEOUT_SECONDS = 420  # a start of two TF processes takes 1-2 min on the loaded machine
+FAILURE_EXIT_SECONDS = 60
+
+
+def launcher(*trainer_flags):
+    """The command line of the launcher running trainers.train with `trainer_flags`."""
+    return [sys.executable, "-m", "trainers.launch", "--engine=multi_worker",
+            f"--workers={WORKERS}", "--", *tt.SMALL_FLAGS, *KFAC_FLAGS, *trainer_flags]
+
+
+def worker_processes(parent):
+    """{TF_CONFIG task index: pid} of the launcher's children."""
+    found = {}
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != parent:
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (FileNotFoundError, ProcessLookupError, ValueError, PermissionError):
+            continue
+        if b"TF_CONFIG" in environ:
+            found[json.loads(environ[b"TF_CONFIG"])["task"]["index"]] = int(pid)
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class TrainerMultiWorkerTest(absltest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        os.makedirs(absltest.get_default_test_tmpdir(), exist_ok=True)
+        cls.model_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        first = tt.run_binary(*tt.SMALL_FLAGS, *KFAC_FLAGS, f"--steps={FIRST_STEPS}",
+                              "--distribution=none", f"--model_dir={cls.model_dir}",
+                              timeout=JOB_TIMEOUT_SECONDS)
+        if first.returncode != 0:
+            raise AssertionError(first.stderr[-4000:])
+        cls.resumed = subprocess.run(
+            launcher(f"--model_dir={cls.model_dir}", "--resume", f"--steps={STEPS}"),
+            cwd=tt.ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_SECONDS,
+            env=launch.job_environment())
+
+    def test_run_of_one_process_resumes_on_two_workers(self):
+        self.assertEqual(self.resumed.returncode, 0, self.resumed.stdout[-4000:])
+        summary = tt.read_json(os.path.join(self.model_dir, "summary.json"))
+        self.assertEqual(summary["num_ranks"], WORKERS)
+        self.assertEqual(summary["steps"], STEPS)
+        self.assertEqual(summary["kfac"]["counters"]["steps"], STEPS)
+        for step in (FIRST_STEPS, STEPS):
+            self.assertTrue(os.path.isdir(tt.checkpoint_dir(self.model_dir, step)), step)
+        history = tt.read_json(os.path.join(self.model_dir, "run_history.json"))
+        self.assertEqual([start["from_step"] for start in history], [0, FIRST_STEPS])
+        self.assertEqual(history[1]["changed"], {"steps": [FIRST_STEPS, STEPS]})
+        # The resumed run's fresh examples count both workers' shards.
+        self.assertEqual(summary["fresh_examples"], STEPS * WORKERS * tt.BATCH
+                         - FIRST_STEPS * (WORKERS - 1) * tt.BATCH)
+        # Only rank 0 printed the summary.
+        self.assertEqual(self.resumed.stdout.count("logs: "), 1, self.resumed.stdout[-3000:])
+
+    def test_killed_worker_ends_the_job_and_leaves_no_process(self):
+        with tempfile.TemporaryDirectory(dir=absltest.get_default_test_tmpdir()) as model_dir:
+            job = subprocess.Popen(launcher(f"--model_dir={model_dir}", "--steps=100000"),
+                                   cwd=tt.ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True,
+                                   env=launch.job_environment(), start_new_session=True)
+            try:
+                deadline = time.time() + JOB_TIMEOUT_SECONDS
+                # Training has started once rank 0 recorded the start of the run.
+                while not os.path.exists(os.path.join(model_dir, "run_history.json")):
+                    self.assertIsNone(job.poll(), "the job ended before training")
+                    self.assertLess(time.time(), deadline, "training did not start")
+                    time.sleep(0.5)
+                time.sleep(5)
+                workers = worker_processes(job.pid)
+                self.assertEqual(sorted(workers), list(range(WORKERS)))
+                os.kill(workers[1], signal.SIGKILL)
+                killed_at = time.time()
+                job.wait(timeout=FAILURE_EXIT_SECONDS + 30)
+                seconds = time.time() - killed_at
+            finally:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+                    job.wait()
+            logging.info("the job exited %d, %.1f s after worker 1 was killed",
+                         job.returncode, seconds)
+            self.assertNotEqual(job.returncode, 0)
+            self.assertLess(seconds, FAILURE_EXIT_SECONDS)
+            self.assertFalse([pid for pid in workers.values() if alive(pid)])
+
+
+if __name__ == "__main__":
+    absltest.main()
