@@ -287,6 +287,16 @@ class Curvature:
                 grads[i] = tf.cast(p, variables[i].dtype)
         return grads
 
+    def step_gradients(self, grads, variables, damping, step, clip=None, grafting=None):
+        """What a training step hands the inner optimizer: `grads` preconditioned, then
+        scaled by `clip` (the KL clip) or grafted by `grafting` (docs/design.md §5, §11;
+        the clip would cancel in the graft, so it is not applied there)."""
+        if grafting is None:
+            return self.precondition(grads, variables, damping, clip, step=step)
+        directions = grafting.directions(grads, variables, step)
+        preconditioned = self.precondition(grads, variables, damping, step=step)
+        return grafting.graft(preconditioned, directions, self.block_slots(variables))
+
     def block_slots(self, variables):
         """Per block, the indices of its variables in `variables`; None for a block none
         of whose variables are there (a layer frozen after `attach`: not trained, so not

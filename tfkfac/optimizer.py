@@ -16,19 +16,15 @@ import tensorflow as tf
 
 from tfkfac import blocks as blocks_lib
 from tfkfac import curvature as curvature_lib
-from tfkfac import distributed, grafting as grafting_lib, keras_integration
-from tfkfac import placement as placement_lib, schedules
-from tfkfac import state as state_lib, validation
-from tfkfac.attachment import ATTACH_HINT, NOT_ATTACHED, Attachment
+from tfkfac import distributed, grafting as grafting_lib, inner, keras_integration
+from tfkfac import placement as placement_lib, schedules, state as state_lib
+from tfkfac.attachment import ATTACH_HINT, Attachment
 from tfkfac.config import KFACConfig, signature_with_settings
-
-# Keras optimizer arguments that belong to the optimizer applying the update.
-_INNER_ONLY = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
-               "ema_overwrite_frequency", "loss_scale_factor", "gradient_accumulation_steps")
+from tfkfac.curvature_api import CurvatureAPI
 
 
 @keras.saving.register_keras_serializable(package="tfkfac")
-class KFAC(keras.optimizers.Optimizer):
+class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
     """K-FAC (Martens & Grosse 2015; Grosse & Martens 2016) in front of `inner_optimizer`.
 
     Args:
@@ -46,10 +42,7 @@ class KFAC(keras.optimizers.Optimizer):
     def __init__(self, learning_rate=None, momentum=None, weight_decay=None, *,
                  inner_optimizer=None, communicator=None, model=None, config=None,
                  name="kfac", **settings):
-        for argument in _INNER_ONLY:
-            if argument in settings:
-                raise ValueError(f"KFAC does not take `{argument}`: set it on the "
-                                 "`inner_optimizer`, which applies the update.")
+        inner.refuse_inner_only(settings)
         if config is not None and settings:
             raise ValueError("Pass either `config` or K-FAC settings as keyword arguments "
                              f"(received both `config` and {sorted(settings)})")
@@ -57,7 +50,8 @@ class KFAC(keras.optimizers.Optimizer):
         if not isinstance(config, KFACConfig):
             raise ValueError(f"`config` must be a tfkfac.KFACConfig; received "
                              f"{type(config).__name__}")
-        inner_optimizer = _inner(inner_optimizer, learning_rate, momentum, weight_decay)
+        inner_optimizer = inner.inner_optimizer(inner_optimizer, learning_rate, momentum,
+                                                weight_decay)
         super().__init__(learning_rate=0.0, name=name)
         self.config = config
         self.inner_optimizer = inner_optimizer
@@ -78,9 +72,8 @@ class KFAC(keras.optimizers.Optimizer):
     @keras_integration.no_tracking
     def _init_kfac_fields(self):
         self._curvature = None
-        self._counters = None
+        self._state = state_lib.KFACState()
         self._skipped = []
-        self._stashed_state = None
         self._attachment = None
         self._clocks = state_lib.PhaseClocks(self.config.phase_clocks)
         self._grafting = None if self.config.grafting is None else grafting_lib.Grafting(
@@ -105,10 +98,11 @@ class KFAC(keras.optimizers.Optimizer):
         return self.inner_optimizer.variables + self._kfac_variables()
 
     def _kfac_variables(self):
-        if self._counters is None:
-            return []
-        return (self._counters.variables() + self._curvature.variables(saved_only=True)
-                + (self._grafting.variables() if self._grafting else []))
+        return self._state.variables()
+
+    @property
+    def _counters(self):
+        return self._state.counters
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         return keras_integration.checkpoint_children(
@@ -193,38 +187,25 @@ class KFAC(keras.optimizers.Optimizer):
             self._create_kfac_state()
 
     def _create_kfac_state(self):
-        """K-FAC variables: counters, then per block its state (docs: state.py)."""
+        """K-FAC's variables, after the inner optimizer's (docs: state.py)."""
         if self._counters is not None:
             return
-        counters = state_lib.Counters(self.add_variable)
-        keras_integration.set_untracked(self, "_counters", counters)
+        self._state.create(lambda shape, initializer, name, dtype: self.add_variable(
+            shape, initializer=initializer, dtype=dtype, name=name), self._curvature,
+            self._grafting, self._built_variables)
         # Each counter is also an attribute of its own, as in 0.1: tf.train.Checkpoint
         # keys name a variable by its shortest path (`optimizer/_factor_updates/...`).
-        for name, variable in zip(counters.NAMES, counters.variables()):
+        for name, variable in zip(self._counters.NAMES, self._counters.variables()):
             setattr(self, f"_{name}", variable)
-        self._curvature.create_state(counters, lambda shape, initializer, name, dtype:
-                                     self.add_variable(shape, initializer=initializer,
-                                                       dtype=dtype, name=name))
-        if self._grafting is not None:
-            self._grafting.create_state(self._built_variables, lambda shape, name:
-                                        self.add_variable(shape, initializer="zeros",
-                                                          name=name))
-        if self._stashed_state is not None:
-            stashed, self._stashed_state = self._stashed_state, None
-            state_lib.restore(self._kfac_variables(), stashed)
 
     def load_own_variables(self, store):
-        """Load a save (inner optimizer's variables first); K-FAC's state waits for
-        `attach` if the model is not known yet."""
+        """Load a save: the inner optimizer's variables, then K-FAC's (which wait for
+        `attach` if the model is not known yet)."""
         values = [store[str(i)][...] for i in range(len(store.keys()))]
-        inner = self.inner_optimizer.variables
-        for variable, value in zip(inner, values):
+        inner_variables = self.inner_optimizer.variables
+        for variable, value in zip(inner_variables, values):
             variable.assign(value)
-        kfac_values = values[len(inner):]
-        if self._counters is None:
-            keras_integration.set_untracked(self, "_stashed_state", kfac_values or None)
-        else:
-            state_lib.restore(self._kfac_variables(), kfac_values)
+        self._state.load(values[len(inner_variables):])
 
     # ---------------------------------------------------------------- update
     def apply(self, grads, trainable_variables=None):
@@ -241,9 +222,9 @@ class KFAC(keras.optimizers.Optimizer):
         # Zero is a learning rate schedules reach (decay to zero): only it may be 0.
         schedules.checked("learning_rate", self.learning_rate, step, allow_minimum=True)
         config, curvature, clocks = self.config, self._curvature, self._clocks
-        factor_interval = _interval("factor_update_freq", config.factor_update_freq)
-        decomposition_interval = _interval("decomposition_update_freq",
-                                           config.decomposition_update_freq)
+        factor_interval = schedules.interval("factor_update_freq", config.factor_update_freq)
+        decomposition_interval = schedules.interval("decomposition_update_freq",
+                                                    config.decomposition_update_freq)
 
         managed = {id(v) for block in curvature.blocks for v in block.variables}
         # The gradients that reach the update: every one present, and every managed
@@ -257,8 +238,10 @@ class KFAC(keras.optimizers.Optimizer):
                 captures.weights, captures.ready))
             clocks.timed("decomposition", lambda: curvature.update_decompositions_if_due(
                 step, damping, decomposition_interval, captures.ready))
-            preconditioned = clocks.timed("precondition", lambda: self._precondition_step(
-                grads, variables, damping, step))
+            clip = None if config.kl_clip is None else curvature_lib.kl_clip(
+                self.learning_rate, config.kl_clip)
+            preconditioned = clocks.timed("precondition", lambda: curvature.step_gradients(
+                grads, variables, damping, step, clip, self._grafting))
             return [preconditioned[i] for i in slots]
 
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
@@ -285,73 +268,9 @@ class KFAC(keras.optimizers.Optimizer):
         self._counters.skipped_steps.assign_add(1)
         return tf.constant(False)
 
-    def _precondition_step(self, grads, variables, damping, step):
-        """What the inner optimizer receives: preconditioned, then KL-clipped or grafted
-        (docs/design.md §5, §11); the clip would cancel in the graft, so it is skipped."""
-        config, curvature, grafting = self.config, self._curvature, self._grafting
-        if grafting is not None:
-            directions = grafting.directions(grads, variables, step)
-            preconditioned = curvature.precondition(grads, variables, damping, step=step)
-            return grafting.graft(preconditioned, directions, curvature.block_slots(variables))
-        clip = None if config.kl_clip is None else curvature_lib.kl_clip(
-            self.learning_rate, config.kl_clip)
-        return curvature.precondition(grads, variables, damping, clip, step=step)
-
-    # ---------------------------------------------------------- curvature API
-    def factors(self, layer):
-        """The running curvature factors of `layer` (a Keras layer, its path or its name).
-
-        A dict of float32 tensors named as in docs/design.md: {"A": ..., "G": ...} for
-        Kronecker blocks (a batch of pairs, e.g. per group, has a leading axis; an
-        Embedding's A is the diagonal as a vector), {"F": ...} for diagonal blocks.
-        """
-        if self._curvature is None:
-            raise RuntimeError(f"KFAC.factors: {NOT_ATTACHED}")
-        if self._counters is None:
-            raise RuntimeError("KFAC.factors: the optimizer has no state yet; it is made "
-                               "at the first training step (or `optimizer.build(variables)`)")
-        return self._curvature.factors(layer)
-
-    def precondition(self, gradients, variables):
-        """`gradients` of `variables` preconditioned with the current decompositions.
-
-        What the update receives, before the KL clip: managed variables' gradients become
-        (curvature + λI)⁻¹ ∇ per docs/design.md; the others come back unchanged. Usable
-        eagerly or in a `tf.function`, after a training step has computed decompositions;
-        in a multi-process job every rank calls it (placement "owner" gathers).
-        """
-        if self._counters is None or (
-                tf.executing_eagerly() and not int(self._counters.decomposition_updates)):
-            raise RuntimeError(
-                "KFAC.precondition needs decompositions: train at least one step first "
-                "(factors and decompositions are computed in the training step).")
-        damping = self._damping_at(self.iterations)
-        return self._curvature.precondition(list(gradients), list(variables), damping,
-                                            step=self.iterations, update_moments=False)
-
-    # ---------------------------------------------------------- introspection
-    def summary(self):
-        """Managed and skipped layers, factor shapes, state size, counters, timings."""
-        return {"managed": [], "state_bytes": 0,
-                **(self._curvature.summary() if self._curvature else {}),
-                "skipped": list(self._skipped), "counters": self.counters(),
-                "phase_seconds": self._clocks.values()}
-
-    def counters(self):
-        """{name: int} of the steps taken and K-FAC's work so far (factor updates,
-        decompositions, skipped and failed ones); empty before the state exists."""
-        if self._counters is None:
-            return {}
-        counters = self._counters.values()
-        return {"steps": int(self.iterations.numpy()),
-                **{name: counters[name] for name in state_lib.Counters.NAMES
-                   if not name.startswith("next_")}}
-
     def _damping_at(self, step):
-        damping = self.config.damping
-        if callable(damping):
-            damping = schedules.checked("damping", damping(step), step)
-        return tf.cast(damping, self.config.state_dtype)
+        return schedules.checked_at("damping", self.config.damping, step,
+                                    self.config.state_dtype)
 
     def current_damping(self):
         return float(schedules.value_at(self.config.damping, self.iterations))
@@ -364,56 +283,9 @@ class KFAC(keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
+        update_rule, config = inner.from_saved(config, custom_objects)
         name = config.pop("name", "kfac")
-        inner = config.pop("inner_optimizer", None)
-        # Saves before 0.2 hold KFAC's own update rule and Keras's base arguments.
-        legacy = {key: config.pop(key) for key in ("learning_rate", "momentum", "weight_decay")
-                  if key in config}
-        for key in _INNER_ONLY:
-            config.pop(key, None)
-        if inner is not None:
-            inner = keras.saving.deserialize_keras_object(inner, custom_objects=custom_objects)
-            legacy = {}
-        elif isinstance(legacy.get("learning_rate"), dict):
-            legacy["learning_rate"] = keras.saving.deserialize_keras_object(
-                legacy["learning_rate"], custom_objects=custom_objects)
-        return cls(**legacy, inner_optimizer=inner, name=name,
-                   config=KFACConfig.from_config(config))
-
-
-def _inner(inner_optimizer, learning_rate, momentum, weight_decay):
-    """`inner_optimizer`, or the default momentum SGD built from the other arguments."""
-    given = {name: value for name, value in (("learning_rate", learning_rate),
-                                             ("momentum", momentum),
-                                             ("weight_decay", weight_decay))
-             if value is not None}
-    if inner_optimizer is not None:
-        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise ValueError("`inner_optimizer` must be a keras.optimizers.Optimizer; "
-                             f"received {type(inner_optimizer).__name__}")
-        if given:
-            raise ValueError(
-                f"KFAC received both `inner_optimizer` and {', '.join(map(repr, given))}: "
-                "the inner optimizer applies the update, so set "
-                f"{'it' if len(given) == 1 else 'them'} on the inner optimizer instead.")
-        return inner_optimizer
-    learning_rate = 0.01 if learning_rate is None else learning_rate
-    validation.positive_or_schedule("learning_rate", learning_rate)
-    momentum = 0.9 if momentum is None else momentum
-    validation.fraction("momentum", momentum)
-    if weight_decay is not None:
-        validation.finite_number("weight_decay", weight_decay, low=0)
-    return keras.optimizers.SGD(schedules.as_learning_rate(learning_rate), momentum=momentum,
-                                weight_decay=weight_decay)
-
-
-def _interval(name, value):
-    """The interval schedule `value` as a checked callable of the step (>= 1 step)."""
-    if not callable(value):
-        return lambda step: tf.constant(value, tf.int64)
-    return lambda step: tf.cast(schedules.checked(name, value(step), step, minimum=1,
-                                                  allow_minimum=True), tf.int64)
+        return cls(**update_rule, name=name, config=KFACConfig.from_config(config))
 
 
 KFAC.__init__.__signature__ = signature_with_settings(KFAC.__init__)

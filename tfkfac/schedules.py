@@ -18,6 +18,19 @@ def value_at(hyperparameter, step):
     return hyperparameter
 
 
+def checked_at(name, hyperparameter, step, dtype, minimum=0.0, allow_minimum=False):
+    """The hyperparameter's value at `step` in `dtype`; a schedule's value `checked`."""
+    if callable(hyperparameter):
+        return tf.cast(checked(name, hyperparameter(step), step, minimum, allow_minimum), dtype)
+    return tf.cast(hyperparameter, dtype)
+
+
+def interval(name, value):
+    """The interval schedule `value` as a callable of the step giving an int64 >= 1."""
+    return lambda step: checked_at(name, value, step, tf.int64, minimum=1,
+                                   allow_minimum=True)
+
+
 def checked(name, value, step, minimum=0.0, allow_minimum=False):
     """`value` (a schedule's, at `step`), stopping the step with an error naming `name`
     and the step unless it is finite and above `minimum` (or equal, if allowed)."""

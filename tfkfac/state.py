@@ -88,6 +88,41 @@ class PhaseClocks:
         return {phase: float(v.numpy()) for phase, v in self.seconds.items()}
 
 
+class KFACState:
+    """K-FAC's variables inside its optimizer, in the save format's order: counters, each
+    block's state (`Curvature`), grafting's moments. Values loaded before the state
+    exists (a save loaded before `attach`) wait here until it is created."""
+
+    def __init__(self):
+        self.counters, self._curvature, self._grafting, self._waiting = None, None, None, None
+
+    def create(self, add_variable, curvature, grafting, model_variables):
+        """`add_variable(shape, initializer, name, dtype)` makes an optimizer variable."""
+        self.counters = Counters(lambda shape, initializer, dtype, name: add_variable(
+            shape, initializer, name, dtype))
+        self._curvature, self._grafting = curvature, grafting
+        curvature.create_state(self.counters, add_variable)
+        if grafting is not None:
+            grafting.create_state(model_variables, lambda shape, name: add_variable(
+                shape, "zeros", name, "float32"))
+        if self._waiting is not None:
+            self.load(self._waiting)
+
+    def variables(self):
+        if self.counters is None:
+            return []
+        return (self.counters.variables() + self._curvature.variables(saved_only=True)
+                + (self._grafting.variables() if self._grafting else []))
+
+    def load(self, values):
+        """Assign saved `values`, or keep them until `create`."""
+        if self.counters is None:
+            self._waiting = list(values) or None
+        else:
+            self._waiting = None
+            restore(self.variables(), values)
+
+
 def restore(variables, values):
     """Assign saved `values` (in creation order) to the K-FAC `variables`, each cast to its
     variable's dtype (decompositions saved with another `product_dtype`)."""

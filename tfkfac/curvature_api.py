@@ -1,0 +1,62 @@
+"""KFAC's public view of its curvature: factors, preconditioning, counters, summary.
+
+For checking tfkfac against another K-FAC, or custom updates (docs/usage.md). A mixin of
+`tfkfac.KFAC`, kept apart from the optimizer's training logic.
+"""
+
+import tensorflow as tf
+
+from tfkfac import state as state_lib
+from tfkfac.attachment import NOT_ATTACHED
+
+
+class CurvatureAPI:
+    """Reads `_curvature`, `_counters`, `_skipped`, `_clocks` and `iterations` of KFAC."""
+
+    def factors(self, layer):
+        """The running curvature factors of `layer` (a Keras layer, its path or its name).
+
+        A dict of float32 tensors named as in docs/design.md: {"A": ..., "G": ...} for
+        Kronecker blocks (a batch of pairs, e.g. per group, has a leading axis; an
+        Embedding's A is the diagonal as a vector), {"F": ...} for diagonal blocks.
+        """
+        if self._curvature is None:
+            raise RuntimeError(f"KFAC.factors: {NOT_ATTACHED}")
+        if self._counters is None:
+            raise RuntimeError("KFAC.factors: the optimizer has no state yet; it is made "
+                               "at the first training step (or `optimizer.build(variables)`)")
+        return self._curvature.factors(layer)
+
+    def precondition(self, gradients, variables):
+        """`gradients` of `variables` preconditioned with the current decompositions.
+
+        What the update receives, before the KL clip: managed variables' gradients become
+        (curvature + λI)⁻¹ ∇ per docs/design.md; the others come back unchanged. Usable
+        eagerly or in a `tf.function`, after a training step has computed decompositions;
+        in a multi-process job every rank calls it (placement "owner" gathers).
+        """
+        if self._counters is None or (
+                tf.executing_eagerly() and not int(self._counters.decomposition_updates)):
+            raise RuntimeError(
+                "KFAC.precondition needs decompositions: train at least one step first "
+                "(factors and decompositions are computed in the training step).")
+        damping = self._damping_at(self.iterations)
+        return self._curvature.precondition(list(gradients), list(variables), damping,
+                                            step=self.iterations, update_moments=False)
+
+    def summary(self):
+        """Managed and skipped layers, factor shapes, state size, counters, timings."""
+        return {"managed": [], "state_bytes": 0,
+                **(self._curvature.summary() if self._curvature else {}),
+                "skipped": list(self._skipped), "counters": self.counters(),
+                "phase_seconds": self._clocks.values()}
+
+    def counters(self):
+        """{name: int} of the steps taken and K-FAC's work so far (factor updates,
+        decompositions, skipped and failed ones); empty before the state exists."""
+        if self._counters is None:
+            return {}
+        counters = self._counters.values()
+        return {"steps": int(self.iterations.numpy()),
+                **{name: counters[name] for name in state_lib.Counters.NAMES
+                   if not name.startswith("next_")}}

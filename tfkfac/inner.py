@@ -1,0 +1,66 @@
+"""The update rule KFAC hands its preconditioned gradients to: a Keras optimizer.
+
+Without one, KFAC builds momentum SGD from its own `learning_rate`, `momentum` and
+`weight_decay`; with one, those belong to it (docs/design.md §5). Saves of 0.1, when KFAC
+was its own momentum SGD, hold those three in KFAC's config.
+"""
+
+import keras
+
+from tfkfac import schedules, validation
+
+# Keras optimizer arguments that belong to the optimizer applying the update.
+INNER_ONLY = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
+              "ema_overwrite_frequency", "loss_scale_factor", "gradient_accumulation_steps")
+_DEFAULT_RULE = ("learning_rate", "momentum", "weight_decay")
+
+
+def refuse_inner_only(arguments):
+    """A ValueError for any argument of `arguments` that belongs to the inner optimizer."""
+    for argument in INNER_ONLY:
+        if argument in arguments:
+            raise ValueError(f"KFAC does not take `{argument}`: set it on the "
+                             "`inner_optimizer`, which applies the update.")
+
+
+def inner_optimizer(optimizer, learning_rate, momentum, weight_decay):
+    """`optimizer`, or the default momentum SGD built from the other arguments."""
+    given = {name: value for name, value in zip(_DEFAULT_RULE,
+                                                (learning_rate, momentum, weight_decay))
+             if value is not None}
+    if optimizer is not None:
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise ValueError("`inner_optimizer` must be a keras.optimizers.Optimizer; "
+                             f"received {type(optimizer).__name__}")
+        if given:
+            raise ValueError(
+                f"KFAC received both `inner_optimizer` and {', '.join(map(repr, given))}: "
+                "the inner optimizer applies the update, so set "
+                f"{'it' if len(given) == 1 else 'them'} on the inner optimizer instead.")
+        return optimizer
+    learning_rate = 0.01 if learning_rate is None else learning_rate
+    validation.positive_or_schedule("learning_rate", learning_rate)
+    momentum = 0.9 if momentum is None else momentum
+    validation.fraction("momentum", momentum)
+    if weight_decay is not None:
+        validation.finite_number("weight_decay", weight_decay, low=0)
+    return keras.optimizers.SGD(schedules.as_learning_rate(learning_rate), momentum=momentum,
+                                weight_decay=weight_decay)
+
+
+def from_saved(config, custom_objects=None):
+    """(KFAC's arguments of the update rule, the rest of `config`) from a saved config:
+    the inner optimizer, deserialized, or for a save of 0.1 its default rule's arguments;
+    Keras's base optimizer arguments, which 0.1 saved with their defaults, dropped."""
+    config = dict(config)
+    inner = config.pop("inner_optimizer", None)
+    legacy = {key: config.pop(key) for key in _DEFAULT_RULE if key in config}
+    for key in INNER_ONLY:
+        config.pop(key, None)
+    if inner is not None:
+        return {"inner_optimizer": keras.saving.deserialize_keras_object(
+            inner, custom_objects=custom_objects)}, config
+    if isinstance(legacy.get("learning_rate"), dict):
+        legacy["learning_rate"] = keras.saving.deserialize_keras_object(
+            legacy["learning_rate"], custom_objects=custom_objects)
+    return legacy, config
