@@ -16,9 +16,10 @@ def is_number(value):
 
 def finite_number(name, value, low=None, high=None, low_open=False, high_open=False):
     """`value` is a finite real number in the stated range (open or closed ends)."""
-    below = low is not None and (value <= low if low_open else value < low)
-    above = high is not None and (value >= high if high_open else value > high)
-    if not is_number(value) or not math.isfinite(value) or below or above:
+    ok = is_number(value) and math.isfinite(value)
+    below = ok and low is not None and (value <= low if low_open else value < low)
+    above = ok and high is not None and (value >= high if high_open else value > high)
+    if not ok or below or above:
         left = "" if low is None else ("(" if low_open else "[") + f"{low}, "
         right = "" if high is None else f"{high}" + (")" if high_open else "]")
         where = (f" in {left}{right}" if low is not None and high is not None else
