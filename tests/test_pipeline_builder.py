@@ -80,7 +80,7 @@ class ShardTest(absltest.TestCase):
 
     def test_bad_shards_are_rejected(self):
         for shards, index in ((0, 0), (2, 2), (2, -1), (2.0, 0)):
-            with self.assertRaisesRegex(ValueError, "num_shards|shard index"):
+            with self.assertRaisesRegex(ValueError, "num_shards|shard_index"):
                 pipelines.build(id_source(), batch_size=8, num_shards=shards, shard_index=index)
 
 
