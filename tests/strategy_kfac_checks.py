@@ -154,7 +154,7 @@ class StrategyChecks:
 
     def test_checkpoint_from_one_worker_restores_on_every_replica(self):
         steps = 2 * worker.RESTORE_STEPS
-        self.assertEqual(horovod_suite.RESTORE_INV_FREQ, 4)
+        self.assertEqual(horovod_suite.RESTORE_DECOMPOSITION_FREQ, 4)
         # Decompositions at steps 0 and 4, recomputed at 6 after the restore (the owner
         # placement does not save them), then at the scheduled 8.
         np.testing.assert_array_equal(self.held("restore", "kfac_counters"), [steps, steps, 4])
