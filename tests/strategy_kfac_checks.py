@@ -97,11 +97,12 @@ class StrategyChecks:
                 for category in distributed.CATEGORIES:
                     self.assertEqual(calls[-1][column(category)], expected.get(category, 0),
                                      category)
-                sent = self.held(name, "bytes")[-1]
                 packed = distributed.packed_size(SYMMETRIC_DIMS)
-                self.assertEqual(sent[column("factors")], UPDATES * packed * 4)
-                # One allreduce of every gradient per step: averaged once, not twice.
-                self.assertEqual(sent[column("gradients")], worker.STEPS * PARAMS * 4)
+                for process in self.saved[name]:  # decompositions: each rank its own
+                    sent = process["bytes"][-1]
+                    self.assertEqual(sent[column("factors")], UPDATES * packed * 4)
+                    # One allreduce of every gradient per step: averaged once, not twice.
+                    self.assertEqual(sent[column("gradients")], worker.STEPS * PARAMS * 4)
 
     def test_lossy_wires_round_factors_once_and_send_the_packing_formula(self):
         reference = self.references["equivalence_replicated_eigen"]
@@ -116,13 +117,12 @@ class StrategyChecks:
                     bound = 4 * UNIT_ROUNDOFF[wire] * np.max(np.abs(expected))
                     np.testing.assert_allclose(got, expected, rtol=0, atol=bound,
                                                err_msg=f"{wire} factor {i} ({n}x{n})")
-                calls = self.held(name, "calls")[0]
-                sent = self.held(name, "bytes")[0]  # the first step: factors + decompositions
-                self.assertEqual(calls[column("factors")], 1)
-                self.assertEqual(sent[column("factors")],
-                                 distributed.packed_size(SYMMETRIC_DIMS) * ITEMSIZE[wire])
+                self.assertEqual(self.held(name, "calls")[0][column("factors")], 1)
                 for rank, process in zip(self.ranks, self.saved[name]):
-                    self.assertEqual(process["bytes"][0][column("decompositions")],
+                    sent = process["bytes"][0]  # the first step: factors + decompositions
+                    self.assertEqual(sent[column("factors")],
+                                     distributed.packed_size(SYMMETRIC_DIMS) * ITEMSIZE[wire])
+                    self.assertEqual(sent[column("decompositions")],
                                      owned_decomposition_elements(rank) * ITEMSIZE[wire])
 
     def test_custom_loop_inside_strategy_run_matches_one_process(self):
@@ -154,7 +154,7 @@ class StrategyChecks:
 
     def test_checkpoint_from_one_worker_restores_on_every_replica(self):
         steps = 2 * worker.RESTORE_STEPS
-        self.assertEqual(horovod_suite.RESTORE_INV_FREQ, 4)
+        self.assertEqual(horovod_suite.RESTORE_DECOMPOSITION_FREQ, 4)
         # Decompositions at steps 0 and 4, recomputed at 6 after the restore (the owner
         # placement does not save them), then at the scheduled 8.
         np.testing.assert_array_equal(self.held("restore", "kfac_counters"), [steps, steps, 4])

@@ -188,7 +188,8 @@ def run_restore(strategy, directory, chief=True):
 
     def fresh():  # the Horovod suite's settings: factors every step
         model, optimizer = compiled(strategy, placement="owner", **dict(
-            horovod_suite.KFAC_ARGS, decomposition_update_freq=horovod_suite.RESTORE_INV_FREQ))
+            horovod_suite.KFAC_ARGS,
+            decomposition_update_freq=horovod_suite.RESTORE_DECOMPOSITION_FREQ))
         with strategy.scope():
             optimizer.build(model.trainable_variables)
         return model, optimizer, tf.train.Checkpoint(model=model, optimizer=optimizer)

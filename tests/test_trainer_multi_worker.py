@@ -27,6 +27,9 @@ FIRST_STEPS, STEPS = 6, 12
 KFAC_FLAGS = ["--factor_update_freq=5", "--decomposition_update_freq=10"]
 JOB_TIMEOUT_SECONDS = 420  # a start of two TF processes takes 1-2 min on the loaded machine
 FAILURE_EXIT_SECONDS = 60
+# TensorFlow's distributed input iterator (a MultiDeviceIterator, per-replica buffer 1)
+# holds up to a buffered and a prefetched batch per worker beyond the step (measured 2).
+PREFETCHED_BATCHES = 2
 
 
 def launcher(*trainer_flags):
@@ -88,9 +91,12 @@ class TrainerMultiWorkerTest(absltest.TestCase):
         history = tt.read_json(os.path.join(self.model_dir, "run_history.json"))
         self.assertEqual([start["from_step"] for start in history], [0, FIRST_STEPS])
         self.assertEqual(history[1]["changed"], {"steps": [FIRST_STEPS, STEPS]})
-        # The resumed run's fresh examples count both workers' shards.
-        self.assertEqual(summary["fresh_examples"], STEPS * WORKERS * tt.BATCH
-                         - FIRST_STEPS * (WORKERS - 1) * tt.BATCH)
+        # The resumed run's fresh examples count both workers' shards, and the batches
+        # TensorFlow's distributed iterator fetched ahead of each `fit` call's steps.
+        trained = FIRST_STEPS * tt.BATCH + (STEPS - FIRST_STEPS) * WORKERS * tt.BATCH
+        fits = 2  # the rest of epoch 0 (10 steps per epoch on 2 workers), then epoch 1
+        self.assertBetween(summary["fresh_examples"], trained,
+                           trained + fits * PREFETCHED_BATCHES * WORKERS * tt.BATCH)
         # Only rank 0 printed the summary.
         self.assertEqual(self.resumed.stdout.count("logs: "), 1, self.resumed.stdout[-3000:])
 

@@ -13,9 +13,11 @@ names that remain, each because no public API serves:
 - `Trackable._trackable_children`: the hook that chooses a checkpoint's layout;
 - `Optimizer._all_reduce_sum_gradients`: the sum over tf.distribute replicas that Keras's
   TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer;
-- `Model._maybe_symbolic_build`: given this worker's batch under
-  MultiWorkerMirroredStrategy, where Keras's own fails (keras-team/keras#20585); the
-  attached model's `test_step` is wrapped there for the same bug.
+- `Model._maybe_symbolic_build` and Keras's epoch iterator's `_get_iterator`: under a
+  strategy, the model is built on the shapes of a batch instead of a batch taken off the
+  training iterator and reduced over replicas (which fails under
+  MultiWorkerMirroredStrategy, keras-team/keras#20585); the attached model's
+  `test_step` is wrapped there for the same bug.
 Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras object.
 """
 
@@ -134,8 +136,9 @@ def install_train_step(model, owner, step_with_tape, reduce_logs,
     set_untracked(model, "train_step", train_step)
     set_untracked(model, "make_train_function", make_train_function)
     set_untracked(model, "_tfkfac_owner", weakref.ref(owner))
-    if multi_worker:
+    if model.distribute_strategy.num_replicas_in_sync > 1:
         set_untracked(model, "_maybe_symbolic_build", _symbolic_build_on_local_batch(model))
+    if multi_worker:
         keras_test_step = model.test_step
         set_untracked(model, "test_step", lambda data: _as_vectors(keras_test_step(data)))
 
@@ -157,12 +160,14 @@ def _is_multi_worker(strategy):
 
 
 def _symbolic_build_on_local_batch(model):
-    """`model._maybe_symbolic_build` fed this worker's first replica's batch.
+    """`model._maybe_symbolic_build` on a batch of this replica's shapes.
 
-    Before training, Keras builds the model, metrics and optimizer on one batch, which
-    it gets from a distributed batch by a mean over the replicas; under
-    MultiWorkerMirroredStrategy that mean fails eagerly (keras-team/keras#20585). Only
-    the batch's shapes matter there, and this replica's batch has them.
+    Before training, Keras builds the model, metrics and optimizer on one batch under a
+    strategy: it takes the first batch off the training iterator (which `fit` then
+    continues from, one batch short, when `steps_per_epoch` is given) and reduces it
+    over the replicas, which fails under MultiWorkerMirroredStrategy
+    (keras-team/keras#20585). Only the shapes matter: they come from the iterator's
+    element spec (the first replica's), no batch is taken.
     """
     keras_build = type(model)._maybe_symbolic_build.__get__(model)
     strategy = model.distribute_strategy
@@ -172,11 +177,14 @@ def _symbolic_build_on_local_batch(model):
             return strategy.experimental_local_results(value)[0]
         return value
 
+    def zeros_like_spec(spec):
+        first = tf.nest.flatten(spec, expand_composites=True)[0]  # replica 0's
+        return tf.zeros([1 if d is None else d for d in first.shape], first.dtype)
+
     def symbolic_build(iterator=None, data_batch=None):
         if iterator is not None:
-            for _, _, batches in iterator:  # the batch Keras's own build would take
-                data_batch = next(batches)
-                break
+            data_batch = tf.nest.map_structure(zeros_like_spec,
+                                               iterator._get_iterator().element_spec)
         keras_build(data_batch=tf.nest.map_structure(local, data_batch))
 
     return symbolic_build

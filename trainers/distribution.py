@@ -75,6 +75,9 @@ class Engine:
         examples each) as `fit` takes it: each replica gets its part of every batch."""
         if self.name in ("none", "horovod"):
             return dataset
+        # Batches stay on the host until a step takes them: fetched ahead to the devices,
+        # they would be counted as trained (pipelines.counters) before they are.
         return self.strategy.distribute_datasets_from_function(
             lambda context: dataset.rebatch(per_replica_batch)
-            if self.replicas_per_process > 1 else dataset)
+            if self.replicas_per_process > 1 else dataset,
+            options=tf.distribute.InputOptions(experimental_fetch_to_device=False))

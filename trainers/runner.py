@@ -464,7 +464,8 @@ def _loss_and_metrics(config):
 
 def _optimizer_scalars(config, optimizer):
     """The learning rate (and K-FAC damping) in force after the epoch's last step."""
-    scalars = {"learning_rate": float(optimizer.learning_rate)}
+    # (a mirrored variable under a tf.distribute strategy, which float() does not take)
+    scalars = {"learning_rate": float(keras.ops.convert_to_numpy(optimizer.learning_rate))}
     if config.optimizer == "kfac":
         scalars["damping"] = optimizer.current_damping()
     return scalars
