@@ -126,6 +126,16 @@ class CountsMatchFloorModelTest(parameterized.TestCase):
         self.assertEqual(list(work.geometries["reduce"].values()), list(geometries.values()))
 
 
+    def test_saved_keras_file_is_the_model_it_holds(self):
+        path = os.path.join(tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir()),
+                            "cnn.keras")
+        workloads.load_model("cnn").save(path)
+        saved, built = workloads.named(path).at_batch(4), workloads.named("cnn").at_batch(4)
+        self.assertEqual(saved.trainable_parameters, built.trainable_parameters)
+        self.assertEqual(list(saved.geometries["expand"].values()),
+                         list(built.geometries["expand"].values()))
+
+
 class CollectivesTest(absltest.TestCase):
     """α-β times against the formulas of Thakur et al. (2005), computed by hand."""
 
