@@ -124,10 +124,16 @@ def fit_loopback(measured):
 
 
 def measure():
+    """This machine's rates now, the loopback collectives, then the 2-rank K-FAC job."""
+    import linalg_benchmark
     from trainers import launch
 
     env = launch.job_environment()
     os.makedirs(MEASURED_DIR, exist_ok=True)
+    rates = linalg_benchmark.rates(3)
+    linalg_benchmark.print_rates(rates)
+    with open(os.path.join(MEASURED_DIR, "rates.json"), "w") as f:
+        json.dump({"rates": rates, "load_average": os.getloadavg()}, f, indent=1)
     with tempfile.TemporaryDirectory() as work:
         out = os.path.join(work, "loopback.json")
         command = launch.horovodrun_command([os.path.abspath(__file__), f"--worker_out={out}"],
@@ -169,48 +175,53 @@ def _measured_per_step(phase_seconds, step_seconds, steps):
 
 
 def this_machine():
-    """(1): per model and placement, predicted and measured ms per step per phase."""
-    from trainers.planning import hardware, step_model, workloads
+    """(1): per model and placement, measured ms per step per phase and predicted with the
+    local profile as it is ("predicted") and with its rates measured just before the job
+    ("predicted_now": the shared machine's load at that time)."""
+    from trainers.planning import collectives, hardware, step_model, workloads
 
     with open(os.path.join(MEASURED_DIR, "distributed.json")) as f:
         measured = json.load(f)
+    with open(os.path.join(MEASURED_DIR, "rates.json")) as f:
+        now = json.load(f)["rates"]
     timed = measured["settings"]["timed_steps"]
     rows = []
     for name in LOCAL_MODELS:
         entry = measured["models"][name]
         device = hardware.device("local", name)
+        devices = {"predicted": device, "predicted_now": dataclasses.replace(
+            device, matmul={p: now["matmul"] for p in device.matmul},
+            bandwidth=now["bandwidth"], eigh=now["eigh"],
+            cholesky_inverse=now["cholesky_inverse"])}
         fabric = step_model.fabric(device, hardware.network("loopback"))
-        unit = workloads.workload(workloads.load_model(name), 1, name)
-        one = step_model.kfac_step(unit.at_batch(LOCAL_BATCH), step_model.Configuration(
-            factor_interval=LOCAL_FACTOR, decomposition_interval=LOCAL_DECOMPOSITION), 1,
-            device, fabric)
+        unit = workloads.named(name)
+        config = step_model.Configuration(factor_interval=LOCAL_FACTOR,
+                                          decomposition_interval=LOCAL_DECOMPOSITION)
         single = entry["single"]
-        rows.append({"model": name, "ranks": 1, "placement": "replicated",
-                     "predicted": _per_step(one),
+        rows.append({"model": name, "ranks": 1, "placement": "replicated", **{
+            key: _per_step(step_model.kfac_step(unit.at_batch(LOCAL_BATCH), config, 1, d,
+                                                fabric)) for key, d in devices.items()},
                      "measured": _measured_per_step(single["phase_seconds"],
                                                     single["step_seconds"], timed)})
         half = unit.at_batch(LOCAL_BATCH // 2)
         for row in entry["distributed"]:
-            config = step_model.Configuration(
-                placement=row["placement"], factor_interval=LOCAL_FACTOR,
-                decomposition_interval=LOCAL_DECOMPOSITION)
-            two = step_model.kfac_step(half, config, 2, device, fabric)
+            config = dataclasses.replace(config, placement=row["placement"])
+            steps = {key: step_model.kfac_step(half, config, 2, d, fabric)
+                     for key, d in devices.items()}
+            two = steps["predicted"]
+            # A rank's clocks include its waits for the other at the collectives, so the
+            # phases are those of the rank the planner predicts: the slowest decomposer.
             per_rank = [_measured_per_step(p, row["step_seconds"], timed)
                         for p in row["phase_seconds_per_rank"]]
-            slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-            slowest["rest"] = row["step_seconds"] - sum(
-                slowest[k] for k in CLOCKS if k != "rest")
-            slowest["step"] = row["step_seconds"]
+            slowest = max(per_rank, key=lambda clocks: clocks["decomposition"])
             rows.append({"model": name, "ranks": 2, "placement": row["placement"],
-                         "predicted": _per_step(two), "measured": slowest,
+                         **{key: _per_step(phases) for key, phases in steps.items()},
+                         "measured": slowest,
                          "bytes_predicted": step_model.payload_per_step(two, 0),
                          "bytes_measured": row["bytes_per_step_per_rank"][0]})
     with open(hardware.LOOPBACK_JSON) as f:
         loopback = json.load(f)
     fit = hardware.loopback_link()
-    fabric = step_model.fabric(hardware.device("local", "cnn"), hardware.network("loopback"))
-    from trainers.planning import collectives
-
     gathers = [{"bytes": 2 * n, "measured_s": t,
                 "predicted_s": collectives.allgather(2 * n, 2, fabric)}
                for n, t in zip(loopback["sizes_bytes"], loopback["allgather_s"])]
@@ -516,14 +527,23 @@ def print_tables(report):
         fit = local["loopback_fit"]
         print(f"\n(1) this machine; loopback fit: ring step {fit['ring_step_latency_s'] * 1e6:.0f} "
               f"us, {fit['bandwidth_bytes_s'] / 1e9:.2f} GB/s")
-        print("| model | ranks | placement | " + " | ".join(CLOCKS) + " | step |")
-        print("| --- " * (4 + len(CLOCKS)) + "|")
-        for row in local["rows"]:
-            cells = [f"{row['predicted'][k] * 1e3:.2f} / {row['measured'][k] * 1e3:.2f} "
-                     f"({_error(row['predicted'][k], row['measured'][k])})"
-                     for k in list(CLOCKS) + ["step"]]
-            print(f"| {row['model']} | {row['ranks']} | {row['placement']} | "
-                  + " | ".join(cells) + " |")
+        for key in ("predicted", "predicted_now"):
+            print(f"{key} / measured, ms per step:")
+            print("| model | ranks | placement | " + " | ".join(CLOCKS) + " | step |")
+            print("| --- " * (4 + len(CLOCKS)) + "|")
+            for row in local["rows"]:
+                cells = [f"{row[key][k] * 1e3:.2f} / {row['measured'][k] * 1e3:.2f} "
+                         f"({_error(row[key][k], row['measured'][k])})"
+                         for k in list(CLOCKS) + ["step"]]
+                print(f"| {row['model']} | {row['ranks']} | {row['placement']} | "
+                      + " | ".join(cells) + " |")
+        for row in local["rows"][1:]:
+            if "bytes_predicted" in row:
+                print(f"bytes/step rank 0 {row['model']} {row['placement']}: predicted "
+                      f"{row['bytes_predicted']}, measured {row['bytes_measured']}")
+        for check in local["allgather_check"]:
+            print(f"allgather {check['bytes']} B: predicted {check['predicted_s'] * 1e3:.3f} "
+                  f"ms, measured {check['measured_s'] * 1e3:.3f} ms")
     u = report["ueno"]
     print("\n(2) Ueno et al. Table 1, 128 V100s (ms per step: paper | predicted 1 link | 2 links)")
     print("| row | paper | 1 link | 2 links |\n| --- | --- | --- | --- |")

@@ -153,7 +153,7 @@ def plot(setting, results, bound, path):
     left.set_xticks(list(positions), [str(entry["workers"]) for entry in results])
     left.set_xlabel("workers (hatched: SGD; plain: fastest K-FAC configuration)")
     left.set_ylabel("ms per step (amortized)")
-    left.legend(fontsize=7)
+    left.legend(fontsize=6, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     workers = [entry["workers"] for entry in results]
     right.plot(workers, [entry["times"][entry["best"]] / entry["sgd_step_s"] for entry in results],
                "o-", label="K-FAC fastest / SGD")
@@ -166,7 +166,9 @@ def plot(setting, results, bound, path):
     right.axhline(bound["bound"], color="0.5", lw=0.8,
                   label=f"one-factor bound {bound['bound']:.2f}x")
     right.set_xscale("log", base=2)
+    right.set_yscale("log")
     right.set_xlabel("workers")
+    right.set_ylabel("ratio (log scale)")
     right.legend(fontsize=8)
     figure.suptitle(f"{setting['model']}, {setting['batch']} per worker, {setting['device']} "
                     f"({setting['precision']}), {setting['network']}", fontsize=10)

@@ -45,7 +45,10 @@ def load_model(name, input_shape=None, classes=None):
     if name.endswith(".keras"):
         if not os.path.isfile(name):
             raise ValueError(f"model: no saved model at {name!r}")
-        return keras.saving.load_model(name, compile=False)
+        try:
+            return keras.saving.load_model(name, compile=False)
+        except (TypeError, ValueError) as error:  # e.g. a custom layer not registered
+            raise ValueError(f"model: cannot load {name}: {error}") from error
     if name in models.MODEL_NAMES:
         return models.build_model(name, input_shape or TRAINER_INPUT, classes or TRAINER_CLASSES)
     applications = application_names()
