@@ -1,14 +1,15 @@
 """A small two-input model with one layer of every K-FAC block kind, and its layouts.
 
 Shared by the tests of grafting and `method="eigen_adam"` (test_grafting.py,
-test_eigen_adam.py) and their 2-rank Horovod job (eigen_adam_worker.py). On a (6, 6, 2)
-image and 9 tokens of a 12-word vocabulary: Conv2D, grouped Conv2D, DepthwiseConv2D,
-BatchNormalization (optional: its batch statistics differ between 2 ranks and one
-process), SeparableConv2D, Conv2DTranspose, then the 3x3 feature map as 9 tokens plus an
-Embedding of the tokens, LayerNormalization, EinsumDense "abc,cde->abde", a per-head
-EinsumDense "abcd,cde->abce" (one Kronecker pair per head), Dense, PReLU (no block: it
-gets the plain gradient) and a Dense head. Activations are tanh, so no unit is dead and,
-with a batch of 16, every factor has distinct eigenvalues (eigenbases defined up to sign).
+test_eigen_adam.py, test_adam_moments_saved.py) and their 2-rank Horovod job
+(eigen_adam_worker.py). On a (6, 6, 2) image and 9 tokens of a 12-word vocabulary:
+Conv2D, grouped Conv2D, DepthwiseConv2D, BatchNormalization (optional: its batch
+statistics differ between 2 ranks and one process), SeparableConv2D, Conv2DTranspose,
+then the 3x3 feature map as 9 tokens, LayerNormalization, plus an Embedding of the
+tokens, EinsumDense "abc,cde->abde", a per-head EinsumDense "abcd,cde->abce" (one
+Kronecker pair per head), Dense, PReLU (no block: it gets the plain gradient) and a Dense
+head. Activations are tanh, so no unit is dead and, with a batch of 16, every factor
+has distinct eigenvalues (eigenbases defined up to sign).
 
 `Reference` is the numpy model of docs/design.md §11 for this net: from the factors the
 optimizer reports (`KFAC.factors`, eigenbases by numpy.linalg.eigh) and the raw gradients
@@ -20,6 +21,7 @@ configuration alone, without tfkfac's block code.
 """
 
 import os
+import re
 import tempfile
 
 import keras
@@ -60,9 +62,12 @@ def every_block_net(seed=0, dtype="float32", batch_norm=True, grouped=True):
     x = layers.Conv2DTranspose(WIDTH, 3, padding="same", activation="tanh", name="transpose",
                                **kw)(x)
     x = layers.Reshape((TOKENS, WIDTH), **kw)(x)
+    # LayerNorm before the sum: its outputs (with the bias's ones) span only an affine
+    # hyperplane, and a factor with an exact null direction turns rounding into O(1)
+    # changes of eigenbasis Adam's ĝ / (√ŝ + ε) there.
+    x = layers.LayerNormalization(name="layer_norm", **kw)(x)
     x = layers.Add(**kw)([x, layers.Embedding(VOCABULARY, WIDTH, name="embedding",
                                               **kw)(tokens)])
-    x = layers.LayerNormalization(name="layer_norm", **kw)(x)
     x = layers.EinsumDense("abc,cde->abde", output_shape=(TOKENS, 2, 3), bias_axes="de",
                            activation="tanh", name="einsum", **kw)(x)
     x = layers.EinsumDense("abcd,cde->abce", output_shape=(TOKENS, 2, 3), bias_axes="ce",
@@ -193,10 +198,16 @@ def step_update(model, optimizer, x, y):
     return by_layer(model, [v.numpy() - b for v, b in zip(model.trainable_variables, before)])
 
 
-def named_variables(optimizer, marker):
-    """{name: numpy value} of the optimizer variables whose name contains `marker`
-    (second moments: eigen_adam's "_moment", grafting's "graft_v_")."""
-    return {v.name: v.numpy().copy() for v in optimizer.variables if marker in v.name}
+def is_eigenbasis_moment(name):
+    """Whether an optimizer variable's name is eigenbasis Adam's s (`<block>_moment<k>`;
+    not an inner optimizer's `..._momentum`)."""
+    return re.search(r"_moment\d+$", name) is not None
+
+
+def eigenbasis_moments(optimizer):
+    """{name: numpy value} of eigenbasis Adam's moments among the optimizer's variables."""
+    return {v.name: v.numpy().copy() for v in optimizer.variables
+            if is_eigenbasis_moment(v.name)}
 
 
 class Reference:

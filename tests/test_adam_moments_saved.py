@@ -6,9 +6,11 @@ One float32 run of tests/every_block_net.py (every block kind) with
 non-default adam_beta_2=0.99, adam_epsilon=1e-3, under an inner SGD(lr, momentum=0):
 - the uninterrupted run matches the numpy reference (`every_block_net.Reference`: s in
   the eigenbases numpy.linalg.eigh gives of the reported factors, v of the raw
-  gradients, the graft) within 1e-4 at every step, so both settings are honored (with
-  ε = 1e-3 the Adam scaling of float32 rotations is well conditioned; at 1e-7 an entry of
-  ĝ near 0 turns float32 rounding into O(1) changes of P);
+  gradients, the graft) within 1e-3 at every step, so both settings are honored (ε =
+  1e-7 instead would change P by ~10%, β2 = 0.999 ŝ from step 2 on). float32 limits the
+  agreement: LAPACK's float32 eigenvectors of the float32 factors are off numpy's
+  float64 ones by ~1e-7·‖A‖/gap (measured up to 2.4e-4 x max|P|), and with ε = 1e-7 an
+  entry of ĝ near 0 would turn such rounding into O(1) changes of P;
 - after 3 steps (decompositions at steps 0 and 2) it is saved with `model.save(.keras)`
   and with `tf.train.Checkpoint`. The file loaded by `keras.models.load_model` + `attach`,
   and the checkpoint read into a fresh model of another seed, hold every optimizer
@@ -32,7 +34,7 @@ BETA_2, EPSILON = 0.99, 1e-3
 SETTINGS = dict(method="eigen_adam", grafting="adam", adam_beta_2=BETA_2,
                 adam_epsilon=EPSILON, factor_update_freq=1,
                 decomposition_update_freq=DECOMPOSITION_FREQ, xla=False)
-RTOL = 1e-4
+RTOL = 1e-3
 
 
 class AdamMomentsSavedTest(absltest.TestCase):
@@ -47,9 +49,11 @@ class AdamMomentsSavedTest(absltest.TestCase):
         for step, expected, observed in result["checked"]:
             net.assert_updates_close(expected, observed, RTOL, RTOL, msg=f"step {step}")
         saved = result["saved"]
-        moments = [name for name in saved if "_moment" in name or "graft_v_" in name]
-        # s per Kronecker pair batch or diagonal block (SeparableConv2D: two), v per variable.
-        self.assertLen(moments, len(net.MANAGED_KINDS) - 1 + 1 + len(result["uninterrupted"]))
+        moments = [name for name in saved
+                   if net.is_eigenbasis_moment(name) or name.startswith("graft_v_")]
+        # s per block (SeparableConv2D: two; no grouped Conv2D here), v per variable.
+        blocks = len(net.MANAGED_KINDS) - 1
+        self.assertLen(moments, blocks + 1 + len(result["uninterrupted"]))
         for name in moments:
             self.assertGreater(np.max(saved[name]), 0.0, name)
         for run in ("loaded", "restored"):

@@ -18,7 +18,8 @@ steps 2 and 3 scale by the s of steps 0 and 1 in the new basis), every layer's u
 within 1e-9 of the reference (measured ≤ 1e-11), the moments the optimizer holds equal
 the reference's s, damping (0.3 here) plays no role, PReLU gets its plain gradient, and
 `KFAC.precondition` returns the next step's update without storing the moments (called
-twice: the same; the step after it: the same again).
+twice: the same; the step after it: the same again). The KL clip (§5, not part of §11's
+P) is off.
 Save/restore of the moments: tests/test_adam_moments_saved.py; 2 ranks:
 tests/test_eigen_adam_distributed.py.
 """
@@ -44,7 +45,8 @@ class EigenAdamTest(absltest.TestCase):
     def test_every_block_kind_matches_numpy_across_a_refresh(self):
         model = net.every_block_net(dtype="float64")
         optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), method="eigen_adam",
-                                state_dtype="float64", damping=0.3, factor_update_freq=1,
+                                kl_clip=None, state_dtype="float64", damping=0.3,
+                                factor_update_freq=1,
                                 decomposition_update_freq=REFRESH, xla=False).attach(model)
         managed = {m["layer"]: m["kind"] for m in optimizer.summary()["managed"]}
         self.assertEqual(managed, net.MANAGED_KINDS)
@@ -77,7 +79,7 @@ class EigenAdamTest(absltest.TestCase):
         counters = optimizer.counters()
         self.assertEqual((counters["steps"], counters["decomposition_updates"]), (STEPS, 2))
         # Private names: the moments have no public API.
-        held = net.named_variables(optimizer, "_moment")
+        held = net.eigenbasis_moments(optimizer)
         self.assertEqual(set(held), {f"{layer}_moment{k}" for layer, k in reference.moments})
         for (layer, k), moment in reference.moments.items():
             self.assertGreater(np.max(moment), 0.0, layer)

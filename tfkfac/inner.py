@@ -5,6 +5,8 @@ Without one, KFAC builds momentum SGD from its own `learning_rate`, `momentum` a
 was its own momentum SGD, hold those three in KFAC's config.
 """
 
+import copy
+
 import keras
 
 from tfkfac import schedules, validation
@@ -57,9 +59,9 @@ def from_saved(config, custom_objects=None):
     legacy = {key: config.pop(key) for key in _DEFAULT_RULE if key in config}
     for key in INNER_ONLY:
         config.pop(key, None)
-    if inner is not None:
+    if inner is not None:  # Keras deserializes nested configs in place: a copy
         return {"inner_optimizer": keras.saving.deserialize_keras_object(
-            inner, custom_objects=custom_objects)}, config
+            copy.deepcopy(inner), custom_objects=custom_objects)}, config
     if isinstance(legacy.get("learning_rate"), dict):
         legacy["learning_rate"] = keras.saving.deserialize_keras_object(
             legacy["learning_rate"], custom_objects=custom_objects)

@@ -155,6 +155,8 @@ def _check_saved_types(path, values, role):
 
 def _fits(annotation, value):
     """Whether a JSON value can stand for a field annotated `annotation`."""
+    if annotation is typing.Any:  # a class since Python 3.11, but isinstance refuses it
+        return True
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Union:  # Optional[...]
         return any(_fits(arg, value) for arg in args)
