@@ -211,10 +211,11 @@ class BinaryTest(absltest.TestCase):
                               env=dict(os.environ, PYTHONPATH=REPO_ROOT))
 
     def test_table_json_and_plot(self):
-        """This machine's profile, on the trainer's MLP: 1 process and 2 ranks."""
+        """A stated profile (V100, EDR), on the trainer's MLP: 1 process and 2 ranks. (This
+        machine's profile needs bench/results/loopback.json, measured on an idle machine.)"""
         output_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
-        result = self.run_plan("--model=mlp", "--batch=64", "--workers=1,2", "--device=local",
-                               "--network=loopback", "--sgd_steps=1000",
+        result = self.run_plan("--model=mlp", "--batch=64", "--workers=1,2", "--device=v100",
+                               "--network=ib-edr", "--sgd_steps=1000",
                                "--kfac_steps=600,700", "--methods=inverse",
                                f"--output_dir={output_dir}")
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
