@@ -146,6 +146,13 @@ class Preemption(keras.callbacks.Callback):
         self._agreed = bool(self.signalled_ranks)
         return self._agreed
 
+    def wait_for_every_rank(self):
+        """Returns once every rank called it (a collective), so that no rank exits
+        before the chief's checkpoint is written: horovodrun ends the other ranks as
+        soon as one exits non-zero."""
+        if self._communicator is not None and self._communicator.size > 1:
+            self._communicator.allgather(tf.constant([0], tf.int32), category="metrics")
+
     def on_train_batch_end(self, batch, logs=None):
         # The last step of a `fit` lets it end normally (its epoch may be complete).
         if self.stop_agreed() and batch + 1 < self.params["steps"]:

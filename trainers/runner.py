@@ -377,6 +377,7 @@ class Trainer:
             step = self.counters.steps
             self._preemption.report(step, self.total_steps,
                                     self._store.path(step) if step else None, self.model_dir)
+        self._preemption.wait_for_every_rank()
         raise preemption_lib.Preempted(self.counters.steps)
 
     def _evaluate_mid_epoch(self, eval_data):
