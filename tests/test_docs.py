@@ -1,6 +1,7 @@
 """The user docs stay true to the code: the generated argument table, links, the README's
-size and commands."""
+size and commands; no doc names an issue number or a commit hash."""
 
+import glob
 import os
 import re
 import sys
@@ -18,6 +19,13 @@ import write_arguments_doc  # noqa: E402
 USER_DOCS = ["README.md"] + [os.path.join("docs", name) for name in
                              ("usage.md", "arguments.md", "trainer.md", "development.md",
                               "design.md", "distributed.md")]
+
+# Users never see the issue tracker, and commit hashes mean nothing to them: a doc says
+# what a thing is, and a result's provenance is the `library_commit` its JSON records.
+# A hash is a token of 7-40 lowercase hex digits with at least one digit and one letter,
+# so that words ("deadbeef", "facade") and plain numbers ("1281167") pass.
+ISSUE_OR_COMMIT = re.compile(r"(?i:\bissues? ?[-#]?\d+\b)"
+                             r"|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
 
 
 def read(path):
@@ -42,6 +50,22 @@ class DocsTest(absltest.TestCase):
         readme = read("README.md")
         self.assertLessEqual(len(readme.encode()), 12 * 1024)
         self.assertNotRegex(readme, r"(?i)\bissue \d+|\b[0-9a-f]{7,40}\b")
+
+    def test_user_docs_name_no_issue_or_commit(self):
+        for text in ("issue 16's options", "Issue 16", "issue-16 target", "(issue #27)",
+                     "library 3662da5", "4ba605f+dirty", "git show e9fc3d3:bench/x.py",
+                     "01afd20a77b5804e0ecf1042509dd9d20ebf9e93"):
+            self.assertRegex(text, ISSUE_OR_COMMIT)
+        for text in ("deadbeef", "facade", "1281167 images", "1.06e-3", "0.8473",
+                     "4609² factors", "keras-team/keras#20585", "reissue 3 runs"):
+            self.assertNotRegex(text, ISSUE_OR_COMMIT)
+        paths = ["README.md"] + sorted(
+            os.path.relpath(path, REPO_ROOT)
+            for path in glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))
+        self.assertIn(os.path.join("docs", "benchmarks.md"), paths)
+        for path in paths:
+            for number, line in enumerate(read(path).splitlines(), 1):
+                self.assertNotRegex(line, ISSUE_OR_COMMIT, msg=f"{path}:{number}")
 
     def test_readme_commands_are_the_makefile_targets_ci_runs(self):
         readme, makefile, ci = read("README.md"), read("Makefile"), read(".ci/run")
