@@ -21,14 +21,10 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# bench/ as its scripts see it (they import their neighbours by name): beside tests/ in
-# Bazel's runfiles once //bench exports step_length.py, else in the source tree this file
-# links to (Bazel runs the tests unsandboxed, .bazelrc).
-for _here in (os.path.abspath(__file__), os.path.realpath(__file__)):
-    _bench = os.path.join(os.path.dirname(os.path.dirname(_here)), "bench")
-    if os.path.exists(os.path.join(_bench, "step_length.py")):
-        sys.path.insert(0, _bench)
-        break
+# bench/ as its scripts see it (they import their neighbours by name): beside tests/, in
+# the checkout and in Bazel's runfiles (//bench:step_length).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "bench"))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
