@@ -17,7 +17,9 @@ and what the step observably changed (the factors `factors()` returns; the resul
 `precondition()` on fixed gradients, which only new decompositions change), also when
 it is created mid-run as on a resumed run. Inside `model.fit`,
 `summary()["phase_seconds"]` charges each phase's work to its own clock (an update made
-slow on purpose shows in "update" only).
+slow on purpose shows in "update" only; sleeps in the forward pass, the decompositions and
+the preconditioning show on their own clocks only: the clocks time the phases one after
+another).
 """
 
 import os
@@ -246,6 +248,55 @@ class CurvatureApiTest(absltest.TestCase):
         self.assertGreaterEqual(seconds["update"], slept, seconds)
         for phase in ("factors", "decomposition", "precondition"):
             self.assertLess(seconds[phase], slept, (phase, seconds))
+
+    def test_phase_clocks_time_the_phases_one_after_another(self):
+        # Sleeps the scheduler cannot see as state (stateless numpy functions on the data)
+        # in the forward pass, the decompositions and the preconditioning: each sleep
+        # falls on its own clock, none on another's. Without a start stamp that waits for
+        # the phase's inputs, "update"'s clock ran from the step's start (forward and
+        # backward included) and the preconditioning, a tf.function called on inputs
+        # that already existed, could run before its clock started (with one inter-op
+        # thread, under the decompositions' clock).
+        sleep_seconds, steps = 0.1, 3
+
+        def slow(tensor):
+            slept = tf.numpy_function(lambda t: (time.sleep(sleep_seconds), np.float32(0))[1],
+                                      [tensor], tf.float32, stateful=False)
+            return tensor + tf.cast(tf.reshape(slept, []), tensor.dtype)
+
+        class SlowForward(keras.layers.Layer):
+            def call(self, x):
+                return slow(x)
+
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), SlowForward(),
+                                  keras.layers.Dense(5, activation="tanh"),
+                                  keras.layers.Dense(3)])
+        optimizer = tfkfac.KFAC(xla=False, phase_clocks=True, factor_update_freq=1,
+                                decomposition_update_freq=1).attach(model)
+        curvature = optimizer._curvature
+        decompose, precondition = curvature._decompose, curvature._precondition
+
+        def slow_decompose(items, factors, damping):
+            return decompose(items, [[slow(f) for f in factors[0]]] + factors[1:], damping)
+
+        def slow_precondition(indices, grads, *rest):
+            return precondition(indices, [[slow(g) for g in grads[0]]] + grads[1:], *rest)
+
+        curvature._decompose_fn = tf.function(slow_decompose)
+        curvature._precondition_fn = tf.function(slow_precondition)
+        model.compile(optimizer=optimizer, loss="mse")
+        x = RNG.normal(size=(steps * N, 4)).astype(np.float32)
+        model.fit(x, x[:, :3], batch_size=N, epochs=1, verbose=0)
+        seconds = optimizer.summary()["phase_seconds"]
+        # Every step: one sleep in the forward pass, the decompositions' (one factor made
+        # slow) and the preconditioning's (one block's kernel gradient made slow).
+        slept = steps * sleep_seconds
+        self.assertGreaterEqual(seconds["decomposition"], slept, seconds)
+        self.assertGreaterEqual(seconds["precondition"], slept, seconds)
+        self.assertLess(seconds["decomposition"], 1.5 * slept, seconds)
+        for phase in ("factors", "update"):
+            self.assertLess(seconds[phase], slept / 2, (phase, seconds))
 
     def test_phase_clocks_are_off_unless_asked_for(self):
         model = mlp()

@@ -203,19 +203,24 @@ class BoundAndDefaultsTest(absltest.TestCase):
                 "factor_update_freq", "decomposition_update_freq", "weight_sharing", "method")))
 
 
-class BinaryTest(absltest.TestCase):
+class BinaryTest(parameterized.TestCase):
 
     def run_plan(self, *args):
         return subprocess.run([sys.executable, "-m", "trainers.plan", *args], cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=600,
                               env=dict(os.environ, PYTHONPATH=REPO_ROOT))
 
-    def test_table_json_and_plot(self):
-        """A stated profile (V100, EDR), on the trainer's MLP: 1 process and 2 ranks. (This
-        machine's profile needs bench/results/loopback.json, measured on an idle machine.)"""
+    @parameterized.named_parameters(
+        ("stated_profile", "v100", "ib-edr"),
+        # This machine's: bench/results/step_floor.json's rates and fractions, the
+        # collectives of bench/results/loopback.json (both committed: a clean checkout
+        # plans for this machine).
+        ("this_machine", "local", "loopback"))
+    def test_table_json_and_plot(self, device, network):
+        """A device and network profile, on the trainer's MLP: 1 process and 2 ranks."""
         output_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
-        result = self.run_plan("--model=mlp", "--batch=64", "--workers=1,2", "--device=v100",
-                               "--network=ib-edr", "--sgd_steps=1000",
+        result = self.run_plan("--model=mlp", "--batch=64", "--workers=1,2",
+                               f"--device={device}", f"--network={network}", "--sgd_steps=1000",
                                "--kfac_steps=600,700", "--methods=inverse",
                                f"--output_dir={output_dir}")
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])

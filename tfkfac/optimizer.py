@@ -233,15 +233,20 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                  if g is not None or id(v) in managed]
 
         def kfac_step():
-            clocks.timed("factors", lambda: curvature.update_factors_if_due(
+            # With phase clocks, each phase waits for the previous one's results (the
+            # first for the gradients): the clocks then time the phases one after another.
+            updated = clocks.timed("factors", lambda: curvature.update_factors_if_due(
                 step, captures.calls, factor_interval,
-                captures.weights, captures.ready))
-            clocks.timed("decomposition", lambda: curvature.update_decompositions_if_due(
-                step, damping, decomposition_interval, captures.ready))
+                captures.weights, captures.ready), after=grads)
+            decomposed = clocks.timed(
+                "decomposition", lambda: curvature.update_decompositions_if_due(
+                    step, damping, decomposition_interval, captures.ready), after=updated)
             clip = None if config.kl_clip is None else curvature_lib.kl_clip(
                 self.learning_rate, config.kl_clip)
-            preconditioned = clocks.timed("precondition", lambda: curvature.step_gradients(
-                grads, variables, damping, step, clip, self._grafting))
+            preconditioned = clocks.timed(
+                "precondition", lambda grads: curvature.step_gradients(
+                    grads, variables, damping, step, clip, self._grafting),
+                inputs=(grads,), after=decomposed)
             return [preconditioned[i] for i in slots]
 
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
@@ -258,8 +263,9 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         # The update runs outside the cond: under a tf.distribute strategy Keras's
         # optimizers update through `merge_call`, which no cond branch may call.
         preconditioned = tf.cond(finite, kfac_step, skip_step)
-        clocks.timed("update", lambda: keras_integration.apply_if(
-            finite, self.inner_optimizer, preconditioned, [variables[i] for i in slots]))
+        clocks.timed("update", lambda preconditioned: keras_integration.apply_if(
+            finite, self.inner_optimizer, preconditioned, [variables[i] for i in slots]),
+            inputs=(preconditioned,))
 
     def _count_skipped_step(self):
         """A step with a NaN/Inf gradient: nothing reaches the weights, the factors or the

@@ -64,7 +64,13 @@ class PhaseClocks:
     """Seconds spent in each phase of the K-FAC steps so far (not saved: per process).
 
     Only when `enabled`: the timestamps order the phases and cost 0.2-0.6 ms per step
-    (docs/benchmarks.md).
+    (docs/benchmarks.md). A phase's clock starts once `after` (the previous phase's
+    results) and its `inputs` exist, and its function sees its `inputs` only through that
+    start, so none of its work runs before its clock and no earlier work (forward,
+    backward, the previous phase) falls on it; it stops once its results exist (a
+    cond's results wait for the cond's writes). The phases of a step do not overlap:
+    the step minus their sum is the forward/backward, the gradient reduction and
+    Keras's step around them.
     """
 
     PHASES = ("factors", "decomposition", "precondition", "update")
@@ -73,19 +79,29 @@ class PhaseClocks:
         self.seconds = ({phase: tf.Variable(0.0, dtype=tf.float64, trainable=False)
                          for phase in self.PHASES} if enabled else {})
 
-    def timed(self, phase, function):
-        """`function()`, its wall time (until its outputs exist) added to `phase`."""
+    def timed(self, phase, function, inputs=(), after=()):
+        """`function(*inputs)`, its wall time (from when `after` and `inputs` exist until
+        its outputs exist) added to `phase`."""
         if not self.seconds:
-            return function()
-        start = tf.timestamp()
+            return function(*inputs)
+        with tf.control_dependencies(_tensors(after) + _tensors(inputs)):
+            start = tf.timestamp()
         with tf.control_dependencies([start]):
-            result = function()
-        with tf.control_dependencies(tf.nest.flatten(result)):
+            # A tf.function called inside (preconditioning) would otherwise start on its
+            # inputs alone, whatever the control dependencies of its call.
+            inputs = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t),
+                                           inputs)
+            result = function(*inputs)
+        with tf.control_dependencies(_tensors(result)):
             self.seconds[phase].assign_add(tf.timestamp() - start)
         return result
 
     def values(self):
         return {phase: float(v.numpy()) for phase, v in self.seconds.items()}
+
+
+def _tensors(structure):
+    return [t for t in tf.nest.flatten(structure, expand_composites=True) if t is not None]
 
 
 class KFACState:
