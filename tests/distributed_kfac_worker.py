@@ -336,14 +336,16 @@ def run_sync(comm, steps, factor_wire_dtype="float32"):
 
 
 class FailOnRank1(keras.callbacks.Callback):
-    def __init__(self, rank):
+    """Rank (or worker) 1 raises `message` at its third step, after printing the time."""
+
+    def __init__(self, rank, message=FAILURE_MESSAGE):
         super().__init__()
-        self.rank = rank
+        self.rank, self.message = rank, message
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.rank == 1 and batch == 2:
             print(f"FAILING_AT {time.time():.3f}", flush=True)
-            raise RuntimeError(FAILURE_MESSAGE)
+            raise RuntimeError(self.message)
 
 
 def main(out_dir):

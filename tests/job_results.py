@@ -1,8 +1,9 @@
-"""A 2-rank horovodrun job whose ranks save their results as `<scenario>.rank<r>.npz`.
+"""A job of several processes that save their results as `<scenario>.<label><i>.npz`:
+the horovodrun jobs (label "rank") and the MultiWorkerMirroredStrategy ones ("worker").
 
-`run_and_load` runs a worker script under `trainers.launch.run_horovod_job` (killed
-whole after `timeout` s: a hang is a failure) with an environment variable naming a fresh
-directory every rank writes to, then loads what each rank saved there.
+`run_and_load` runs the job (`trainers.launch.run_horovod_job` or `run_multi_worker_job`:
+killed whole after their timeout, a hang is a failure) with an environment variable
+naming a fresh directory every process writes to, then loads what each saved there.
 """
 
 import os
@@ -14,30 +15,33 @@ import numpy as np
 from absl import logging
 from absl.testing import absltest
 
-from trainers.launch import run_horovod_job
 
-
-def run_and_load(script, out_variable, scenarios, timeout, num_ranks=2):
-    """(exit code, job output, {scenario: [rank 0's arrays, rank 1's, ...]}); a missing
-    file fails with the end of the job's output."""
+def run_and_load(launch, out_variable, scenarios, process_label="rank", processes=2):
+    """Runs `launch()` -> (exit code, output) with $`out_variable` naming a fresh directory;
+    returns (exit code, job output, the time the job exited, {scenario: [process 0's
+    arrays, process 1's, ...]}). A missing file fails with the end of the job's output."""
     os.makedirs(absltest.get_default_test_tmpdir(), exist_ok=True)
     out_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
     start = time.time()
-    os.environ[out_variable] = out_dir  # Read by every rank.
+    os.environ[out_variable] = out_dir  # Read by every process.
     try:
-        returncode, output = run_horovod_job(script, num_ranks=num_ranks, timeout=timeout)
+        returncode, output = launch()
     finally:
         del os.environ[out_variable]
-    logging.info("%d-rank job %s exited %d after %.1f s", num_ranks,
-                 os.path.basename(script), returncode, time.time() - start)
+    exit_time = time.time()
+    logging.info("%d-%s job exited %d after %.1f s", processes, process_label, returncode,
+                 exit_time - start)
     saved = {}
     for scenario in scenarios:
         saved[scenario] = []
-        for rank in range(num_ranks):
-            path = os.path.join(out_dir, f"{scenario}.rank{rank}.npz")
+        for index in range(processes):
+            path = os.path.join(out_dir, f"{scenario}.{process_label}{index}.npz")
             if not os.path.exists(path):
-                raise AssertionError(f"rank {rank} saved no {scenario}; job output:\n"
-                                     + output[-6000:])
+                raise AssertionError(f"{process_label} {index} saved no {scenario}; job "
+                                     "output:\n" + output[-6000:])
             saved[scenario].append(dict(np.load(path)))
     shutil.rmtree(out_dir)
-    return returncode, output, saved
+    if "timings" in saved:
+        logging.info("scenario seconds on %s 0: %s", process_label,
+                     {k: round(float(v), 1) for k, v in saved["timings"][0].items()})
+    return returncode, output, exit_time, saved

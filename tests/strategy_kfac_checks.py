@@ -1,29 +1,24 @@
 """The checks of K-FAC under a tf.distribute strategy against one process, shared by
 tests/test_mirrored_kfac.py and tests/test_multi_worker_kfac.py (scenarios:
-tests/strategy_kfac_worker.py). A test class mixes `StrategyChecks` into an
+tests/strategy_kfac_worker.py), on top of those the Horovod suite makes through the same
+code (tests/distributed_checks.py). A test class mixes `StrategyChecks` into an
 `absltest.TestCase` and sets `saved` ({scenario: [what each process holds]}) and
 `references` ({scenario: what one process with the global batch holds})."""
 
-import os
 import tempfile
 
 import numpy as np
-from absl import logging
 
 import distributed_kfac_worker as horovod_suite
 import strategy_kfac_worker as worker
+from distributed_checks import (FLOAT32, PARAMS, STEPS, SYMMETRIC_DIMS, UPDATES,
+                                ScenarioChecks, column, triangles)
 from tfkfac import distributed
 
-# As in the Horovod suite (tests/test_distributed_kfac.py): replicas vs one process
-# differ by float32 summation order, measured 1e-5 .. 7e-5 x max|w| after 6 steps.
-EQUIVALENCE_RTOL = 1e-4
 # The per-step fit logs (loss, accuracy) before the update amplifies rounding.
 LOGS_RTOL = 1e-5
 UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-SYMMETRIC_DIMS = [10, 4, 145, 32, 33, 10]  # small_cnn's factors (no BatchNorm)
-PARAMS = (3 * 3 * 1 * 4 + 4) + (6 * 6 * 4 * 32 + 32) + (32 * 10 + 10)
-UPDATES = len(range(0, worker.STEPS, worker.FREQ))
+ITEMSIZE = {"float32": FLOAT32, "float16": 2, "bfloat16": 2}
 
 
 def references():
@@ -35,10 +30,6 @@ def references():
                 worker.scenarios(tf.distribute.get_strategy(), directory).items()}
 
 
-def column(category):
-    return distributed.CATEGORIES.index(category)
-
-
 def owned_decomposition_elements(rank, size=2):
     """Elements of the eigen-decompositions (vectors n², values n) rank `rank` owns."""
     owners = distributed.lpt_assignment([distributed.eigen_cost(n) for n in SYMMETRIC_DIMS],
@@ -46,63 +37,29 @@ def owned_decomposition_elements(rank, size=2):
     return sum(n * n + n for n, owner in zip(SYMMETRIC_DIMS, owners) if owner == rank)
 
 
-class StrategyChecks:
+class StrategyChecks(ScenarioChecks):
     """Test methods comparing `saved` with `references` (see the module docstring)."""
 
-    saved = None
     references = None
-
-    def held(self, name, key):
-        """`key` of scenario `name`: identical on every replica of every process."""
-        values = [process[key] for process in self.saved[name]]
-        for process in self.saved[name]:
-            if "replicas_identical" in process:
-                self.assertTrue(bool(process["replicas_identical"]), f"{name}: replicas")
-        for other in values[1:]:
-            np.testing.assert_array_equal(values[0], other, err_msg=f"{name}: {key}")
-        return values[0]
-
-    def assert_weights_match(self, name, reference, tolerance=EQUIVALENCE_RTOL):
-        keys = sorted(k for k in reference if k.startswith("weight"))
-        self.assertLen(keys, 6)
-        initial = horovod_suite.small_cnn(seed=7, batch_norm=False).get_weights()
-        worst = 0.0
-        for key, start in zip(keys, initial):
-            expected, got = reference[key], self.held(name, key)
-            atol = tolerance * np.max(np.abs(expected))
-            np.testing.assert_allclose(got, expected, rtol=0, atol=atol, err_msg=f"{name}: {key}")
-            worst = max(worst, np.max(np.abs(got - expected)) / np.max(np.abs(expected)))
-            if key in ("weight000", "weight002", "weight004"):  # kernels moved far
-                self.assertGreater(np.max(np.abs(expected - start)), 100 * atol, key)
-        logging.info("%s: max |w_replicas - w_1 process| / max|w| = %.2e", name, worst)
 
     def test_replicas_match_one_process_with_the_global_batch(self):
         for placement, method, _, _ in worker.EQUIVALENCE_CASES:
             name = f"equivalence_{placement}_{method}"
             with self.subTest(placement=placement, method=method):
                 reference = self.references[name]
-                np.testing.assert_array_equal(self.held(name, "kfac_counters"),
-                                              [worker.STEPS, UPDATES, UPDATES])
-                self.assert_weights_match(name, reference)
+                self.assert_weights_match(name, reference, [STEPS, UPDATES, UPDATES])
                 # fit's logs: the mean over replicas is one process's on the global batch.
                 np.testing.assert_allclose(self.held(name, "logs")[-1],
                                            reference["logs"][-1], rtol=LOGS_RTOL)
-                calls = self.held(name, "calls")  # after every execution of fit's loop
-                steps_per_execution = int(self.held(name, "steps_per_execution"))
-                self.assertLen(calls, -(-worker.STEPS // steps_per_execution))
-                expected = {"gradients": worker.STEPS, "metrics": worker.STEPS,
-                            "factors": UPDATES,
-                            "decompositions": UPDATES if placement == "replicated" else 0,
-                            "preconditioned": worker.STEPS if placement == "owner" else 0}
-                for category in distributed.CATEGORIES:
-                    self.assertEqual(calls[-1][column(category)], expected.get(category, 0),
-                                     category)
-                packed = distributed.packed_size(SYMMETRIC_DIMS)
+                # counters after every execution of fit's loop
+                self.assert_each_collective_once_per_step(
+                    name, placement, int(self.held(name, "steps_per_execution")))
                 for process in self.saved[name]:  # decompositions: each rank its own
                     sent = process["bytes"][-1]
-                    self.assertEqual(sent[column("factors")], UPDATES * packed * 4)
+                    self.assertEqual(sent[column("factors")],
+                                     UPDATES * triangles(SYMMETRIC_DIMS) * FLOAT32)
                     # One allreduce of every gradient per step: averaged once, not twice.
-                    self.assertEqual(sent[column("gradients")], worker.STEPS * PARAMS * 4)
+                    self.assertEqual(sent[column("gradients")], STEPS * PARAMS * FLOAT32)
 
     def test_lossy_wires_round_factors_once_and_send_the_packing_formula(self):
         reference = self.references["equivalence_replicated_eigen"]
@@ -121,7 +78,7 @@ class StrategyChecks:
                 for rank, process in zip(self.ranks, self.saved[name]):
                     sent = process["bytes"][0]  # the first step: factors + decompositions
                     self.assertEqual(sent[column("factors")],
-                                     distributed.packed_size(SYMMETRIC_DIMS) * ITEMSIZE[wire])
+                                     triangles(SYMMETRIC_DIMS) * ITEMSIZE[wire])
                     self.assertEqual(sent[column("decompositions")],
                                      owned_decomposition_elements(rank) * ITEMSIZE[wire])
 
@@ -129,9 +86,8 @@ class StrategyChecks:
         for placement in ("replicated", "owner"):
             name = f"custom_loop_{placement}"
             with self.subTest(placement=placement):
-                np.testing.assert_array_equal(self.held(name, "kfac_counters"),
-                                              [worker.STEPS, UPDATES, UPDATES])
-                self.assert_weights_match(name, self.references[name])
+                self.assert_weights_match(name, self.references[name],
+                                          [STEPS, UPDATES, UPDATES])
 
     def test_gradients_are_averaged_exactly_once(self):
         reference = self.references["plain_gradient"]
@@ -157,5 +113,4 @@ class StrategyChecks:
         self.assertEqual(horovod_suite.RESTORE_DECOMPOSITION_FREQ, 4)
         # Decompositions at steps 0 and 4, recomputed at 6 after the restore (the owner
         # placement does not save them), then at the scheduled 8.
-        np.testing.assert_array_equal(self.held("restore", "kfac_counters"), [steps, steps, 4])
-        self.assert_weights_match("restore", self.references["restore"])
+        self.assert_weights_match("restore", self.references["restore"], [steps, steps, 4])

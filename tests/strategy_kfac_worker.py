@@ -229,17 +229,6 @@ def scenarios(strategy, directory, chief=True):
     return cases
 
 
-class FailOnWorker1(keras.callbacks.Callback):
-    def __init__(self, worker):
-        super().__init__()
-        self.worker = worker
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.worker == 1 and batch == 2:
-            print(f"FAILING_AT {time.time():.3f}", flush=True)
-            raise RuntimeError(FAILURE_MESSAGE)
-
-
 def main(out_dir):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     worker = strategy.cluster_resolver.task_id
@@ -265,7 +254,7 @@ def main(out_dir):
     model, _ = compiled(strategy, **settings())
     print(f"worker {worker} saved its results", flush=True)
     model.fit(x, y, batch_size=2 * BATCH, epochs=1, verbose=0,
-              callbacks=[FailOnWorker1(worker)])
+              callbacks=[horovod_suite.FailOnRank1(worker, FAILURE_MESSAGE)])
     print(f"worker {worker}: fit finished although worker 1 failed", flush=True)
 
 

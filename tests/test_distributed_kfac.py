@@ -31,11 +31,8 @@ with `model.fit`; each rank saves what it holds. The checks:
 
 import ast
 import os
-import re
-import shutil
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -46,36 +43,21 @@ from absl.testing import absltest
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)
 
+import distributed_checks as checks  # noqa: E402
 import distributed_kfac_worker as worker  # noqa: E402
+import job_results  # noqa: E402
 import modern_net  # noqa: E402
+from distributed_checks import (EQUIVALENCE_RTOL, FLOAT32, PARAMS, STEPS,  # noqa: E402
+                                SYMMETRIC_DIMS, UPDATES, column, triangles)
 from trainers.launch import run_horovod_job  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 
 JOB_TIMEOUT_SECONDS = 270  # Measured 75-120 s on the 2-core machine at load 6-8.
-FAILURE_EXIT_SECONDS = 60
-# 2 ranks vs 1 process differ only by float32 summation order: measured max
-# |w_2ranks - w_1process| / max|w_1process| = 1.0e-5 after 6 steps (weights moved 0.13).
-EQUIVALENCE_RTOL = 1e-4
 # float16 rounds each rank's entry and the mean once each (unit roundoff 2^-11).
 FLOAT16_WIRE_RTOL = 2.0 ** -10
-FLOAT32 = 4
 
-# small_cnn's K-FAC factors (see worker.small_cnn), independent of tfkfac's own summary.
-SYMMETRIC_DIMS = [3 * 3 * 1 + 1, 4,  # conv: patch + bias, output channels
-                  6 * 6 * 4 + 1, 32,  # hidden: flattened 6x6x4 + bias, units
-                  32 + 1, 10]  # logits
 BN_DIAGONAL = 2 * 4  # gamma and beta of 4 channels
-PARAMS = (3 * 3 * 1 * 4 + 4) + (6 * 6 * 4 * 32 + 32) + (32 * 10 + 10)
 BN_PARAMS, BN_MOVING = 2 * 4, 2 * 4
-
-
-# The equivalence runs' schedule: factor and inverse steps at 0 and 5 of 6 steps.
-STEPS = worker.EQUIVALENCE_STEPS
-UPDATES = len(range(0, STEPS, worker.EQUIVALENCE_FREQ))
-
-
-def triangles(dims):
-    return sum(n * (n + 1) // 2 for n in dims)
 
 
 def per_step(cumulative):
@@ -84,44 +66,19 @@ def per_step(cumulative):
     return np.diff(np.concatenate([np.zeros_like(cumulative[:1]), cumulative]), axis=0)
 
 
-def column(category):
-    return distributed.CATEGORIES.index(category)
-
-
-class DistributedKfacTest(absltest.TestCase):
+class DistributedKfacTest(checks.ScenarioChecks, absltest.TestCase):
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        os.makedirs(absltest.get_default_test_tmpdir(), exist_ok=True)
-        out_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
-        start = time.time()
-        os.environ[worker.OUT_DIR_VARIABLE] = out_dir  # Read by every rank.
-        try:
-            cls.returncode, cls.output = run_horovod_job(
-                os.path.join(TESTS_DIR, "distributed_kfac_worker.py"), num_ranks=2,
-                timeout=JOB_TIMEOUT_SECONDS)
-        finally:
-            del os.environ[worker.OUT_DIR_VARIABLE]
-        cls.exit_time = time.time()
-        logging.info("2-rank job exited %d after %.1f s", cls.returncode,
-                     cls.exit_time - start)
         names = ["sync", "sync_float16", "late_logs", "echo_aware", "owner_restore",
                  "batch_fraction", "timings"] + [
             f"equivalence_{p}_{m}" for p, m, *_ in worker.EQUIVALENCE_CASES] + [
             f"modern_{p}_{m}" for p, m in worker.MODERN_CASES]
-        cls.saved = {}
-        for name in names:
-            cls.saved[name] = []
-            for rank in range(2):
-                path = os.path.join(out_dir, f"{name}.rank{rank}.npz")
-                if not os.path.exists(path):
-                    raise AssertionError(f"rank {rank} saved no {name}; job output:\n"
-                                         + cls.output[-6000:])
-                cls.saved[name].append(dict(np.load(path)))
-        shutil.rmtree(out_dir)
-        logging.info("scenario seconds on rank 0: %s",
-                     {k: round(float(v), 1) for k, v in cls.saved["timings"][0].items()})
+        cls.returncode, cls.output, cls.exit_time, cls.saved = job_results.run_and_load(
+            lambda: run_horovod_job(os.path.join(TESTS_DIR, "distributed_kfac_worker.py"),
+                                    num_ranks=2, timeout=JOB_TIMEOUT_SECONDS),
+            worker.OUT_DIR_VARIABLE, names, "rank")
         # Single-process references (batch 2B), after the job so they do not compete.
         # With one process both placements run the same code: one reference per method.
         comm = distributed.SingleProcess()
@@ -139,12 +96,6 @@ class DistributedKfacTest(absltest.TestCase):
                     cls.saved["batch_fraction"][rank]["kept"]] for rank in range(2)])
                 for a in (x, y)]
         cls.kept_halves = worker.first_step_on(*kept, comm)
-
-    def both_ranks(self, name, key):
-        """`key` of scenario `name`, asserted bit-identical on both ranks."""
-        first, second = (saved[key] for saved in self.saved[name])
-        np.testing.assert_array_equal(first, second, err_msg=f"{name}: {key}")
-        return first
 
     def test_every_variable_identical_on_both_ranks_after_20_fit_steps(self):
         rank0, rank1 = self.saved["sync"]
@@ -169,25 +120,6 @@ class DistributedKfacTest(absltest.TestCase):
         counters = [STEPS, UPDATES, UPDATES]  # steps, factor and decomposition updates
         self.assert_weights_match(name, self.references[method], counters)
 
-    def assert_weights_match(self, name, reference, counters):
-        """Both ranks' weights (bit-identical) equal the 1-process `reference`'s."""
-        np.testing.assert_array_equal(reference["kfac_counters"], counters)
-        np.testing.assert_array_equal(self.both_ranks(name, "kfac_counters"), counters)
-        keys = sorted(k for k in reference if k.startswith("weight"))
-        self.assertLen(keys, 6)
-        initial = worker.small_cnn(seed=7, batch_norm=False).get_weights()
-        worst = 0.0
-        for key, start in zip(keys, initial):
-            expected, got = reference[key], self.both_ranks(name, key)
-            tolerance = EQUIVALENCE_RTOL * np.max(np.abs(expected))
-            np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance,
-                                       err_msg=f"{name}: {key}")
-            worst = max(worst, np.max(np.abs(got - expected)) / np.max(np.abs(expected)))
-            if key in ("weight000", "weight002", "weight004"):  # kernels
-                # Training moved every kernel far beyond the tolerance.
-                self.assertGreater(np.max(np.abs(expected - start)), 100 * tolerance, key)
-        logging.info("%s: max |w_2 ranks - w_1 process| / max|w| = %.2e", name, worst)
-
     def test_two_ranks_match_one_process_with_double_batch(self):
         # Both placements x both methods; the inverse cases run several steps per
         # execution (see the next test), the reference always one.
@@ -200,22 +132,22 @@ class DistributedKfacTest(absltest.TestCase):
             name = f"modern_{placement}_{method}"
             reference = self.modern_references[method]
             with self.subTest(placement=placement, method=method):
-                managed = dict(m.split(":") for m in self.both_ranks(name, "managed"))
+                managed = dict(m.split(":") for m in self.held(name, "managed"))
                 self.assertEqual(managed, modern_net.MANAGED_KINDS)
                 # Batched pairs (grouped, depthwise) and diagonals are among the factors.
-                ranks = {len(shape) for shapes in self.both_ranks(name, "factor_shapes")
+                ranks = {len(shape) for shapes in self.held(name, "factor_shapes")
                          for shape in ast.literal_eval(str(shapes))}
                 self.assertEqual(ranks, {1, 2, 3})
-                np.testing.assert_array_equal(self.both_ranks(name, "kfac_counters"),
+                np.testing.assert_array_equal(self.held(name, "kfac_counters"),
                                               [STEPS, UPDATES, UPDATES])
-                calls = self.both_ranks(name, "calls")[-1]
+                calls = self.held(name, "calls")[-1]
                 self.assertEqual(calls[column("factors")], UPDATES)  # one call per update
                 keys = sorted(k for k in reference if k.startswith("weight"))
                 initial = modern_net.modern_net(seed=7).get_weights()
                 self.assertLen(keys, len(initial))
                 moved = 0
                 for key, start in zip(keys, initial):
-                    expected, got = reference[key], self.both_ranks(name, key)
+                    expected, got = reference[key], self.held(name, key)
                     # A floor for weights that stay at zero up to rounding (the attention
                     # key bias: softmax ignores it, so its gradient is rounding noise).
                     tolerance = max(EQUIVALENCE_RTOL * np.max(np.abs(expected)), 1e-7)
@@ -234,8 +166,8 @@ class DistributedKfacTest(absltest.TestCase):
             per_factor = (lambda n: n * n + n) if method == "eigen" else (lambda n: n * n)
             per_block = [(per_factor(a) + per_factor(g)) * FLOAT32 for a, g in blocks]
             replicated = factor_bytes + sum(per_block)
-            self.assertEqual(self.both_ranks(f"equivalence_replicated_{method}",
-                                             "state_bytes"), replicated, method)
+            self.assertEqual(self.held(f"equivalence_replicated_{method}", "state_bytes"),
+                             replicated, method)
             held = [int(saved["state_bytes"]) - factor_bytes
                     for saved in self.saved[f"equivalence_owner_{method}"]]
             # Greedy LPT on dim^3 gives the hidden layer (145, 32) one rank, the conv and
@@ -257,19 +189,8 @@ class DistributedKfacTest(absltest.TestCase):
         self.assertNotEmpty(cases)
         for placement, method, steps_per_execution, _ in cases:
             with self.subTest(placement=placement, method=method):
-                name = f"equivalence_{placement}_{method}"
-                # Each step issued its collectives exactly once: a gradient allreduce per
-                # step, a factor reduction per factor step, and per placement a
-                # decomposition exchange per inverse step or a preconditioned-gradient
-                # gather per step, and the fit logs' average per step.
-                calls = self.both_ranks(name, "calls")
-                self.assertLen(calls, -(-STEPS // steps_per_execution))  # executions
-                expected = {"gradients": STEPS, "metrics": STEPS, "factors": UPDATES,
-                            "decompositions": UPDATES if placement == "replicated" else 0,
-                            "preconditioned": STEPS if placement == "owner" else 0}
-                for category in distributed.CATEGORIES:
-                    self.assertEqual(calls[-1][column(category)],
-                                     expected.get(category, 0), category)
+                self.assert_each_collective_once_per_step(
+                    f"equivalence_{placement}_{method}", placement, steps_per_execution)
                 self.assert_matches_one_process(placement, method)
 
     def shared_counts(self, name, key, category):
@@ -299,7 +220,7 @@ class DistributedKfacTest(absltest.TestCase):
         for i in range(len(SYMMETRIC_DIMS)):
             key = f"first_factor{i}"
             expected = self.fresh_alone[key]
-            np.testing.assert_allclose(self.both_ranks(name, key), expected, rtol=0,
+            np.testing.assert_allclose(self.held(name, key), expected, rtol=0,
                                        atol=EQUIVALENCE_RTOL * np.max(np.abs(expected)),
                                        err_msg=key)
 
@@ -310,7 +231,7 @@ class DistributedKfacTest(absltest.TestCase):
         for i in range(len(SYMMETRIC_DIMS)):
             key = f"first_factor{i}"
             expected = self.kept_halves[key]
-            np.testing.assert_allclose(self.both_ranks("batch_fraction", key), expected,
+            np.testing.assert_allclose(self.held("batch_fraction", key), expected,
                                        rtol=0,
                                        atol=EQUIVALENCE_RTOL * np.max(np.abs(expected)),
                                        err_msg=key)
@@ -319,7 +240,7 @@ class DistributedKfacTest(absltest.TestCase):
         # The scenario finishing at all is the regression check (it failed with Horovod's
         # "same name as another tensor that is currently being processed").
         for key in ("loss", "late_accuracy"):
-            values = self.both_ranks("late_logs", key)
+            values = self.held("late_logs", key)
             executions = 2 * worker.LATE_LOGS_STEPS // worker.LATE_LOGS_STEPS_PER_EXECUTION
             self.assertEqual(values.shape, (executions,))
             self.assertTrue(np.all(np.isfinite(values)), values)
@@ -365,8 +286,8 @@ class DistributedKfacTest(absltest.TestCase):
         worst = 0.0
         for i in range(count):
             key = f"first_factor{i}"
-            reference = self.both_ranks("sync", key)
-            got = self.both_ranks("sync_float16", key)  # Bit-identical on both ranks.
+            reference = self.held("sync", key)
+            got = self.held("sync_float16", key)  # Bit-identical on both ranks.
             self.assertTrue(np.all(np.isfinite(got)), key)
             if reference.ndim == 2:
                 np.testing.assert_array_equal(got, got.T)
@@ -399,15 +320,8 @@ class DistributedKfacTest(absltest.TestCase):
                             self.assertEqual(sent[step, column(category)], 0, where)
 
     def test_failing_rank_ends_job_with_visible_error(self):
-        self.assertIn("saved its results", self.output)
-        self.assertNotEqual(self.returncode, 0, msg=self.output[-3000:])
-        self.assertIn(worker.FAILURE_MESSAGE, self.output)
-        self.assertNotIn("fit finished although rank 1 failed", self.output)
-        failed_at = float(re.search(r"FAILING_AT (\d+\.\d+)", self.output).group(1))
-        seconds = self.exit_time - failed_at
-        logging.info("job exited %.1f s after rank 1 raised", seconds)
-        self.assertLess(seconds, FAILURE_EXIT_SECONDS)
-
+        self.assert_failure_ended_job(self.returncode, self.output, self.exit_time,
+                                      worker.FAILURE_MESSAGE)
 
 if __name__ == "__main__":
     absltest.main()

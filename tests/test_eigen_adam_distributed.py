@@ -31,8 +31,9 @@ sys.path.insert(0, TESTS_DIR)
 
 import eigen_adam_worker as worker  # noqa: E402
 import every_block_net as net  # noqa: E402
-import horovod_job_results  # noqa: E402
+import job_results  # noqa: E402
 from tfkfac import distributed  # noqa: E402
+from trainers.launch import run_horovod_job  # noqa: E402
 
 JOB_TIMEOUT_SECONDS = 600  # Measured 120 s on the 2-core machine at load 7.
 # 2 ranks vs 1 process differ by summation order in gradients and factors, relative to
@@ -48,9 +49,10 @@ class EigenAdamDistributedTest(absltest.TestCase):
     def setUpClass(cls):
         super().setUpClass()
         start = time.time()
-        cls.returncode, cls.output, cls.saved = horovod_job_results.run_and_load(
-            os.path.join(TESTS_DIR, "eigen_adam_worker.py"), worker.OUT_DIR_VARIABLE,
-            [worker.name(case) for case in worker.CASES], JOB_TIMEOUT_SECONDS)
+        cls.returncode, cls.output, _, cls.saved = job_results.run_and_load(
+            lambda: run_horovod_job(os.path.join(TESTS_DIR, "eigen_adam_worker.py"),
+                                    num_ranks=2, timeout=JOB_TIMEOUT_SECONDS),
+            worker.OUT_DIR_VARIABLE, [worker.name(case) for case in worker.CASES])
         # The single-process references (batch 2B), after the job so they do not compete.
         comm = distributed.SingleProcess()
         cls.references = {(method, grafting): worker.run(comm, ("replicated", method, grafting))

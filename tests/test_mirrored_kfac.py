@@ -1,7 +1,8 @@
 """K-FAC under MirroredStrategy on 2 logical CPU devices of this process, against one
 process with the global batch (checks: tests/strategy_kfac_checks.py), and which
 strategies K-FAC runs under (one process under OneDeviceStrategy and the default one,
-one clear error for the others)."""
+one clear error for the others). Horovod is unimportable in this process
+(tests/no_horovod.py), as where it is not built."""
 
 import os
 import sys
@@ -10,18 +11,21 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras
-import numpy as np
-import tensorflow as tf
-from absl import logging
-from absl.testing import absltest
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TESTS_DIR)
+
+import no_horovod  # noqa: E402
+
+no_horovod.install()  # before anything else is imported: this engine may not need it
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import logging  # noqa: E402
+from absl.testing import absltest  # noqa: E402
 
 # Two logical CPU devices, before TensorFlow initializes its devices.
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, TESTS_DIR)
 
 import distributed_kfac_worker as horovod_suite  # noqa: E402
 import strategy_kfac_checks as checks  # noqa: E402
@@ -45,6 +49,12 @@ class MirroredKfacTest(checks.StrategyChecks, absltest.TestCase):
                 timings[name] = round(time.time() - start, 1)
         logging.info("MirroredStrategy scenario seconds: %s", timings)
         cls.references = checks.references()
+
+    def test_trains_where_horovod_cannot_be_imported(self):
+        # Every scenario trained (setUpClass) with Horovod unimportable in this process.
+        self.assertLen(self.saved, len(worker.scenarios(None, None)))
+        self.assertEqual(no_horovod.ATTEMPTS, [])
+        self.assertNotIn("horovod", sys.modules)
 
 
 class StrategySupportTest(absltest.TestCase):

@@ -1,7 +1,8 @@
 """trainers.train under MultiWorkerMirroredStrategy, started by
 `python -m trainers.launch --engine=multi_worker --workers=2`: a run saved by one process
 resumes on 2 workers and finishes, rank 0 alone writing; a worker killed mid-run ends the
-whole job, non-zero, within a minute, and no worker outlives it. No Horovod here."""
+whole job, non-zero, within a minute, and no worker outlives it. No Horovod here: the
+runs have it unimportable (tests/no_horovod.py), as where it is not built."""
 
 import json
 import os
@@ -19,6 +20,7 @@ from absl.testing import absltest
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)
 
+import no_horovod  # noqa: E402
 import trainer_testing as tt  # noqa: E402
 from trainers import launch  # noqa: E402
 
@@ -70,15 +72,19 @@ class TrainerMultiWorkerTest(absltest.TestCase):
         super().setUpClass()
         os.makedirs(absltest.get_default_test_tmpdir(), exist_ok=True)
         cls.model_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        # Both runs, the launcher and its workers, with Horovod unimportable.
+        cls.blocked = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
         first = tt.run_binary(*tt.SMALL_FLAGS, *KFAC_FLAGS, f"--steps={FIRST_STEPS}",
                               "--distribution=none", f"--model_dir={cls.model_dir}",
+                              env=no_horovod.variables(cls.blocked),
                               timeout=JOB_TIMEOUT_SECONDS)
         if first.returncode != 0:
             raise AssertionError(first.stderr[-4000:])
+        env = launch.job_environment()
         cls.resumed = subprocess.run(
             launcher(f"--model_dir={cls.model_dir}", "--resume", f"--steps={STEPS}"),
             cwd=tt.ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_SECONDS,
-            env=launch.job_environment())
+            env=dict(env, **no_horovod.variables(cls.blocked, env)))
 
     def test_run_of_one_process_resumes_on_two_workers(self):
         self.assertEqual(self.resumed.returncode, 0, self.resumed.stdout[-4000:])
@@ -100,6 +106,12 @@ class TrainerMultiWorkerTest(absltest.TestCase):
                            trained + fits * PREFETCHED_BATCHES * WORKERS * tt.BATCH)
         # Only rank 0 printed the summary.
         self.assertEqual(self.resumed.stdout.count("logs: "), 1, self.resumed.stdout[-3000:])
+
+    def test_trainer_and_launcher_never_import_horovod(self):
+        # The runs above trained (one process, then 2 workers) where every process had
+        # Horovod unimportable: none of them tried to import it.
+        self.assertEqual(self.resumed.returncode, 0, self.resumed.stdout[-4000:])
+        self.assertEqual(no_horovod.attempts(self.blocked), "")
 
     def test_killed_worker_ends_the_job_and_leaves_no_process(self):
         with tempfile.TemporaryDirectory(dir=absltest.get_default_test_tmpdir()) as model_dir:
