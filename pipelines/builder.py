@@ -116,7 +116,8 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
     check_arguments(**{name: value for name, value in locals().items() if name != "source"})
     examples = sources.load(source, split, data_dir, num_shards=num_shards,
                             shard_index=shard_index, idx_dir=idx_dir)
-    check_crop_padding(augmentation.crop_padding, examples.element_spec["image"].shape)
+    check_fits_images(examples.element_spec["image"].shape, augmentation.crop_padding, mean,
+                      stddev)
     examples = (examples.apply(sources.simulate_read_latency(read_latency))
                 .map(_decoder(num_classes, mean, stddev), num_parallel_calls=tf.data.AUTOTUNE))
     if cache:
@@ -206,17 +207,27 @@ def check_arguments(image_shape=None, **arguments):
     check_int("skip_batches", args.skip_batches, low=0)
     check_bool("fresh_flags", args.fresh_flags)
     if image_shape is not None:
-        check_crop_padding(augmentation.crop_padding, image_shape)
+        check_fits_images(image_shape, augmentation.crop_padding, args.mean, args.stddev)
 
 
-def check_crop_padding(padding, image_shape):
-    """Padding beyond the image's shorter side only adds crops that are all padding
-    (and a padded copy of every image, 100000 pixels a side would not fit in memory)."""
-    sides = [side for side in list(image_shape)[:2] if side is not None]
-    if sides and padding > min(sides):
+def check_fits_images(image_shape, crop_padding, mean=None, stddev=None):
+    """What must fit the (H, W, C) images: the crop padding, at most their shorter side
+    (padding beyond it only adds crops that are all padding, and a padded copy of every
+    image: 100000 pixels a side would not fit in memory), and `mean`/`stddev`, one
+    number or a list of one per channel."""
+    shape = list(image_shape)
+    images = f"the {'x'.join(str(s) for s in shape)} images"
+    sides = [side for side in shape[:2] if side is not None]
+    if sides and crop_padding > min(sides):
         raise ValueError(f"`crop_padding` must be an int in [0, {min(sides)}] (the shorter "
-                         f"side of the {'x'.join(str(s) for s in image_shape)} images); "
-                         f"received {padding!r}")
+                         f"side of {images}); received {crop_padding!r}")
+    channels = shape[-1] if len(shape) == 3 else None
+    for name, value in (("mean", mean), ("stddev", stddev)):
+        if channels is not None and isinstance(value, (list, tuple)) and len(value) not in (
+                1, channels):
+            counts = "1" if channels == 1 else f"1 or {channels}"
+            raise ValueError(f"`{name}` must be a number or a list of {counts} (one per "
+                             f"channel of {images}); received {value!r}")
 
 
 def _check_moments(mean, stddev):

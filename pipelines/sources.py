@@ -33,8 +33,8 @@ def load(source, split="train", data_dir=None, download=False, num_shards=1, sha
     if isinstance(source, tf.data.Dataset):
         return shard(_as_dicts(source), num_shards, shard_index)
     if not isinstance(source, str):
-        raise ValueError("source must be a dataset name (str) or a tf.data.Dataset, "
-                         f"got {type(source).__name__}")
+        raise ValueError("`source` must be a dataset name (str) or a tf.data.Dataset; "
+                         f"received {type(source).__name__}")
     if idx_dir is not None and source not in idx_dataset.IDX_DATASETS:
         raise ValueError(f"idx_dir only applies to the IDX datasets "
                          f"{', '.join(sorted(idx_dataset.IDX_DATASETS))}, not {source!r}")

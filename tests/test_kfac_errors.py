@@ -99,6 +99,10 @@ class BadInputTest(parameterized.TestCase):
         ("skip_layers_string", "skip_layers", "dense"),
         ("momentum_string", "momentum", "0.9"),
         ("weight_decay_string", "weight_decay", "1e-4"),
+        ("skip_layers_int", "skip_layers", 5),
+        ("skip_layers_none", "skip_layers", None),
+        ("wire_dtype_as_dtype", "factor_wire_dtype", tf.float16),
+        ("communicator_string", "communicator", "horovod"),
     )
     def test_value_error_names_argument(self, argument, value):
         with self.assertRaisesRegex(ValueError, f"^`{argument}` must be .*; received "):

@@ -53,12 +53,33 @@ class MisuseTest(parameterized.TestCase):
         ("damping_negative", dict(damping=lambda step: -1.0), "damping"),
         ("learning_rate_nan", dict(learning_rate=lambda step: float("nan")), "learning_rate"),
         ("learning_rate_negative", dict(learning_rate=lambda step: -0.1), "learning_rate"),
-        ("interval_zero", dict(factor_update_freq=lambda step: 0), "factor_update_freq"))
+        ("interval_zero", dict(factor_update_freq=lambda step: 0), "factor_update_freq"),
+        ("interval_fraction", dict(decomposition_update_freq=lambda step: 2.5),
+         "decomposition_update_freq"))
     def test_schedule_giving_a_bad_value_stops_training_naming_it(self, settings, name):
         model = mlp()
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
                                     rf"schedule of `{name}`.*at step"):
             fit(model, tfkfac.KFAC(**settings).attach(model))
+
+    @parameterized.named_parameters(
+        ("damping_string", dict(damping=lambda step: "x"), "damping", "'x'"),
+        ("learning_rate_string", dict(learning_rate=lambda step: "1e-3"), "learning_rate",
+         "'1e-3'"),
+        ("damping_vector", dict(damping=lambda step: tf.fill([2], 1e-3)), "damping",
+         r"a float32 tensor of shape \(2,\)"),
+        ("interval_bool", dict(factor_update_freq=lambda step: True), "factor_update_freq",
+         "True"))
+    def test_schedule_giving_no_number_is_refused_naming_it(self, settings, name, received):
+        # Found when the step is traced, before any step runs: a Python error, not an
+        # op that fails in the graph naming nothing.
+        model = mlp()
+        before = model.get_weights()
+        with self.assertRaisesRegex(ValueError, rf"^KFAC: the schedule of `{name}` must give "
+                                    rf"(a finite number|an integer) .*; received {received}$"):
+            fit(model, tfkfac.KFAC(**settings).attach(model))
+        for old, new in zip(before, model.get_weights()):
+            np.testing.assert_array_equal(old, new)
 
     def test_learning_rate_decayed_to_zero_is_allowed(self):
         model = mlp()

@@ -253,7 +253,7 @@ class ArgumentTest(absltest.TestCase):
                 pipelines.build(id_source(), **kwargs)
         with self.assertRaisesRegex(ValueError, "running_mixup needs mixup_alpha"):
             pipelines.Augmentation(running_mixup=True)
-        with self.assertRaisesRegex(ValueError, "source must be"):
+        with self.assertRaisesRegex(ValueError, "^`source` must be .*; received ndarray$"):
             pipelines.build(np.zeros(3), batch_size=8)
         with self.assertRaisesRegex(ValueError, "'image' and 'label'"):
             pipelines.build(tf.data.Dataset.range(3), batch_size=8)

@@ -9,13 +9,16 @@
    code 1; 8. loss-scale-skipped steps are counted; 9. usage errors end with the error
    line, metrics.csv keeps its columns, data_dir is created only under an existing parent.
 
-Issue 29 (the classes say "Issue 29, n"): 4. SIGTERM/SIGINT checkpoint the step in
-progress and resume exactly (`PreemptionTest`); 5. a full disk is one clear error that
-blocks no resume (`DiskFaultTest`); 7. a new --epochs on resume is the budget
-(`ResumeBudgetTest`); 8. absurd sizes are refused up front (`AbsurdSizeTest`); 9. every
-`pipelines.build` argument is checked (`PipelineArgumentTest`), damaged run files,
-empty splits and a wrong kind of entry in model_dir are named (`RunFileTest`). The
-rank items (4, 6 under Horovod) are in tests/test_trainer_horovod.py.
+Issue 29 (the classes say "Issue 29, n"): 3. SGD that diverges stops with one error
+(`DivergenceTest`); 4. SIGTERM/SIGINT checkpoint the step in progress and resume
+exactly (`PreemptionTest`); 5. a full disk is one clear error that blocks no resume
+(`DiskFaultTest` on a small tmpfs, `InjectedWriteFailureTest` without root); 7. a new
+--epochs on resume is the budget (`ResumeBudgetTest`); 8. absurd sizes are refused up
+front (`AbsurdSizeTest`); 9. every `pipelines.build` argument is checked
+(`PipelineArgumentTest`), damaged run files, empty splits and a wrong kind of entry in
+model_dir are named (`RunFileTest`); 10. K-FAC's counters hold the steps the loss scale
+skipped (`SkippedStepsTest`). The rank items (4, 6 under Horovod) are in
+tests/test_trainer_horovod.py.
 """
 
 import json
@@ -26,19 +29,22 @@ import shutil
 import signal
 import subprocess
 import time
+from unittest import mock
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import flags, logging
 from absl.testing import absltest, parameterized
 import numpy as np
+import tensorflow as tf
 
 import pipelines
 import tfkfac
 from idx_testing import write_small_idx_dir
 from pipelines import augment, idx_dataset
 import trainer_testing as tt
-from trainers import checkpoints, config as config_lib, preemption, runner, storage, train
+from trainers import checkpoints, config as config_lib, errors, preemption, runner, storage
+from trainers import train
 
 FLAGS = flags.FLAGS
 KFAC = dict(model="mlp", factor_update_freq=5, decomposition_update_freq=10,
@@ -452,6 +458,9 @@ class SkippedStepsTest(parameterized.TestCase):
                          20 - int(trainer.optimizer.iterations.numpy()))
         on_disk = tt.read_json(os.path.join(model_dir, runner.SUMMARY_FILE))
         self.assertEqual(on_disk["skipped_steps"], summary["skipped_steps"])
+        if optimizer == "kfac":  # Issue 29, 10: K-FAC's own counters agree
+            self.assertEqual(summary["kfac"]["counters"]["skipped_steps"],
+                             summary["skipped_steps"])
 
 
 class UsageOutputTest(parameterized.TestCase):
@@ -591,6 +600,17 @@ class PreemptionTest(absltest.TestCase):
         self.assertFalse(checkpoints.candidates(model_dir))
 
 
+def full_disk_error(model_dir):
+    """The error of a run in `model_dir` whose step-40 checkpoint did not fit on the disk
+    while step-20 did, as a regex."""
+    return (f"cannot write {tt.checkpoint_dir(model_dir, 40)}: No space left on device "
+            "\\(the partial write was removed\\); it needs about [0-9.]+ MB and [0-9.]+ [KMG]?B "
+            f"are free there; safe to delete: {model_dir}/tensorboard \\(.*, TensorBoard "
+            f"logs; metrics.csv holds the same numbers\\); keep "
+            f"{tt.checkpoint_dir(model_dir, 20)}, the newest complete checkpoint "
+            "\\(step 20\\): --resume continues from it$")
+
+
 class DiskFaultTest(absltest.TestCase):
     """Issue 29, 5: on a real full disk (a small tmpfs) a checkpoint write fails with one
     line naming the path, the bytes needed and free, what is safe to delete and what to
@@ -617,14 +637,7 @@ class DiskFaultTest(absltest.TestCase):
         self.assertEqual(full.returncode, 1, full.stderr[-3000:])
         self.assertNotIn("Traceback", full.stderr)
         lines = tt.own_lines(full.stderr)
-        step_20 = tt.checkpoint_dir(model_dir, 20)
-        self.assertRegex(
-            lines[-1], f"^trainers.train: error: cannot write {tt.checkpoint_dir(model_dir, 40)}"
-            ": No space left on device \\(the partial write was removed\\); it needs about "
-            "[0-9.]+ MB and [0-9.]+ MB are free there; safe to delete: "
-            f"{model_dir}/tensorboard \\(.*, TensorBoard logs; metrics.csv holds the same "
-            f"numbers\\); keep {step_20}, the newest complete checkpoint \\(step 20\\): "
-            "--resume continues from it$")
+        self.assertRegex(lines[-1], "^trainers.train: error: " + full_disk_error(model_dir))
         needed = float(re.search(r"needs about ([0-9.]+) MB", lines[-1]).group(1))
         self.assertAlmostEqual(needed, self.checkpoint_bytes / 1e6, delta=0.1)
         self.assertEqual(os.listdir(os.path.join(model_dir, "checkpoints")), ["step-20"])
@@ -633,6 +646,34 @@ class DiskFaultTest(absltest.TestCase):
                         self.mount_point], check=True)
         resumed = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=40")
         self.assertEqual(resumed.returncode, 0, resumed.stderr[-2000:])
+        tt.assert_same_tensors(self, tt.step_tensors(uninterrupted_run(), 40),
+                               tt.step_tensors(model_dir, 40))
+
+
+class InjectedWriteFailureTest(absltest.TestCase):
+    """Issue 29, 5 where no tmpfs can be mounted: the disk fills while the step-40
+    checkpoint is written (the write stores part of its data, then raises what
+    TensorFlow raises on ENOSPC). The run ends with the error of a real full disk,
+    nothing of the write is left, and resuming ends with the variables of a run never
+    stopped."""
+
+    def test_failed_checkpoint_write_is_one_error_and_blocks_no_resume(self):
+        model_dir = os.path.join(self.create_tempdir().full_path, "run")
+        real_write = tf.train.Checkpoint.write
+
+        def write(checkpoint, prefix, *args, **kwargs):
+            if "step-40" not in prefix:
+                return real_write(checkpoint, prefix, *args, **kwargs)
+            with open(f"{prefix}.data-00000-of-00001", "wb") as f:
+                f.write(bytes(4096))  # what fitted before the disk was full
+            raise tf.errors.ResourceExhaustedError(
+                None, None, f"{prefix}.data-00000-of-00001; No space left on device")
+
+        with mock.patch.object(tf.train.Checkpoint, "write", autospec=True, side_effect=write):
+            with self.assertRaisesRegex(storage.WriteError, "^" + full_disk_error(model_dir)):
+                run(model_dir, steps=40, **KFAC)
+        self.assertEqual(os.listdir(os.path.join(model_dir, "checkpoints")), ["step-20"])
+        self.assertEqual(resume(model_dir, 40)["steps"], 40)
         tt.assert_same_tensors(self, tt.step_tensors(uninterrupted_run(), 40),
                                tt.step_tensors(model_dir, 40))
 
@@ -650,6 +691,22 @@ class ResumeBudgetTest(absltest.TestCase):
         self.assertEqual((summary["steps"], summary["epochs"]), (3 * tt.STEPS_PER_EPOCH, 3))
         history = tt.read_json(os.path.join(model_dir, checkpoints.RUN_HISTORY_FILE))
         self.assertEqual(history[-1]["changed"], {"steps": [30, None], "epochs": [2, 3]})
+
+
+class DivergenceTest(absltest.TestCase):
+    """Issue 29, 3: SGD at a learning rate that diverges (1e30) stops after its first
+    `fit` with one error saying so and what to change, instead of training on to exit
+    code 0 with NaN weights; the weights that are not finite are not checkpointed."""
+
+    def test_diverged_run_stops_with_one_error_and_no_checkpoint_of_it(self):
+        model_dir = self.create_tempdir().full_path
+        with self.assertRaisesRegex(
+                errors.RunError, r"^training diverged: after step 20 the model's weights are "
+                r"not finite \(loss (nan|inf)\); they were not checkpointed: the run has no "
+                r"checkpoint yet: a restart starts it over; a smaller learning_rate than "
+                r"1e\+30 \(or a warmup, warmup_epochs\) keeps it finite$"):
+            run(model_dir, model="mlp", optimizer="sgd", learning_rate=1e30, steps=40)
+        self.assertFalse(checkpoints.candidates(model_dir))
 
 
 class AbsurdSizeTest(parameterized.TestCase):
@@ -698,6 +755,9 @@ class PipelineArgumentTest(parameterized.TestCase):
         (dict(augmentation="flip"), "augmentation", "a pipelines.Augmentation"),
         (dict(num_classes="10"), "num_classes", "an int >= 1 or None"),
         (dict(mean="0.5"), "mean", "a finite number"),
+        (dict(mean=[0.5, 0.5]), "mean", r"a number or a list of 1 \(one per channel of the "
+         r"28x28x1 images\); received \[0.5, 0.5\]"),
+        (dict(stddev=[]), "stddev", r"a number or a list of 1 \(one per channel"),
         (dict(seed="1"), "seed", r"an int in \[0, 4294967295\]"),
         (dict(seed=2**70), "seed", r"an int in \[0, 4294967295\]"),
         (dict(epoch=1.5), "epoch", "an int >= 0"),

@@ -57,6 +57,11 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         self.inner_optimizer = inner_optimizer
         # KFAC hands it gradients its communicator has averaged over every rank.
         keras_integration.without_replica_sum(inner_optimizer)
+        if communicator is not None and not isinstance(communicator,
+                                                       distributed.Communicator):
+            raise ValueError("`communicator` must be a tfkfac.distributed communicator (from "
+                             "tfkfac.distributed.get_communicator) or None; received "
+                             f"{type(communicator).__name__}")
         self._comm = communicator or distributed.get_communicator("auto")
         self._init_kfac_fields()
         if model is not None:

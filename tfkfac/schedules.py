@@ -18,31 +18,47 @@ def value_at(hyperparameter, step):
     return hyperparameter
 
 
-def checked_at(name, hyperparameter, step, dtype, minimum=0.0, allow_minimum=False):
+def checked_at(name, hyperparameter, step, dtype, minimum=0.0, allow_minimum=False,
+               integer=False):
     """The hyperparameter's value at `step` in `dtype`; a schedule's value `checked`."""
     if callable(hyperparameter):
-        return tf.cast(checked(name, hyperparameter(step), step, minimum, allow_minimum), dtype)
+        return tf.cast(checked(name, hyperparameter(step), step, minimum, allow_minimum,
+                               integer), dtype)
     return tf.cast(hyperparameter, dtype)
 
 
 def interval(name, value):
     """The interval schedule `value` as a callable of the step giving an int64 >= 1."""
     return lambda step: checked_at(name, value, step, tf.int64, minimum=1,
-                                   allow_minimum=True)
+                                   allow_minimum=True, integer=True)
 
 
-def checked(name, value, step, minimum=0.0, allow_minimum=False):
+def checked(name, value, step, minimum=0.0, allow_minimum=False, integer=False):
     """`value` (a schedule's, at `step`), stopping the step with an error naming `name`
-    and the step unless it is finite and above `minimum` (or equal, if allowed)."""
-    value = tf.convert_to_tensor(value)
-    as_float = tf.cast(value, tf.float64)
-    above = as_float >= minimum if allow_minimum else as_float > minimum
+    and the step unless it is finite and above `minimum` (or equal, if allowed), and a
+    whole number if `integer`. What is not one real number (a string, a bool, a vector)
+    is a ValueError when the step is traced."""
     relation = ">=" if allow_minimum else ">"
+    wanted = f"{'an integer' if integer else 'a finite number'} {relation} {minimum}"
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError):
+        tensor = None
+    if tensor is None or tensor.shape.rank not in (0, None) or not (
+            tensor.dtype.is_floating or tensor.dtype.is_integer):
+        received = (f"a {tensor.dtype.name} tensor of shape {tensor.shape}"
+                    if tf.is_tensor(value) else repr(value))
+        raise ValueError(f"KFAC: the schedule of `{name}` must give {wanted}; "
+                         f"received {received}")
+    as_float = tf.cast(tensor, tf.float64)
+    valid = tf.logical_and(tf.math.is_finite(as_float),
+                           as_float >= minimum if allow_minimum else as_float > minimum)
+    if integer:
+        valid = tf.logical_and(valid, tf.equal(as_float, tf.round(as_float)))
     with tf.control_dependencies([tf.debugging.Assert(
-            tf.logical_and(tf.math.is_finite(as_float), above),
-            [f"KFAC: the schedule of `{name}` must give a finite number {relation} {minimum}; "
-             "at step", step, "it gave", value], name=f"check_{name}")]):
-        return tf.identity(value)
+            valid, [f"KFAC: the schedule of `{name}` must give {wanted}; at step", step,
+                    "it gave", tensor], name=f"check_{name}")]):
+        return tf.identity(tensor)
 
 
 class StepCallable(keras.optimizers.schedules.LearningRateSchedule):

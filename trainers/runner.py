@@ -25,11 +25,12 @@ import typing
 
 from absl import logging
 import keras
+import numpy as np
 
 import pipelines
 import tfkfac
 from tfkfac import distributed
-from trainers import agreement, checkpoints, config as config_lib, data as data_lib
+from trainers import agreement, checkpoints, config as config_lib, data as data_lib, errors
 from trainers import data_parallel, distribution, lr_schedules, models
 from trainers import preemption as preemption_lib, reporting
 
@@ -353,6 +354,7 @@ class Trainer:
                 recorder.cut_epoch()
             if self.counters.steps == before:
                 raise RuntimeError(f"fit trained no step at step {before}")
+            self._stop_if_diverged()
             if self.chief:
                 mid_epoch = self.counters.steps % steps_per_epoch != 0
                 self._store.save(self.counters.steps, {
@@ -379,6 +381,19 @@ class Trainer:
                                     self._store.path(step) if step else None, self.model_dir)
         self._preemption.wait_for_every_rank()
         raise preemption_lib.Preempted(self.counters.steps)
+
+    def _stop_if_diverged(self):
+        """Raises `errors.RunError` if the weights are no longer finite (a learning rate
+        that diverges): every later step would be NaN, so the run stops before they are
+        checkpointed. Every rank holds the same weights, so every rank stops here."""
+        if all(np.isfinite(weight.numpy()).all() for weight in self.model.weights):
+            return
+        loss = self.counters.history[-1].get("loss") if self.counters.history else None
+        raise errors.RunError(
+            f"training diverged: after step {self.counters.steps} the model's weights are not "
+            f"finite{'' if loss is None else f' (loss {loss})'}; they were not checkpointed: "
+            f"{self._store.resume_hint()}; a smaller learning_rate than "
+            f"{self.config.learning_rate:g} (or a warmup, warmup_epochs) keeps it finite")
 
     def _evaluate_mid_epoch(self, eval_data):
         """Eval metrics ("val_" names, like fit's), leaving the running training metrics
