@@ -23,9 +23,10 @@ Protocol (issue 27), identical for every entry but `kfac_constant`:
 3. Measurement: the kept point with `--seeds` seeds on the full train split over the
    model's whole budget (`max_epochs`; no stop at a target: the schedule spans the
    budget and the best accuracy within it is reported), test accuracy every
-   `eval_every_steps` steps. Reported for each target: median training wall time
-   (evaluation excluded) and steps to it over the seeds (a seed that never reaches it
-   counts as infinite); the best test accuracy of each seed within the budget; the
+   `eval_every_steps` steps; first-order entries compile with XLA where that is
+   faster for the model (`first_order_xla`). Reported for each target: median training
+   wall time (evaluation excluded) and steps to it over the seeds (a seed that never
+   reaches it counts as infinite); the best test accuracy of each seed within the budget; the
    accuracy-vs-time curves; the ratios of each K-FAC entry to each first-order one.
    `--fixed_entries` adds entries measured the same way at a stated, untuned setting.
 4. Autoencoder (Martens & Grosse 784-1000-500-250-30-250-500-1000-784): four optimizers
@@ -97,16 +98,24 @@ VIT_TARGETS = (0.84, 0.85, 0.86)
 # or Adam seed reached 0.90 at a constant learning rate. λ = 5e-5 is where both usual
 # recipes meet (SGD: weight decay 5e-4 at learning rate 0.1; AdamW: 0.05 at 1e-3); it is
 # not tuned (that would double every entry's budget), and the same for every model.
+# `first_order_xla`: whether the first-order entries' timed runs compile their train step
+# with XLA, each model the faster way (bench/results/step_floor.json, SGD with XLA
+# against without: ViT 49 against 55 ms, CNN 32 against 14, ResNet-20 186 against 136;
+# AdamW on the ViT, 300 steps on the idle machine: 94 against 102 ms). K-FAC keeps
+# the trainer's default (off: its CPU default). Accuracy does not depend on it, so the
+# tuning trials run without.
 BUDGETS = {
     "cnn": dict(tune_epochs=2, max_epochs=10, eval_every_steps=100,
-                target_accuracies=(0.88, 0.89, 0.90), weight_decay=5e-5),
+                target_accuracies=(0.88, 0.89, 0.90), weight_decay=5e-5,
+                first_order_xla=False),
     "resnet20": dict(tune_epochs=1, max_epochs=8, eval_every_steps=200,
-                     target_accuracies=(0.88, 0.89, 0.90), weight_decay=5e-5),
+                     target_accuracies=(0.88, 0.89, 0.90), weight_decay=5e-5,
+                     first_order_xla=False),
     # The ViT: a first-order step is ~0.1 s at batch 128 at load ~5, K-FAC (10/100
     # schedule) ~1.1x that; per entry 8 tuning trials of 2 epochs and 3 timed runs of
     # 10 epochs, about 25 min on 2 idle cores.
     "vit": dict(tune_epochs=2, max_epochs=10, eval_every_steps=200,
-                target_accuracies=VIT_TARGETS, weight_decay=5e-5),
+                target_accuracies=VIT_TARGETS, weight_decay=5e-5, first_order_xla=True),
 }
 AUTOENCODER_EVAL_EVERY_STEPS = 100
 # Stated settings, constant learning rate (measured before issue 27; not tuned).
@@ -149,11 +158,13 @@ def tune(model, optimizer):
 def measure(model, optimizer, setting):
     """`--seeds` runs over the model's whole budget: time and steps to each target, and
     the best test accuracy within the budget."""
+    xla = optimizer in FIRST_ORDER and BUDGETS[model]["first_order_xla"]
     runs = []
     for seed in range(FLAGS.seeds):
-        summary = trial(f"{model}-{optimizer}-seed{seed}-{trials.slug(setting)}",
+        summary = trial(f"{model}-{optimizer}-seed{seed}-{trials.slug(setting)}"
+                        + ("-xla" if xla else ""),
                         **run_settings(model, optimizer, setting, BUDGETS[model]["max_epochs"]),
-                        seed=seed, eval_every_steps=BUDGETS[model]["eval_every_steps"])
+                        seed=seed, eval_every_steps=BUDGETS[model]["eval_every_steps"], xla=xla)
         curve = trials.curve(summary)
         runs.append({"seed": seed,
                      "mean_step_time_s": summary["mean_step_time_s"]["all"],
