@@ -14,18 +14,21 @@ KINDS = ("sgd", "adam")
 
 
 class Grafting:
-    """The grafted optimizer's state (Adam's v per variable) and the graft itself."""
+    """The grafted optimizer's state (Adam's v per variable) and the graft itself, both
+    in K-FAC's state dtype (`state_dtype`: float32, or float64 for float64 models)."""
 
-    def __init__(self, kind, beta_2, epsilon):
+    def __init__(self, kind, beta_2, epsilon, dtype="float32"):
         if kind not in KINDS:
             raise ValueError(f"`grafting` must be one of {KINDS} or None; received {kind!r}")
         self.kind, self.beta_2, self.epsilon = kind, beta_2, epsilon
+        self.dtype = tf.as_dtype(dtype)
         self.moments, self._index = [], {}
 
     def create_state(self, variables, add_variable):
-        """Adam's v, one per variable (none for "sgd"); `add_variable(shape, name)`."""
+        """Adam's v, one per variable (none for "sgd"); `add_variable(shape, name, dtype)`."""
         if self.kind == "adam":
-            self.moments = [add_variable(v.shape, f"graft_v_{i}") for i, v in enumerate(variables)]
+            self.moments = [add_variable(v.shape, f"graft_v_{i}", self.dtype)
+                            for i, v in enumerate(variables)]
             self._index = {id(v): i for i, v in enumerate(variables)}
 
     def variables(self):
@@ -50,14 +53,13 @@ class Grafting:
             directions.append(tf.cast(scaled, grad.dtype))
         return directions
 
-    @staticmethod
-    def graft(preconditioned, directions, block_slots):
+    def graft(self, preconditioned, directions, block_slots):
         """Each block's preconditioned gradients at its direction's norm; r elsewhere."""
         grafted = list(directions)
         for slots in filter(None, block_slots):  # None: a frozen layer's block
-            p = [tf.cast(preconditioned[i], tf.float32) for i in slots]
+            p = [tf.cast(preconditioned[i], self.dtype) for i in slots]
             r = [tf.zeros_like(p_i) if directions[i] is None
-                 else tf.cast(tf.convert_to_tensor(directions[i]), tf.float32)
+                 else tf.cast(tf.convert_to_tensor(directions[i]), self.dtype)
                  for i, p_i in zip(slots, p)]
             p_norm, r_norm = _norm(p), _norm(r)
             ratio = tf.math.divide_no_nan(r_norm, p_norm)

@@ -82,7 +82,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         self._attachment = None
         self._clocks = state_lib.PhaseClocks(self.config.phase_clocks)
         self._grafting = None if self.config.grafting is None else grafting_lib.Grafting(
-            self.config.grafting, self.config.adam_beta_2, self.config.adam_epsilon)
+            self.config.grafting, self.config.adam_beta_2, self.config.adam_epsilon,
+            self.config.state_dtype)
 
     # ------------------------------------------- forwarded to the inner optimizer
     @property

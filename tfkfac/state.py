@@ -119,8 +119,8 @@ class KFACState:
         self._curvature, self._grafting = curvature, grafting
         curvature.create_state(self.counters, add_variable)
         if grafting is not None:
-            grafting.create_state(model_variables, lambda shape, name: add_variable(
-                shape, "zeros", name, "float32"))
+            grafting.create_state(model_variables, lambda shape, name, dtype: add_variable(
+                shape, "zeros", name, dtype))
         if self._waiting is not None:
             self.load(self._waiting)
 
