@@ -70,7 +70,7 @@ def points(**axes):
         *(axes[name] for name in names))]
 
 
-def grids(sgd_from, dampings, grafted_from=5e-5):
+def grids(sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4):
     """The tuning points of every entry for one model: 8 each. First-order entries and
     Adam-length K-FAC (eigen_adam, whose damping does not enter) tune the learning rate
     over the 1-2-5 series (AdamW from 1e-4, SGD from `sgd_from`); K-FAC with the KL
@@ -81,8 +81,8 @@ def grids(sgd_from, dampings, grafted_from=5e-5):
     did before. `dampings`: the two K-FAC dampings around the model's earlier picks.
     Grafted and eigen_adam K-FAC hand Adam-scaled steps to the default inner SGD with
     momentum 0.9, whose steady step is 10x its learning rate: their rates are AdamW's
-    divided by 10 (from `grafted_from`)."""
-    adam_like = points(learning_rate=(5e-4, 1e-3, 2e-3, 5e-3), damping=dampings)
+    divided by 10 (from `grafted_from`; the inner AdamW's from `adam_like_from`)."""
+    adam_like = points(learning_rate=series(adam_like_from, 4), damping=dampings)
     grafted = points(learning_rate=series(grafted_from, 4), damping=dampings)
     clipped = points(learning_rate=(0.05, 0.2), damping=dampings, kl_clip=(1e-3, 1e-2))
     return {
@@ -100,12 +100,13 @@ def grids(sgd_from, dampings, grafted_from=5e-5):
 # (eigen). SGD's constant-rate picks: CNN 0.1, ResNet-20 3e-3..1e-2, ViT 3e-3, so its
 # series starts at 1e-3 on the CNN (up to 0.2) and at 5e-4 on ResNet-20 (up to 0.1).
 # On the ViT it started at 5e-4 too; with the schedule its best was 0.1, the edge, so it
-# moved one step: 1e-3 to 0.2. Grafted K-FAC's best on the ViT was at its top learning
-# rate (5e-4, damping 3e-2), so its series moved one step too: 1e-4 to 1e-3.
+# moved one step: 1e-3 to 0.2. Grafted K-FAC's and K-FAC over AdamW's bests on the ViT
+# were at their top learning rates (5e-4 and 5e-3, damping 3e-2), so their series moved
+# one step too: 1e-4 to 1e-3, and 1e-3 to 1e-2.
 GRIDS = {
     "cnn": grids(sgd_from=1e-3, dampings=(3e-2, 0.1)),
     "resnet20": grids(sgd_from=5e-4, dampings=(3e-3, 1e-2)),
-    "vit": grids(sgd_from=1e-3, dampings=(3e-2, 0.1), grafted_from=1e-4),
+    "vit": grids(sgd_from=1e-3, dampings=(3e-2, 0.1), grafted_from=1e-4, adam_like_from=1e-3),
 }
 assert all(len(grid) == TUNING_TRIALS for model in GRIDS.values() for grid in model.values())
 
