@@ -20,6 +20,8 @@ Protocol (issue 27), identical for every entry but `kfac_constant`:
    each a compressed run: the model's `tune_epochs` on train[:54000] with the same
    schedule shape over those epochs (warm-up 5% of them, cosine to 0 at their end),
    scored by the final accuracy on the held-out train[54000:]. The best point is kept.
+   Entries in `--tuned_only` stop here (an ablation's arms): their trials go to the JSON
+   and to the plot's second row, bars of every entry's best tuning accuracy.
 3. Measurement: the kept point with `--seeds` seeds on the full train split over the
    model's whole budget (`max_epochs`; no stop at a target: the schedule spans the
    budget and the best accuracy within it is reported), test accuracy every
@@ -77,6 +79,9 @@ flags.DEFINE_list("fixed_entries", [],
                   "Extra entries measured untuned at a stated setting after the tuned ones, "
                   "as optimizer:key=value (e.g. sgd:learning_rate=0.01, a setting an earlier "
                   "tuning picked), reported as optimizer@key=value with ratios against them.")
+flags.DEFINE_list("tuned_only", [],
+                  "Entries tuned like the others but not measured (an ablation's arms): "
+                  "their tuning trials go to the JSON and to the plot's tuning panel.")
 flags.DEFINE_bool("tune_only", False,
                   "Run only the tuning trials (scored by accuracy, not time, so a busy "
                   "machine is fine) and stop; a later run reads them back and measures.")
@@ -232,8 +237,13 @@ def ratios(results, entry, baseline="sgd"):
 
 def plot(report, path):
     panels = list(report["models"]) + (["autoencoder"] if report["autoencoder"] else [])
-    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2),
+    figure, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 8.4),
                                 squeeze=False)
+    for axis, panel in zip(axes[1], panels):
+        if panel == "autoencoder":
+            axis.axis("off")
+        else:
+            plot_tuning(axis, panel, report)
     for axis, panel in zip(axes[0], panels):
         if panel == "autoencoder":
             for optimizer, result in report["autoencoder"].items():
@@ -261,6 +271,32 @@ def plot(report, path):
         axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def best_tuning(model_result):
+    """Each entry's best validation accuracy among its tuning trials, the measured
+    entries' and the tuned-only ones' (the ablation's table)."""
+    trials_by_entry = {o: r["tuning"] for o, r in model_result["optimizers"].items()
+                       if "tuning" in r}
+    trials_by_entry.update({o: t["trials"]
+                            for o, t in model_result.get("tuned_only", {}).items()})
+    return {o: max(t["validation_accuracy"] for t in scores)
+            for o, scores in trials_by_entry.items()}
+
+
+def plot_tuning(axis, model, report):
+    """Bars of each entry's best tuning accuracy; tuned-only entries hatched."""
+    best = best_tuning(report["models"][model])
+    entries = sorted(best, key=best.get)
+    tuned_only = report["models"][model].get("tuned_only", {})
+    bars = axis.barh(entries, [best[o] for o in entries],
+                     color=[f"C{list(OPTIMIZERS).index(o)}" for o in entries],
+                     hatch=["//" if o in tuned_only else "" for o in entries])
+    axis.bar_label(bars, fmt="%.4f", padding=2, fontsize=8)
+    axis.set_xlim(min(best.values()) - 0.02, max(best.values()) + 0.015)
+    axis.set_xlabel(f"best validation accuracy after {report['budgets'][model]['tune_epochs']} "
+                    f"epoch(s), {trials.TUNING_TRIALS} trials each")
+    axis.set_title(f"{model}: tuning (hatched: tuned, not timed)")
 
 
 def result_targets(model_result):
@@ -305,15 +341,17 @@ def main(argv):
     unknown = sorted(set(FLAGS.models) - set(BUDGETS))
     if unknown:
         raise ValueError(f"models must be among {', '.join(BUDGETS)}; got {unknown}")
-    unknown = sorted(set(FLAGS.optimizers) - set(OPTIMIZERS))
+    entries = FLAGS.optimizers + [o for o in FLAGS.tuned_only if o not in FLAGS.optimizers]
+    unknown = sorted(set(entries) - set(OPTIMIZERS))
     if unknown:
-        raise ValueError(f"optimizers must be among {', '.join(OPTIMIZERS)}; got {unknown}")
+        raise ValueError(f"optimizers and tuned_only must be among {', '.join(OPTIMIZERS)}; "
+                         f"got {unknown}")
     for model in FLAGS.models:
-        ungridded = [o for o in FLAGS.optimizers if o not in GRIDS[model]]
+        ungridded = [o for o in entries if o not in GRIDS[model]]
         if ungridded:
             raise ValueError(f"{model} has no tuning grid for {ungridded}; its entries are "
                              f"{', '.join(GRIDS[model])}")
-        for optimizer in FLAGS.optimizers:  # before hours of runs, not at this entry's turn
+        for optimizer in entries:  # before hours of runs, not at this entry's turn
             trials.check_entry(optimizer, run_settings(
                 model, optimizer, GRIDS[model][optimizer][0], BUDGETS[model]["tune_epochs"]))
     fixed = [fixed_entry(text) for text in FLAGS.fixed_entries]
@@ -325,8 +363,8 @@ def main(argv):
         "protocol": {"lr_schedule": "cosine", "warmup_fraction": WARMUP_FRACTION,
                      "weight_decay": "per step at the peak learning rate (budgets)",
                      "constant_learning_rate_entries": list(trials.CONSTANT_LEARNING_RATE),
-                     "entries": {o: OPTIMIZERS[o] for o in FLAGS.optimizers}},
-        "tuning": {"grids": {m: {o: GRIDS[m][o] for o in FLAGS.optimizers}
+                     "entries": {o: OPTIMIZERS[o] for o in entries}},
+        "tuning": {"grids": {m: {o: GRIDS[m][o] for o in entries}
                              for m in FLAGS.models},
                    "trials_per_entry": trials.TUNING_TRIALS,
                    "train_split": TUNE_SPLIT, "validation_split": VALIDATION_SPLIT},
@@ -336,13 +374,14 @@ def main(argv):
     for model in FLAGS.models:
         # All tuning first, then all measured runs back to back, so the timed runs of
         # every entry share the same stretch of machine conditions.
-        tunings = {optimizer: tune(model, optimizer) for optimizer in FLAGS.optimizers}
+        tunings = {optimizer: tune(model, optimizer) for optimizer in entries}
         if FLAGS.tune_only:
             print(f"{model} tuned: " + json.dumps({o: t["best"] for o, t in tunings.items()}),
                   flush=True)
             continue
         results = {}
-        for optimizer, tuning in tunings.items():
+        for optimizer in FLAGS.optimizers:
+            tuning = tunings[optimizer]
             results[optimizer] = dict(measure(model, optimizer, tuning["best"]),
                                       tuning=tuning["trials"])
             for target, reached in results[optimizer]["to_target"].items():
@@ -359,11 +398,14 @@ def main(argv):
             "optimizers": results,
             **{f"{entry}_over_{baseline}": ratios(results, entry, baseline)
                for entry, baseline in pairs},
+            "tuned_only": {o: t for o, t in tunings.items() if o not in results},
             "load_average_after": os.getloadavg(),
             "measured_at_commit": report["library_commit"]}
         for entry, baseline in pairs:
             print(f"{model} {entry}/{baseline} by target: "
                   f"{report['models'][model][f'{entry}_over_{baseline}']}", flush=True)
+        print(f"{model} best tuning validation accuracy: "
+              f"{json.dumps(best_tuning(report['models'][model]))}", flush=True)
     if FLAGS.tune_only:
         return
     if FLAGS.autoencoder_epochs:
