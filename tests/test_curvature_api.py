@@ -115,7 +115,8 @@ class CurvatureApiTest(absltest.TestCase):
         super().setUp()
         self.model = mlp()
         self.optimizer = tfkfac.KFAC(learning_rate=0.1, damping=DAMPING, kl_clip=None,
-                                     momentum=0.0, xla=False).attach(self.model)
+                                     momentum=0.0, method="eigen",
+                                     xla=False).attach(self.model)
         self.loss = keras.losses.MeanSquaredError()
 
     def step(self, x, y):
@@ -159,7 +160,8 @@ class CurvatureApiTest(absltest.TestCase):
     def test_float64_state_matches_numpy_to_float64_rounding(self):
         self.model = mlp(dtype="float64")
         self.optimizer = tfkfac.KFAC(learning_rate=0.1, damping=DAMPING, kl_clip=None,
-                                     momentum=0.0, xla=False, state_dtype="float64")
+                                     momentum=0.0, method="eigen", xla=False,
+                                     state_dtype="float64")
         self.optimizer.attach(self.model)
         self.loss = keras.losses.MeanSquaredError(dtype="float64")  # default: floatx
         # Factors to 1e-9; the preconditioned gradients measured 1.6e-8 x max|P| off the
@@ -300,7 +302,7 @@ class CurvatureApiTest(absltest.TestCase):
 
     def test_phase_clocks_are_off_unless_asked_for(self):
         model = mlp()
-        optimizer = tfkfac.KFAC(xla=False).attach(model)
+        optimizer = tfkfac.KFAC(factor_update_freq=1, xla=False).attach(model)
         model.compile(optimizer=optimizer, loss="mse")
         x = RNG.normal(size=(2 * N, 4)).astype(np.float32)
         model.fit(x, x[:, :3], batch_size=N, epochs=1, verbose=0)

@@ -75,7 +75,7 @@ def one_loop_step(model, opt, x, y, loss):
 
 def plain_kfac(xla):
     return tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
-                       xla=xla)
+                       method="eigen", xla=xla)
 
 
 def expected_deltas(reference, spec):

@@ -207,7 +207,7 @@ class EinsumDenseTest(parameterized.TestCase):
         hidden = keras.layers.Reshape((6, 4))(first(inputs, inputs))
         hidden = keras.layers.Flatten()(second(hidden, hidden))
         model = keras.Model(inputs, keras.layers.Dense(3, name="head")(hidden))
-        opt = tfkfac.KFAC(learning_rate=0.05, xla=False).attach(model)
+        opt = tfkfac.KFAC(learning_rate=0.05, factor_update_freq=1, xla=False).attach(model)
         projections = [layer.query_dense for layer in (first, second)]
         self.assertEqual([p.equation for p in projections], ["abcd,def->abcef",
                                                              "abc,cde->abde"])

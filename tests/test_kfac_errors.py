@@ -276,7 +276,7 @@ class SkipLayersTest(absltest.TestCase):
             keras.layers.Dense(3, name="head", bias_initializer="random_normal"),
         ])
         opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
-                          skip_layers=["dense_.*"], xla=False)
+                          method="eigen", skip_layers=["dense_.*"], xla=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.attach(model)
@@ -330,7 +330,7 @@ class SharedLayerTest(absltest.TestCase):
         outputs = head(keras.layers.Concatenate()([shared(in1), shared(in2)]))
         model = keras.Model([in1, in2], outputs)
         opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
-                          xla=False)
+                          method="eigen", xla=False)
         opt.attach(model)
         self.assertEqual([m["layer"] for m in opt.summary()["managed"]],
                          ["shared", "head"])

@@ -116,7 +116,8 @@ class RunningAverageTest(parameterized.TestCase):
             damping, dampings = DAMPING, [DAMPING, DAMPING]
         model = make_model(1)
         opt = tfkfac.KFAC(learning_rate=LR, damping=damping, momentum=0.0, kl_clip=None,
-                          factor_decay=xi, decomposition_update_freq=1, xla=False)
+                          factor_decay=xi, method="eigen", factor_update_freq=1,
+                          decomposition_update_freq=1, xla=False)
         opt.attach(model)
         (x1, y1), (x2, y2) = batch(201), batch(202)
 
@@ -180,8 +181,8 @@ class FrequencyTest(parameterized.TestCase):
 
     def test_freq_2_and_4_custom_loop(self):
         model = make_model(2)
-        opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, factor_update_freq=2,
-                          decomposition_update_freq=4, xla=False)
+        opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, method="eigen",
+                          factor_update_freq=2, decomposition_update_freq=4, xla=False)
         opt.attach(model)
         history = []
         for step in range(9):
@@ -192,8 +193,8 @@ class FrequencyTest(parameterized.TestCase):
     def test_freq_2_and_4_fit(self):
         # Inside model.fit the step is a tf.function: the frequency logic runs in graph.
         model = make_model(3)
-        opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, factor_update_freq=2,
-                          decomposition_update_freq=4, xla=False)
+        opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, method="eigen",
+                          factor_update_freq=2, decomposition_update_freq=4, xla=False)
         opt.attach(model)
         model.compile(optimizer=opt, loss=MSE)
         history = []
@@ -212,8 +213,9 @@ class FrequencyTest(parameterized.TestCase):
         # 0, 1, 2, 3, 4, 5, 11, (22).
         interval = tfkfac.OsawaInterval(1)
         model = make_model(4)
-        opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, factor_update_freq=interval,
-                          decomposition_update_freq=interval, xla=False)
+        opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, method="eigen",
+                          factor_update_freq=interval, decomposition_update_freq=interval,
+                          xla=False)
         opt.attach(model)
         expected, next_step = set(), 0
         for step in range(13):

@@ -36,6 +36,7 @@ def compiled(model, **kfac_args):
     if "inner_optimizer" not in kfac_args:  # else the inner optimizer has the rate
         kfac_args.setdefault("learning_rate", 0.05)
     kfac_args.setdefault("damping", 1e-2)
+    kfac_args.setdefault("factor_update_freq", 1)
     optimizer = tfkfac.KFAC(**kfac_args).attach(model)
     model.compile(optimizer=optimizer, loss=LOSS)
     return model, optimizer
@@ -123,9 +124,12 @@ class StateTest(absltest.TestCase):
         self.assertLess(max_difference(model.get_weights(), restored.get_weights()), 1e-6)
 
     def test_owner_placement_saves_no_decompositions_and_recomputes_them(self):
-        replicated_model, replicated = compiled(small_cnn(), decomposition_update_freq=4)
+        # The eigen method: its decompositions are (eigenvectors, eigenvalues) pairs.
+        replicated_model, replicated = compiled(small_cnn(), method="eigen",
+                                                decomposition_update_freq=4)
         replicated.build(replicated_model.trainable_variables)
-        model, optimizer = compiled(small_cnn(), placement="owner", decomposition_update_freq=4)
+        model, optimizer = compiled(small_cnn(), method="eigen", placement="owner",
+                                    decomposition_update_freq=4)
         fit(model, steps=3)  # decomposed at step 0; the next at step 4
         # Private: no public API tells the decompositions a rank holds.
         held = [v for s in optimizer._curvature.states for d in s.decompositions for v in d]
@@ -196,7 +200,8 @@ class UpdateRuleTest(absltest.TestCase):
         fitted, _ = compiled(small_cnn())
         fit(fitted, steps=2)
         looped = small_cnn()
-        optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2).attach(looped)
+        optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2,
+                                factor_update_freq=1).attach(looped)
 
         @tf.function
         def train_step(x, y):

@@ -66,8 +66,8 @@ class SavedStateCompatTest(parameterized.TestCase):
     def test_tf_checkpoint_restores_and_resumes(self, method):
         expected = np.load(os.path.join(DATA, f"{method}_expected.npz"))
         model = model_fn()
-        optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, decomposition_update_freq=2,
-                                method=method).attach(model)
+        optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, factor_update_freq=1,
+                                decomposition_update_freq=2, method=method).attach(model)
         model.compile(optimizer=optimizer, loss=LOSS)
         optimizer.build(model.trainable_variables)
         tf.train.Checkpoint(model=model, optimizer=optimizer).read(
