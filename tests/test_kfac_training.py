@@ -32,12 +32,17 @@ def small_cnn(seed=0):
     ])
 
 
-def compiled(model, **kfac_args):
+def kfac(**kfac_args):
+    """The tests' KFAC: their settings unless given (not the library's defaults)."""
     if "inner_optimizer" not in kfac_args:  # else the inner optimizer has the rate
         kfac_args.setdefault("learning_rate", 0.05)
     kfac_args.setdefault("damping", 1e-2)
     kfac_args.setdefault("factor_update_freq", 1)
-    optimizer = tfkfac.KFAC(**kfac_args).attach(model)
+    return tfkfac.KFAC(**kfac_args)
+
+
+def compiled(model, **kfac_args):
+    optimizer = kfac(**kfac_args).attach(model)
     model.compile(optimizer=optimizer, loss=LOSS)
     return model, optimizer
 
@@ -200,8 +205,7 @@ class UpdateRuleTest(absltest.TestCase):
         fitted, _ = compiled(small_cnn())
         fit(fitted, steps=2)
         looped = small_cnn()
-        optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2,
-                                factor_update_freq=1).attach(looped)
+        optimizer = kfac().attach(looped)
 
         @tf.function
         def train_step(x, y):
