@@ -164,16 +164,15 @@ class BadInputTest(parameterized.TestCase):
 
     def test_valid_defaults_construct(self):
         opt = tfkfac.KFAC()
-        self.assertEqual(opt.method, "eigen")
+        self.assertEqual((opt.method, opt.damping, opt.kl_clip), ("inverse", 0.1, 1e-3))
         self.assertEqual(opt.factor_decay, 0.95)
-        self.assertEqual(opt.kl_clip, 1e-3)
-        self.assertEqual((opt.factor_update_freq, opt.decomposition_update_freq), (1, 10))
+        self.assertEqual((opt.factor_update_freq, opt.decomposition_update_freq), (10, 100))
         self.assertEqual(opt.config, tfkfac.KFACConfig())
         # The default update rule: Keras's momentum SGD at KFAC's learning rate.
         self.assertIsInstance(opt.inner_optimizer, keras.optimizers.SGD)
         self.assertEqual(opt.inner_optimizer.momentum, 0.9)
-        np.testing.assert_allclose(float(opt.learning_rate), 0.01, rtol=1e-7)
-        np.testing.assert_allclose(float(opt.inner_optimizer.learning_rate), 0.01, rtol=1e-7)
+        np.testing.assert_allclose(float(opt.learning_rate), 0.05, rtol=1e-7)
+        np.testing.assert_allclose(float(opt.inner_optimizer.learning_rate), 0.05, rtol=1e-7)
 
     def test_settings_come_from_keywords_or_a_config_not_both(self):
         config = tfkfac.KFACConfig(damping=0.1, method="inverse")

@@ -221,13 +221,16 @@ class BinaryTest(parameterized.TestCase):
         output_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
         result = self.run_plan("--model=mlp", "--batch=64", "--workers=1,2",
                                f"--device={device}", f"--network={network}", "--sgd_steps=1000",
-                               "--kfac_steps=600,700", "--methods=inverse",
+                               "--kfac_steps=600,700", "--methods=eigen,inverse",
                                f"--output_dir={output_dir}")
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         for phase in ("forward/backward", "factor reduction", "decompositions (slowest)",
                       "decomposition sharing", "gradient reduction", "Recommendation",
                       "One-factor bound", "fastest to target"):
             self.assertIn(phase, result.stdout)
+        # The bound is exact K-FAC's (eigen), whichever method the library defaults to.
+        self.assertRegex(result.stdout,
+                         r"One-factor bound \(\S+ float32/float32 .* expand eigen\)")
         with open(os.path.join(output_dir, "plan.json")) as f:
             plan = json.load(f)
         self.assertTrue(os.path.getsize(os.path.join(output_dir, "plan.png")) > 0)
@@ -238,7 +241,7 @@ class BinaryTest(parameterized.TestCase):
                          [4 * parameters] * 2)
         self.assertAlmostEqual(two["kfac_time_to_target_s"] / 700,
                                two["kfac_ms"][two["best"]] / 1e3)
-        self.assertLen(one["kfac_ms"], 2 * 3 * 3 * 2 * 2 * 2)
+        self.assertLen(one["kfac_ms"], 2 * 3 * 3 * 2 * 2 * 2 * 2)
 
     def test_bad_input_is_a_usage_error(self):
         result = self.run_plan("--model=resnet5")

@@ -43,8 +43,7 @@ class SettingsTest(absltest.TestCase):
                 continue
             self.assertIn(flag, fields)
             self.assertIn(field.metadata["doc"], flags.FLAGS[flag].help)
-            default = config_lib.KFAC_DEFAULTS.get(field.name, field.default)
-            self.assertEqual(getattr(config_lib.TrainConfig(), flag), default)
+            self.assertEqual(getattr(config_lib.TrainConfig(), flag), field.default)
             self.assertIn(flag, config_lib.KFAC_ONLY_FIELDS)
         self.assertIs(train.FLAGS, flags.FLAGS)
 

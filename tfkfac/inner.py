@@ -40,7 +40,7 @@ def inner_optimizer(optimizer, learning_rate, momentum, weight_decay):
                 "the inner optimizer applies the update, so set "
                 f"{'it' if len(given) == 1 else 'them'} on the inner optimizer instead.")
         return optimizer
-    learning_rate = 0.01 if learning_rate is None else learning_rate
+    learning_rate = 0.05 if learning_rate is None else learning_rate
     validation.positive_or_schedule("learning_rate", learning_rate)
     momentum = 0.9 if momentum is None else momentum
     validation.fraction("momentum", momentum)

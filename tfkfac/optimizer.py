@@ -29,7 +29,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
 
     Args:
       learning_rate, momentum, weight_decay: of the default inner optimizer,
-        `keras.optimizers.SGD(learning_rate, momentum, weight_decay=...)` (defaults 0.01,
+        `keras.optimizers.SGD(learning_rate, momentum, weight_decay=...)` (defaults 0.05,
         0.9, None); give them only when `inner_optimizer` is not given.
       inner_optimizer: the Keras optimizer that applies the preconditioned gradients.
       communicator: a `tfkfac.distributed` communicator; default

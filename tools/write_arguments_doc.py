@@ -14,9 +14,9 @@ HEADER = """# K-FAC's settings
 
 Generated from `tfkfac.KFACConfig` by `tools/write_arguments_doc.py`; do not edit by hand.
 Each is an argument of `tfkfac.KFAC(...)` and a field of `tfkfac.KFACConfig(...)`, and the
-trainer flag beside it sets it for `python -m trainers.train --optimizer=kfac` (whose
-defaults differ where `trainers/config.py` says). `learning_rate`, `momentum` and
-`weight_decay` are the default inner SGD's ([usage.md](usage.md)).
+trainer flag beside it sets it for `python -m trainers.train --optimizer=kfac`, with the
+same default. `learning_rate`, `momentum` and `weight_decay` are the default inner SGD's
+([usage.md](usage.md)).
 """
 
 

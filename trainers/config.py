@@ -23,11 +23,6 @@ ECHO_MODES = pipelines.ECHO_MODES
 PRECISIONS = tuple(pipelines.PRECISIONS)
 VERBOSITIES = (0, 1, 2)
 
-# The trainer's K-FAC defaults where they differ from the library's: the CNN's best
-# setting in bench/time_to_accuracy.py (the inverse method, damping 0.1) with factors
-# every 10 and decompositions every 100 steps.
-KFAC_DEFAULTS = {"damping": 0.1, "method": "inverse", "factor_update_freq": 10,
-                 "decomposition_update_freq": 100}
 # K-FAC's settings the trainer exposes: {flag: KFACConfig field}.
 KFAC_FLAGS = {kfac_config.flag_name(field): field for field in kfac_config.settings()
               if kfac_config.flag_name(field)}
@@ -220,7 +215,7 @@ class _RunConfig:
 
 TrainConfig = dataclasses.make_dataclass(
     "TrainConfig",
-    [(flag, field.type, dataclasses.field(default=KFAC_DEFAULTS.get(field.name, field.default)))
+    [(flag, field.type, dataclasses.field(default=field.default))
      for flag, field in KFAC_FLAGS.items()],
     bases=(_RunConfig,))
 TrainConfig.__module__ = __name__

@@ -27,12 +27,13 @@ def grid(placements, factor_wires, decomposition_wires, factor_intervals,
         decomposition_intervals, weight_sharing, methods)]
 
 
-def same_approximation(config):
-    """Whether `config` computes what the library's defaults compute (up to staleness)."""
+def same_approximation(config, method=step_model.LIBRARY_DEFAULTS.method):
+    """Whether `config` computes what the library's defaults compute (up to staleness),
+    with `method` in place of the default method when given."""
     defaults = step_model.LIBRARY_DEFAULTS
     return (config.factor_wire, config.decomposition_wire, config.weight_sharing,
             config.method) == (defaults.factor_wire, defaults.decomposition_wire,
-                               defaults.weight_sharing, defaults.method)
+                               defaults.weight_sharing, method)
 
 
 def evaluate(work, configs, workers, device, fabric, precision, forward_backward_s=None,
