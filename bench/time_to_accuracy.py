@@ -40,6 +40,10 @@ interrupted one resumes from its checkpoint, so the benchmark can be restarted a
 spread over sessions (a trial whose stored settings differ from the protocol's is an
 error: use a new work dir when the protocol changes). `--tune_only` stops after the
 tuning trials, which can run on a busy machine; the timed runs then need it idle.
+The JSON is the record that outlives a work dir: a run keeps, of every model, the
+entries it does not run itself (each with the commit it was measured at), so a model's
+entries can be measured one or a few at a time (`--optimizers=` with `--tuned_only=x`
+tunes x alone) and each written result committed before the next starts.
 
 Run (hours on 2 cores; in the background):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/time_to_accuracy.py \
@@ -260,7 +264,7 @@ def plot(report, path):
                     axis.plot(times, accuracies, color=f"C{list(OPTIMIZERS).index(base)}",
                               linestyle="--" if "@" in optimizer else "-", alpha=0.8,
                               label=optimizer if run["seed"] == 0 else None)
-            model_targets = result_targets(report["models"][panel])
+            model_targets = report["target_accuracies"][panel]
             for target in model_targets:
                 axis.axhline(target, color="gray", linestyle="--", linewidth=0.8)
             axis.set_ylim(max(0.0, min(model_targets) - 0.15),
@@ -315,7 +319,9 @@ def comparisons(results):
 
 
 def carry_over(report, path):
-    """Results of models this run did not measure, from the JSON at `path`."""
+    """From the JSON at `path`: the models this run did not measure, and of the models it
+    measured the entries it did not run (measured or tuned only), each marked with the
+    commit it was measured at."""
     if not (FLAGS.keep_other_results and os.path.exists(path)):
         return
     with open(path, encoding="utf-8") as f:
@@ -323,12 +329,24 @@ def carry_over(report, path):
     measured_at = previous.get("library_commit", previous.get("commit", "unrecorded"))
     grids = previous["tuning"]["grids"]  # older files: one grid per optimizer for all
     for model, result in previous.get("models", {}).items():
+        model_at = result.get("measured_at_commit", measured_at)
         if model not in report["models"]:
-            report["models"][model] = dict(result, measured_at_commit=result.get(
-                "measured_at_commit", measured_at))
+            report["models"][model] = dict(result, measured_at_commit=model_at)
             report["budgets"][model] = previous["budgets"][model]
             report["tuning"]["grids"][model] = grids.get(model, grids)
             report["target_accuracies"][model] = result_targets(result)
+            continue
+        mine = report["models"][model]
+        for kind in ("optimizers", "tuned_only"):
+            for entry, entry_result in result.get(kind, {}).items():
+                if entry not in mine["optimizers"] and entry not in mine["tuned_only"]:
+                    mine[kind][entry] = dict(entry_result, measured_at_commit=entry_result.get(
+                        "measured_at_commit", model_at))
+                    base = entry.split("@")[0]
+                    report["tuning"]["grids"][model].setdefault(
+                        base, grids.get(model, grids).get(base))
+                    report["protocol"]["entries"].setdefault(
+                        base, previous["protocol"]["entries"].get(base, OPTIMIZERS[base]))
     for optimizer, result in previous.get("autoencoder", {}).items():
         if optimizer not in report["autoencoder"]:
             report["autoencoder"][optimizer] = dict(result, measured_at_commit=result.get(
@@ -393,19 +411,11 @@ def main(argv):
                   f"{[run['best_accuracy'] for run in results[optimizer]['runs']]}", flush=True)
         for optimizer, setting in fixed:
             results[f"{optimizer}@{trials.slug(setting)}"] = measure(model, optimizer, setting)
-        pairs = comparisons(results)
         report["models"][model] = {
             "optimizers": results,
-            **{f"{entry}_over_{baseline}": ratios(results, entry, baseline)
-               for entry, baseline in pairs},
             "tuned_only": {o: t for o, t in tunings.items() if o not in results},
             "load_average_after": os.getloadavg(),
             "measured_at_commit": report["library_commit"]}
-        for entry, baseline in pairs:
-            print(f"{model} {entry}/{baseline} by target: "
-                  f"{report['models'][model][f'{entry}_over_{baseline}']}", flush=True)
-        print(f"{model} best tuning validation accuracy: "
-              f"{json.dumps(best_tuning(report['models'][model]))}", flush=True)
     if FLAGS.tune_only:
         return
     if FLAGS.autoencoder_epochs:
@@ -416,6 +426,15 @@ def main(argv):
                   f"{report['autoencoder'][optimizer]['final_train_squared_error']:.3f}",
                   flush=True)
     carry_over(report, os.path.join(FLAGS.output_dir, "time_to_accuracy.json"))
+    for model in FLAGS.models:  # over this run's entries and those kept from the JSON
+        model_result = report["models"][model]
+        for entry, baseline in comparisons(model_result["optimizers"]):
+            model_result[f"{entry}_over_{baseline}"] = ratios(
+                model_result["optimizers"], entry, baseline)
+            print(f"{model} {entry}/{baseline} by target: "
+                  f"{model_result[f'{entry}_over_{baseline}']}", flush=True)
+        print(f"{model} best tuning validation accuracy: "
+              f"{json.dumps(best_tuning(model_result))}", flush=True)
     outputs.write(report, FLAGS.output_dir, "time_to_accuracy", plot)
 
 

@@ -1,6 +1,6 @@
-"""bench/trials.py: issue 27's time-to-accuracy protocol gives every entry the same
-decoupled weight decay and the same tuning budget, and refuses entries the trainer cannot
-run.
+"""bench/trials.py: the time-to-accuracy protocol gives every entry the same decoupled
+weight decay and the same tuning budget, and refuses entries the trainer cannot run;
+bench/time_to_accuracy.py keeps, of a model it measures, the entries a run does not run.
 
 The weight decay is checked on the optimizers the trainer builds from the protocol's
 settings: with zero gradients a step of AdamW or of SGD with momentum only decays, so
@@ -8,15 +8,22 @@ w_{t+1} / w_t = 1 - λ s(t), s(t) the warm-up + cosine multiplier, whatever the 
 rate (Loshchilov & Hutter's decoupling; Keras's `weight_decay` is multiplied by it).
 """
 
+import json
 import os
+import sys
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# bench/ as its scripts see it (they import their neighbours by name).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "bench"))
 
 from absl.testing import absltest, parameterized  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import trials  # noqa: E402
+import time_to_accuracy  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 from trainers import config as config_lib, runner  # noqa: E402
 
@@ -81,6 +88,52 @@ class CheckEntryTest(absltest.TestCase):
         with self.assertRaisesRegex(ValueError, "entry sgd needs the trainer setting"
                                     r"\(s\) no_such_setting"):
             trials.check_entry("sgd", settings)
+
+
+def tuning(entry, accuracy):
+    """A tuned entry's record as the benchmark writes it."""
+    return {"trials": [{"setting": trials.GRIDS["vit"][entry][0],
+                        "validation_accuracy": accuracy}],
+            "best": trials.GRIDS["vit"][entry][0]}
+
+
+class CarryOverTest(absltest.TestCase):
+    """A run that tunes one ViT arm keeps the ViT entries an earlier run wrote, each with
+    the commit it was measured at, and replaces the arm it ran again."""
+
+    def test_a_run_keeps_the_entries_it_does_not_run(self):
+        adamw = {"setting": {"learning_rate": 2e-3}, "to_target": {"0.86": {}},
+                 "tuning": tuning("adamw", 0.8473)["trials"]}
+        previous = {
+            "library_commit": "old", "budgets": {"vit": {}}, "target_accuracies": {},
+            "tuning": {"grids": {"vit": {o: trials.GRIDS["vit"][o]
+                                         for o in ("adamw", "sgd", "kfac_eigen")}}},
+            "protocol": {"entries": {o: trials.OPTIMIZERS[o]
+                                     for o in ("adamw", "sgd", "kfac_eigen")}},
+            "models": {"vit": {"optimizers": {"adamw": adamw},
+                               "tuned_only": {"sgd": tuning("sgd", 0.80),
+                                              "kfac_eigen": tuning("kfac_eigen", 0.70)},
+                               "measured_at_commit": "old"}}}
+        path = os.path.join(tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir()),
+                            "time_to_accuracy.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(previous, f)
+        report = {
+            "budgets": {"vit": {}}, "target_accuracies": {"vit": [0.86]},
+            "tuning": {"grids": {"vit": {"kfac_eigen": trials.GRIDS["vit"]["kfac_eigen"]}}},
+            "protocol": {"entries": {"kfac_eigen": trials.OPTIMIZERS["kfac_eigen"]}},
+            "models": {"vit": {"optimizers": {},
+                               "tuned_only": {"kfac_eigen": tuning("kfac_eigen", 0.86)},
+                               "measured_at_commit": "new"}}}
+        time_to_accuracy.carry_over(report, path)
+        vit = report["models"]["vit"]
+        self.assertEqual(vit["optimizers"], {"adamw": dict(adamw, measured_at_commit="old")})
+        self.assertEqual(vit["tuned_only"]["sgd"]["measured_at_commit"], "old")
+        self.assertEqual(vit["tuned_only"]["kfac_eigen"], tuning("kfac_eigen", 0.86))
+        self.assertEqual(set(report["tuning"]["grids"]["vit"]), {"adamw", "sgd", "kfac_eigen"})
+        self.assertEqual(set(report["protocol"]["entries"]), {"adamw", "sgd", "kfac_eigen"})
+        self.assertEqual(time_to_accuracy.best_tuning(vit),
+                         {"adamw": 0.8473, "sgd": 0.80, "kfac_eigen": 0.86})
 
 
 if __name__ == "__main__":
