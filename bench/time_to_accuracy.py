@@ -41,9 +41,10 @@ spread over sessions (a trial whose stored settings differ from the protocol's i
 error: use a new work dir when the protocol changes). `--tune_only` stops after the
 tuning trials, which can run on a busy machine; the timed runs then need it idle.
 The JSON is the record that outlives a work dir: a run keeps, of every model, the
-entries it does not run itself (each with the commit it was measured at), so a model's
-entries can be measured one or a few at a time (`--optimizers=` with `--tuned_only=x`
-tunes x alone) and each written result committed before the next starts.
+entries it does not run itself (each with the commit it was measured at), and writes
+each measured entry as soon as its seeds are done, so a model's entries can be measured
+one or a few at a time (`--optimizers=` with `--tuned_only=x` tunes x alone) and each
+written result committed before the next starts.
 
 Run (hours on 2 cores; in the background):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/time_to_accuracy.py \
@@ -54,6 +55,7 @@ of models a run does not measure are kept. The constant-learning-rate protocol's
 (before issue 27) are in bench/results/constant_lr/.
 """
 
+import copy
 import json
 import os
 import statistics
@@ -398,6 +400,10 @@ def main(argv):
                   flush=True)
             continue
         results = {}
+        report["models"][model] = {
+            "optimizers": results,
+            "tuned_only": {o: t for o, t in tunings.items() if o not in FLAGS.optimizers},
+            "measured_at_commit": report["library_commit"]}
         for optimizer in FLAGS.optimizers:
             tuning = tunings[optimizer]
             results[optimizer] = dict(measure(model, optimizer, tuning["best"]),
@@ -409,13 +415,11 @@ def main(argv):
                       flush=True)
             print(f"{model} {optimizer} best accuracy per seed: "
                   f"{[run['best_accuracy'] for run in results[optimizer]['runs']]}", flush=True)
+            report["models"][model]["load_average_after"] = os.getloadavg()
+            save(report)  # each measured entry as soon as it is done
         for optimizer, setting in fixed:
             results[f"{optimizer}@{trials.slug(setting)}"] = measure(model, optimizer, setting)
-        report["models"][model] = {
-            "optimizers": results,
-            "tuned_only": {o: t for o, t in tunings.items() if o not in results},
-            "load_average_after": os.getloadavg(),
-            "measured_at_commit": report["library_commit"]}
+        report["models"][model]["load_average_after"] = os.getloadavg()
     if FLAGS.tune_only:
         return
     if FLAGS.autoencoder_epochs:
@@ -425,18 +429,29 @@ def main(argv):
             print(f"autoencoder {optimizer}: final squared error "
                   f"{report['autoencoder'][optimizer]['final_train_squared_error']:.3f}",
                   flush=True)
+    for model in FLAGS.models:
+        print(f"{model} best tuning validation accuracy: "
+              f"{json.dumps(best_tuning(report['models'][model]))}", flush=True)
+    save(report, print_ratios=True)
+
+
+def save(report, print_ratios=False):
+    """Writes the JSON and PNG of `report` with what `carry_over` keeps from the existing
+    JSON, and the ratios over every entry of the models this run measures. Called after
+    each measured entry too, so that a run cut short (or a machine replaced) loses at
+    most the entry under way."""
+    report = copy.deepcopy(report)
+    measured = list(report["models"])
     carry_over(report, os.path.join(FLAGS.output_dir, "time_to_accuracy.json"))
-    for model in FLAGS.models:  # over this run's entries and those kept from the JSON
+    for model in measured:  # over this run's entries and those kept from the JSON
         model_result = report["models"][model]
         for entry, baseline in comparisons(model_result["optimizers"]):
             model_result[f"{entry}_over_{baseline}"] = ratios(
                 model_result["optimizers"], entry, baseline)
-            print(f"{model} {entry}/{baseline} by target: "
-                  f"{model_result[f'{entry}_over_{baseline}']}", flush=True)
-        print(f"{model} best tuning validation accuracy: "
-              f"{json.dumps(best_tuning(model_result))}", flush=True)
+            if print_ratios:
+                print(f"{model} {entry}/{baseline} by target: "
+                      f"{model_result[f'{entry}_over_{baseline}']}", flush=True)
     outputs.write(report, FLAGS.output_dir, "time_to_accuracy", plot)
-
 
 if __name__ == "__main__":
     app.run(main)

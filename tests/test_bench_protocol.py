@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "bench"))
 
-from absl.testing import absltest, parameterized  # noqa: E402
+from absl.testing import absltest, flagsaver, parameterized  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -134,6 +134,46 @@ class CarryOverTest(absltest.TestCase):
         self.assertEqual(set(report["protocol"]["entries"]), {"adamw", "sgd", "kfac_eigen"})
         self.assertEqual(time_to_accuracy.best_tuning(vit),
                          {"adamw": 0.8473, "sgd": 0.80, "kfac_eigen": 0.86})
+
+
+class SaveTest(absltest.TestCase):
+    """A measured entry is written with the entries the JSON already held and the ratios
+    between them, and the run's own report is left as it was."""
+
+    def test_an_entry_is_saved_beside_the_kept_ones(self):
+        def measured(steps):  # one seed reaching 0.86 at `steps` steps, 0.1 s each
+            return {"runs": [{"seed": 0, "curve": [[0.1 * steps, steps, 0.86]]}],
+                    "to_target": {"0.86": trials.to_target(
+                        [{"curve": [[0.1 * steps, steps, 0.86]]}], 0.86)},
+                    "tuning": tuning("adamw", 0.8)["trials"]}
+
+        output_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        report = {
+            "seeds": 1, "budgets": {"vit": {"tune_epochs": 2}},
+            "target_accuracies": {"vit": [0.86]}, "autoencoder": {},
+            "library_commit": "new",
+            "tuning": {"grids": {"vit": {"kfac_eigen_adam": []}}},
+            "protocol": {"entries": {"kfac_eigen_adam": {}}},
+            "models": {"vit": {"optimizers": {"kfac_eigen_adam": measured(1600)},
+                               "tuned_only": {}, "measured_at_commit": "new"}}}
+        previous = dict(report, library_commit="old", models={"vit": {
+            "optimizers": {"adamw": measured(2600)}, "measured_at_commit": "old"}})
+        previous["tuning"] = {"grids": {"vit": {"adamw": []}}}
+        previous["protocol"] = {"entries": {"adamw": {}}}
+        with open(os.path.join(output_dir, "time_to_accuracy.json"), "w",
+                  encoding="utf-8") as f:
+            json.dump(previous, f)
+        before = json.dumps(report, sort_keys=True)
+        with flagsaver.flagsaver(output_dir=output_dir):
+            time_to_accuracy.save(report)
+        self.assertEqual(json.dumps(report, sort_keys=True), before)
+        with open(os.path.join(output_dir, "time_to_accuracy.json"), encoding="utf-8") as f:
+            vit = json.load(f)["models"]["vit"]
+        self.assertEqual(list(vit["optimizers"]), ["kfac_eigen_adam", "adamw"])
+        self.assertEqual(vit["optimizers"]["adamw"]["measured_at_commit"], "old")
+        self.assertAlmostEqual(vit["kfac_eigen_adam_over_adamw"]["0.86"]["steps"], 1600 / 2600)
+        self.assertGreater(os.path.getsize(os.path.join(output_dir, "time_to_accuracy.png")),
+                           0)
 
 
 if __name__ == "__main__":
