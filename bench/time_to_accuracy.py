@@ -305,12 +305,6 @@ def plot_tuning(axis, model, report):
     axis.set_title(f"{model}: tuning (hatched: tuned, not timed)")
 
 
-def result_targets(model_result):
-    """The target accuracies a model's result was measured at (its to_target keys)."""
-    first = next(iter(model_result["optimizers"].values()))
-    return sorted(float(target) for target in first["to_target"])
-
-
 def comparisons(results):
     """(K-FAC entry, first-order baseline) pairs present in `results`; fixed entries count
     as baselines when their optimizer is first-order."""
@@ -336,7 +330,7 @@ def carry_over(report, path):
             report["models"][model] = dict(result, measured_at_commit=model_at)
             report["budgets"][model] = previous["budgets"][model]
             report["tuning"]["grids"][model] = grids.get(model, grids)
-            report["target_accuracies"][model] = result_targets(result)
+            report["target_accuracies"][model] = previous["target_accuracies"][model]
             continue
         mine = report["models"][model]
         for kind in ("optimizers", "tuned_only"):

@@ -113,7 +113,12 @@ class CarryOverTest(absltest.TestCase):
             "models": {"vit": {"optimizers": {"adamw": adamw},
                                "tuned_only": {"sgd": tuning("sgd", 0.80),
                                               "kfac_eigen": tuning("kfac_eigen", 0.70)},
-                               "measured_at_commit": "old"}}}
+                               "measured_at_commit": "old"},
+                       # A model with tuned entries only, none measured yet.
+                       "cnn": {"optimizers": {}, "tuned_only": {"sgd": tuning("sgd", 0.9)},
+                               "measured_at_commit": "older"}}}
+        previous["budgets"]["cnn"] = {"tune_epochs": 2}
+        previous["target_accuracies"]["cnn"] = [0.88, 0.9]
         path = os.path.join(tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir()),
                             "time_to_accuracy.json")
         with open(path, "w", encoding="utf-8") as f:
@@ -134,6 +139,8 @@ class CarryOverTest(absltest.TestCase):
         self.assertEqual(set(report["protocol"]["entries"]), {"adamw", "sgd", "kfac_eigen"})
         self.assertEqual(time_to_accuracy.best_tuning(vit),
                          {"adamw": 0.8473, "sgd": 0.80, "kfac_eigen": 0.86})
+        self.assertEqual(report["models"]["cnn"]["measured_at_commit"], "older")
+        self.assertEqual(report["target_accuracies"]["cnn"], [0.88, 0.9])
 
 
 class SaveTest(absltest.TestCase):
