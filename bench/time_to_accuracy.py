@@ -42,9 +42,11 @@ error: use a new work dir when the protocol changes). `--tune_only` stops after 
 tuning trials, which can run on a busy machine; the timed runs then need it idle.
 The JSON is the record that outlives a work dir: a run keeps, of every model, the
 entries it does not run itself (each with the commit it was measured at), and writes
-each measured entry as soon as its seeds are done, so a model's entries can be measured
-one or a few at a time (`--optimizers=` with `--tuned_only=x` tunes x alone) and each
-written result committed before the next starts.
+the tuning as soon as it is done and each measured entry as soon as its seeds are, so a
+model's entries can be measured one or a few at a time (`--optimizers=` with
+`--tuned_only=x` tunes x alone) and each written result committed before the next
+starts. Tuning trials the JSON records for today's grid and protocol are not run again
+when the work dir holds none of them.
 
 Run (hours on 2 cores; in the background):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/time_to_accuracy.py \
@@ -153,17 +155,44 @@ def run_settings(model, entry, setting, epochs):
 
 def tune(model, optimizer):
     """The grid point with the best validation accuracy after a compressed run: the
-    model's tuning epochs, on the same schedule shape."""
-    scores = []
-    for setting in GRIDS[model][optimizer]:
-        summary = trial(f"{model}-{optimizer}-tune-{trials.slug(setting)}",
-                        **run_settings(model, optimizer, setting,
-                                       BUDGETS[model]["tune_epochs"]),
-                        train_split=TUNE_SPLIT, eval_split=VALIDATION_SPLIT)
-        scores.append({"setting": setting,
-                       "validation_accuracy": summary["final_eval_accuracy"]})
+    model's tuning epochs, on the same schedule shape. Trials the JSON records for
+    today's grid and protocol are used when the work dir holds none of them."""
+    names = [f"{model}-{optimizer}-tune-{trials.slug(setting)}"
+             for setting in GRIDS[model][optimizer]]
+    scores = recorded_tuning(model, optimizer)
+    if scores and not any(os.path.exists(os.path.join(FLAGS.work_dir, n)) for n in names):
+        print(f"{model} {optimizer}: tuning trials read from the JSON", flush=True)
+    else:
+        scores = []
+        for name, setting in zip(names, GRIDS[model][optimizer]):
+            summary = trial(name, **run_settings(model, optimizer, setting,
+                                                 BUDGETS[model]["tune_epochs"]),
+                            train_split=TUNE_SPLIT, eval_split=VALIDATION_SPLIT)
+            scores.append({"setting": setting,
+                           "validation_accuracy": summary["final_eval_accuracy"]})
     best = max(scores, key=lambda s: s["validation_accuracy"])
     return {"trials": scores, "best": best["setting"]}
+
+
+def recorded_tuning(model, optimizer):
+    """`optimizer`'s tuning trials on `model` as the JSON records them, if they were run
+    on today's grid, budget, schedule and entry settings (else None): a machine whose
+    work dir is gone need not tune again."""
+    path = os.path.join(FLAGS.output_dir, "time_to_accuracy.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        previous = json.load(f)
+    result = previous.get("models", {}).get(model, {})
+    scores = (result.get("optimizers", {}).get(optimizer, {}).get("tuning")
+              or result.get("tuned_only", {}).get(optimizer, {}).get("trials"))
+    today = json.loads(json.dumps({"budget": BUDGETS[model], "entry": OPTIMIZERS[optimizer],
+                                   "grid": GRIDS[model][optimizer]}))
+    recorded = {"budget": previous["budgets"].get(model),
+                "entry": previous["protocol"]["entries"].get(optimizer),
+                "grid": [score["setting"] for score in scores or ()]}
+    same_schedule = previous["protocol"].get("warmup_fraction") == WARMUP_FRACTION
+    return scores if scores and same_schedule and recorded == today else None
 
 
 def measure(model, optimizer, setting):
@@ -326,6 +355,12 @@ def carry_over(report, path):
     grids = previous["tuning"]["grids"]  # older files: one grid per optimizer for all
     for model, result in previous.get("models", {}).items():
         model_at = result.get("measured_at_commit", measured_at)
+        for kind in ("optimizers", "tuned_only"):  # the settings of every kept entry
+            for entry in result.get(kind, {}):
+                base = entry.split("@")[0]
+                if base in previous["protocol"]["entries"]:
+                    report["protocol"]["entries"].setdefault(
+                        base, previous["protocol"]["entries"][base])
         if model not in report["models"]:
             report["models"][model] = dict(result, measured_at_commit=model_at)
             report["budgets"][model] = previous["budgets"][model]
@@ -338,11 +373,8 @@ def carry_over(report, path):
                 if entry not in mine["optimizers"] and entry not in mine["tuned_only"]:
                     mine[kind][entry] = dict(entry_result, measured_at_commit=entry_result.get(
                         "measured_at_commit", model_at))
-                    base = entry.split("@")[0]
                     report["tuning"]["grids"][model].setdefault(
-                        base, grids.get(model, grids).get(base))
-                    report["protocol"]["entries"].setdefault(
-                        base, previous["protocol"]["entries"].get(base, OPTIMIZERS[base]))
+                        entry.split("@")[0], grids.get(model, grids).get(entry.split("@")[0]))
     for optimizer, result in previous.get("autoencoder", {}).items():
         if optimizer not in report["autoencoder"]:
             report["autoencoder"][optimizer] = dict(result, measured_at_commit=result.get(
@@ -394,10 +426,10 @@ def main(argv):
                   flush=True)
             continue
         results = {}
-        report["models"][model] = {
-            "optimizers": results,
-            "tuned_only": {o: t for o, t in tunings.items() if o not in FLAGS.optimizers},
-            "measured_at_commit": report["library_commit"]}
+        # Entries awaiting their timed runs count as tuned only until measured.
+        report["models"][model] = {"optimizers": results, "tuned_only": dict(tunings),
+                                   "measured_at_commit": report["library_commit"]}
+        save(report)  # the tuning, before hours of timed runs
         for optimizer in FLAGS.optimizers:
             tuning = tunings[optimizer]
             results[optimizer] = dict(measure(model, optimizer, tuning["best"]),
@@ -409,6 +441,7 @@ def main(argv):
                       flush=True)
             print(f"{model} {optimizer} best accuracy per seed: "
                   f"{[run['best_accuracy'] for run in results[optimizer]['runs']]}", flush=True)
+            del report["models"][model]["tuned_only"][optimizer]
             report["models"][model]["load_average_after"] = os.getloadavg()
             save(report)  # each measured entry as soon as it is done
         for optimizer, setting in fixed:

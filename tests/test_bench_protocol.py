@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+from unittest import mock
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # bench/ as its scripts see it (they import their neighbours by name).
@@ -141,6 +142,38 @@ class CarryOverTest(absltest.TestCase):
                          {"adamw": 0.8473, "sgd": 0.80, "kfac_eigen": 0.86})
         self.assertEqual(report["models"]["cnn"]["measured_at_commit"], "older")
         self.assertEqual(report["target_accuracies"]["cnn"], [0.88, 0.9])
+
+
+class RecordedTuningTest(absltest.TestCase):
+    """A machine whose work dir is gone takes an entry's tuning from the JSON, if the JSON
+    ran it on today's grid and protocol, instead of running the trials again."""
+
+    def write(self, budget):
+        output_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        scores = [{"setting": setting, "validation_accuracy": 0.8 + 0.01 * i}
+                  for i, setting in enumerate(trials.GRIDS["vit"]["sgd"])]
+        with open(os.path.join(output_dir, "time_to_accuracy.json"), "w",
+                  encoding="utf-8") as f:
+            json.dump({"budgets": {"vit": budget},
+                       "protocol": {"warmup_fraction": trials.WARMUP_FRACTION,
+                                    "entries": {"sgd": trials.OPTIMIZERS["sgd"]}},
+                       "models": {"vit": {"optimizers": {},
+                                          "tuned_only": {"sgd": {"trials": scores}}}}}, f)
+        return output_dir, scores
+
+    def test_recorded_trials_are_read_back_not_run(self):
+        output_dir, scores = self.write(time_to_accuracy.BUDGETS["vit"])
+        empty_work_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        with flagsaver.flagsaver(output_dir=output_dir, work_dir=empty_work_dir), \
+                mock.patch.object(trials, "run", side_effect=AssertionError("ran a trial")):
+            tuned = time_to_accuracy.tune("vit", "sgd")
+        self.assertEqual(tuned, {"trials": scores, "best": trials.GRIDS["vit"]["sgd"][-1]})
+
+    def test_trials_of_another_protocol_are_not_used(self):
+        output_dir, _ = self.write(dict(time_to_accuracy.BUDGETS["vit"], tune_epochs=1))
+        with flagsaver.flagsaver(output_dir=output_dir):
+            self.assertIsNone(time_to_accuracy.recorded_tuning("vit", "sgd"))
+            self.assertIsNone(time_to_accuracy.recorded_tuning("vit", "adamw"))
 
 
 class SaveTest(absltest.TestCase):
