@@ -165,7 +165,8 @@ class RecordedTuningTest(absltest.TestCase):
         output_dir, scores = self.write(time_to_accuracy.BUDGETS["vit"])
         empty_work_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
         with flagsaver.flagsaver(output_dir=output_dir, work_dir=empty_work_dir), \
-                mock.patch.object(trials, "run", side_effect=AssertionError("ran a trial")):
+                mock.patch.object(time_to_accuracy.trials, "run",
+                                  side_effect=AssertionError("ran a trial")):
             tuned = time_to_accuracy.tune("vit", "sgd")
         self.assertEqual(tuned, {"trials": scores, "best": trials.GRIDS["vit"]["sgd"][-1]})
 
