@@ -174,15 +174,22 @@ def tune(model, optimizer):
     return {"trials": scores, "best": best["setting"]}
 
 
-def recorded_tuning(model, optimizer):
-    """`optimizer`'s tuning trials on `model` as the JSON records them, if they were run
-    on today's grid, budget, schedule and entry settings (else None): a machine whose
-    work dir is gone need not tune again."""
+def recorded_report():
+    """The JSON in `--output_dir` as the last run left it, or None."""
     path = os.path.join(FLAGS.output_dir, "time_to_accuracy.json")
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:
-        previous = json.load(f)
+        return json.load(f)
+
+
+def recorded_tuning(model, optimizer):
+    """`optimizer`'s tuning trials on `model` as the JSON records them, if they were run
+    on today's grid, budget, schedule and entry settings (else None): a machine whose
+    work dir is gone need not tune again."""
+    previous = recorded_report()
+    if previous is None:
+        return None
     result = previous.get("models", {}).get(model, {})
     scores = (result.get("optimizers", {}).get(optimizer, {}).get("tuning")
               or result.get("tuned_only", {}).get(optimizer, {}).get("trials"))
@@ -343,14 +350,13 @@ def comparisons(results):
     return [(entry, baseline) for entry in entries for baseline in baselines]
 
 
-def carry_over(report, path):
-    """From the JSON at `path`: the models this run did not measure, and of the models it
-    measured the entries it did not run (measured or tuned only), each marked with the
-    commit it was measured at."""
-    if not (FLAGS.keep_other_results and os.path.exists(path)):
+def carry_over(report):
+    """From the JSON (`recorded_report`): the models this run did not measure, and of the
+    models it measured the entries it did not run (measured or tuned only), each marked
+    with the commit it was measured at."""
+    previous = recorded_report() if FLAGS.keep_other_results else None
+    if previous is None:
         return
-    with open(path, encoding="utf-8") as f:
-        previous = json.load(f)
     measured_at = previous.get("library_commit", previous.get("commit", "unrecorded"))
     grids = previous["tuning"]["grids"]  # older files: one grid per optimizer for all
     for model, result in previous.get("models", {}).items():
@@ -373,8 +379,9 @@ def carry_over(report, path):
                 if entry not in mine["optimizers"] and entry not in mine["tuned_only"]:
                     mine[kind][entry] = dict(entry_result, measured_at_commit=entry_result.get(
                         "measured_at_commit", model_at))
+                    base = entry.split("@")[0]
                     report["tuning"]["grids"][model].setdefault(
-                        entry.split("@")[0], grids.get(model, grids).get(entry.split("@")[0]))
+                        base, grids.get(model, grids).get(base))
     for optimizer, result in previous.get("autoencoder", {}).items():
         if optimizer not in report["autoencoder"]:
             report["autoencoder"][optimizer] = dict(result, measured_at_commit=result.get(
@@ -469,7 +476,7 @@ def save(report, print_ratios=False):
     most the entry under way."""
     report = copy.deepcopy(report)
     measured = list(report["models"])
-    carry_over(report, os.path.join(FLAGS.output_dir, "time_to_accuracy.json"))
+    carry_over(report)
     for model in measured:  # over this run's entries and those kept from the JSON
         model_result = report["models"][model]
         for entry, baseline in comparisons(model_result["optimizers"]):

@@ -131,7 +131,8 @@ class CarryOverTest(absltest.TestCase):
             "models": {"vit": {"optimizers": {},
                                "tuned_only": {"kfac_eigen": tuning("kfac_eigen", 0.86)},
                                "measured_at_commit": "new"}}}
-        time_to_accuracy.carry_over(report, path)
+        with flagsaver.flagsaver(output_dir=os.path.dirname(path)):
+            time_to_accuracy.carry_over(report)
         vit = report["models"]["vit"]
         self.assertEqual(vit["optimizers"], {"adamw": dict(adamw, measured_at_commit="old")})
         self.assertEqual(vit["tuned_only"]["sgd"]["measured_at_commit"], "old")
