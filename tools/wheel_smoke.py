@@ -40,7 +40,8 @@ def main():
         keras.layers.LayerNormalization(),
         keras.layers.Dense(3),
     ])
-    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, inv_update_freq=2).attach(model)
+    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, factor_update_freq=1,
+                            decomposition_update_freq=2).attach(model)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
