@@ -487,5 +487,6 @@ def save(report, print_ratios=False):
                       f"{model_result[f'{entry}_over_{baseline}']}", flush=True)
     outputs.write(report, FLAGS.output_dir, "time_to_accuracy", plot)
 
+
 if __name__ == "__main__":
     app.run(main)
