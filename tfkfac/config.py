@@ -44,7 +44,7 @@ class KFACConfig:
     the small CNN (docs/benchmarks.md, "Time to accuracy with warm-up, cosine decay and
     weight decay"): the inverse method, damping 0.1, KL clip 1e-3, factors every 10
     steps and decompositions every 100 (with the default inner SGD at 0.05). On the ViT
-    `method="eigen_adam"` with `kl_clip=None` won instead (same document).
+    and ResNet-20 `method="eigen_adam"` with `kl_clip=None` won instead (same document).
     """
 
     damping: typing.Any = _setting(
