@@ -15,7 +15,7 @@ Every kernel runs inside a `tf.function`, as in training; reported: median ms.
 It also measures this machine's rates (`rates()`, which bench/step_floor.py imports):
 the best float32 matmul FLOP/s over square sizes, the streaming bandwidth of an
 elementwise op, and the LAPACK eigh and Cholesky-inverse FLOP/s at the nominal counts
-of bench/floor_model.py.
+of trainers/planning/floor_model.py.
 
 Run (~2 min on 2 idle cores):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/linalg_benchmark.py
@@ -31,7 +31,7 @@ import matplotlib
 import numpy as np
 import tensorflow as tf
 
-import floor_model
+from trainers.planning import floor_model
 import outputs
 from tfkfac import linalg
 from tfkfac.blocks import ConvBlock
@@ -91,14 +91,14 @@ def best_seconds(function, *args, repeats):
 
 def rates(repeats, matmul_sizes=(512, 1024, 2048), stream_elements=(2 ** 20, 2 ** 24),
           decomposition_size=1024):
-    """This machine's throughputs, the rates of bench/floor_model.py's `Kernel.seconds`,
-    each from the fastest of `repeats` calls.
+    """This machine's throughputs, the rates of trainers/planning/floor_model.py's
+    `Kernel.seconds`, each from the fastest of `repeats` calls.
 
     matmul: float32 FLOP/s (2n³ per product), the best of square sizes; bandwidth:
     bytes/s of `x * 2` (x read, the result written), the best of the working sets (the
     smaller one fits in the L3 cache here, the larger one does not); eigh and
     cholesky_inverse: FLOP/s of `tfkfac.linalg`'s LAPACK decompositions (as training
-    calls them) at the nominal 9n³ and n³ of bench/floor_model.py.
+    calls them) at the nominal 9n³ and n³ of trainers/planning/floor_model.py.
     """
     measured = {"matmul_by_size": {}, "bandwidth_by_elements": {}}
     for n in matmul_sizes:

@@ -530,7 +530,7 @@ def pauloski(unit):
     (slowest rank under the round-robin, the V100 profile's eigh fitted to Table V on 16
     and 64 GPUs; all eigenbases allreduced) every eigen interval. Frontera: 4 V100s per
     node, one EDR link."""
-    from bench import floor_model
+    from trainers.planning import floor_model
     from trainers.planning import collectives, hardware, step_model
 
     work = unit.at_batch(PAULOSKI["batch"])

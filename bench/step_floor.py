@@ -1,7 +1,7 @@
 """Every phase of a training step against its arithmetic floor, per model and method.
 
-For each model, the floor (bench/floor_model.py) counts from the layers' shapes at the
-batch size the FLOPs and bytes of each phase of a step — forward/backward, factor
+For each model, the floor (trainers/planning/floor_model.py) counts from the layers'
+shapes at the batch size the FLOPs and bytes of each phase of a step — forward/backward, factor
 statistics (im2col, Gram products, running averages), communication (none on one
 process; the bytes a `--ranks` job would move are reported), decompositions (eigh or
 Cholesky inverse per factor), preconditioning (with the KL clip), update — and the
@@ -37,7 +37,7 @@ import os
 from absl import app, flags, logging
 import matplotlib
 
-import floor_model
+from trainers.planning import floor_model
 import linalg_benchmark
 import outputs
 import step_time
@@ -238,8 +238,8 @@ def main(argv):
                               "cholesky_inverse_flops_per_n3":
                                   floor_model.CHOLESKY_INVERSE_FLOPS_PER_N3},
               "notes": {
-                  "floor": "bench/floor_model.py: per phase FLOPs and bytes from the layer "
-                           "shapes, time = max(FLOPs / matmul rate, bytes / bandwidth) per "
+                  "floor": "trainers/planning/floor_model.py: per phase FLOPs and bytes "
+                           "from the layer shapes, time = max(FLOPs / matmul rate, bytes / bandwidth) per "
                            "kernel, decompositions at the LAPACK rates; amortized by the "
                            "schedule",
                   "measured": "K-FAC phases: the optimizer's phase clocks over the timed "

@@ -1,6 +1,6 @@
 """The planner (trainers/plan.py): its bytes against a real 2-rank job's counters, its
-FLOPs against bench/floor_model.py, its collectives against the α-β formulas, its bound
-against the outside check of issue 28, and the binary's output and usage errors."""
+FLOPs against trainers/planning/floor_model.py, its collectives against the α-β formulas,
+its bound against the outside check of issue 28, and the binary's output and usage errors."""
 
 import inspect
 import json
@@ -23,7 +23,7 @@ sys.path.insert(0, TESTS_DIR)
 
 import plan_worker as worker  # noqa: E402
 import tfkfac  # noqa: E402
-from bench import floor_model  # noqa: E402
+from trainers.planning import floor_model  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 from trainers import models  # noqa: E402
 from trainers.launch import run_horovod_job  # noqa: E402

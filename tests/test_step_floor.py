@@ -1,4 +1,4 @@
-"""bench/floor_model.py: the FLOPs and bytes of a step, counted from layer shapes.
+"""trainers/planning/floor_model.py: the FLOPs and bytes of a step, counted from layer shapes.
 
 The floor that bench/step_floor.py sets against measured step times is only as good as
 its counts. Here a Dense and a Conv2D layer, recorded in a real forward pass, get their
@@ -14,7 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
-from bench import floor_model  # noqa: E402
+from trainers.planning import floor_model  # noqa: E402
 
 BYTES = 4  # float32
 

@@ -1,6 +1,6 @@
 """Device and network profiles: what a phase's kernels cost, and what a byte costs.
 
-A phase's time is its floor (bench/floor_model.py: products and elementwise work at the
+A phase's time is its floor (floor_model.py: products and elementwise work at the
 roofline, decompositions at an effective rate) divided by the fraction of the floor a
 real step achieves. Every number is either measured on this machine by the project's
 benchmarks or published, and each profile names its sources (docs/planner.md):
@@ -27,7 +27,7 @@ import json
 import os
 import statistics
 
-from bench import floor_model
+from trainers.planning import floor_model
 from trainers.planning import collectives, workloads
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(

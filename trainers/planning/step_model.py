@@ -16,7 +16,7 @@ from tfkfac import placement as placement_lib
 from tfkfac.config import KFACConfig
 from tfkfac.distributed import packing
 from tfkfac.distributed.horovod_comm import GATHERED_MEAN_DTYPES
-from bench import floor_model
+from trainers.planning import floor_model
 from trainers.planning import collectives
 
 PHASES = ("forward_backward", "factor_statistics", "factor_reduction", "decomposition",

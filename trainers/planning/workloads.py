@@ -1,5 +1,5 @@
 """What one worker computes in a step, from the real model: the library's blocks and
-bench/floor_model.py's kernels, grouped by phase.
+trainers/planning/floor_model.py's kernels, grouped by phase.
 
 A model is one of the trainer's models, a `keras.applications` name or a saved `.keras`
 file. Its geometry is recorded once at a small batch (the recorder holds every managed
@@ -15,7 +15,7 @@ import os
 
 import keras
 
-from bench import floor_model
+from trainers.planning import floor_model
 from pipelines import idx_dataset
 from tfkfac import KFACConfig, blocks as blocks_lib, keras_integration
 from tfkfac.attachment import running_statistics
