@@ -70,6 +70,8 @@ class BadInputTest(parameterized.TestCase):
         ("factor_freq_negative", "factor_update_freq", -2),
         ("factor_freq_float", "factor_update_freq", 1.5),
         ("factor_freq_bool", "factor_update_freq", True),
+        ("factor_freq_above_int64", "factor_update_freq", 10**19),
+        ("decomposition_freq_above_int64", "decomposition_update_freq", 2**63),
         ("decomposition_freq_zero", "decomposition_update_freq", 0),
         ("decomposition_freq_float", "decomposition_update_freq", 10.0),
         ("decomposition_freq_string", "decomposition_update_freq", "10"),

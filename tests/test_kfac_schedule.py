@@ -240,6 +240,17 @@ class ScheduleTest(parameterized.TestCase):
         np.testing.assert_allclose(got, expected, rtol=1e-5)
         np.testing.assert_allclose(got[0], gamma0, rtol=1e-6)  # γ(0) = γ0
 
+    @parameterized.named_parameters(
+        ("initial_zero", dict(initial_damping=0.0), "initial_damping"),
+        ("target_nan", dict(target_damping=float("nan")), "target_damping"),
+        ("warmup_inf", dict(warmup_steps=float("inf")), "warmup_steps"),
+        ("warmup_fraction", dict(warmup_steps=2.5), "warmup_steps"),
+        ("warmup_zero", dict(warmup_steps=0), "warmup_steps"))
+    def test_warmup_damping_names_the_bad_argument(self, bad, argument):
+        arguments = dict(initial_damping=1.0, target_damping=0.1, warmup_steps=100) | bad
+        with self.assertRaisesRegex(ValueError, f"^`{argument}` must be .*; received "):
+            tfkfac.WarmupDamping(**arguments)
+
     def test_osawa_interval(self):
         for steps_per_epoch in (1, 7):
             schedule = tfkfac.OsawaInterval(steps_per_epoch)

@@ -75,7 +75,7 @@ class FlagValidationTest(parameterized.TestCase):
         (["--lr_decay_epochs=3"], "only applies to lr_schedule=step"),
         (["--lr_schedule=cosine", "--warmup_epochs=2", "--epochs=2"],
          "warmup, which must end before the run"),
-        (["--batch_size=0"], "`batch_size` must be a positive integer; received 0"),
+        (["--batch_size=0"], "`batch_size` must be a positive integer .*; received 0"),
         (["--learning_rate=-1"], "learning_rate` must be a finite number > 0"),
         (["--learning_rate=nan"], "learning_rate` must be a finite number > 0"),
         (["--damping=inf"], "damping` must be a finite number > 0"),

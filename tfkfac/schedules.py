@@ -10,6 +10,8 @@ import math
 import keras
 import tensorflow as tf
 
+from tfkfac import validation
+
 
 def value_at(hyperparameter, step):
     """The hyperparameter's value at `step`: a number, or a schedule called with it."""
@@ -105,12 +107,9 @@ class WarmupDamping(keras.optimizers.schedules.LearningRateSchedule):
     """
 
     def __init__(self, initial_damping, target_damping, warmup_steps):
-        if not initial_damping > 0 or not target_damping > 0:
-            raise ValueError(
-                "`initial_damping` and `target_damping` must be > 0; received "
-                f"initial_damping={initial_damping}, target_damping={target_damping}")
-        if not warmup_steps > 0:
-            raise ValueError(f"`warmup_steps` must be > 0; received {warmup_steps}")
+        validation.positive("initial_damping", initial_damping)
+        validation.positive("target_damping", target_damping)
+        validation.positive_integer("warmup_steps", warmup_steps)
         alpha = 2.0 * math.log10(initial_damping / target_damping) / warmup_steps
         if not 0 <= alpha < 1:
             raise ValueError(

@@ -9,6 +9,9 @@ import math
 import numbers
 import re
 
+# Step counts and intervals are int64 in the optimizer's state and the trainer's counters.
+INT64_MAX = 2**63 - 1
+
 
 def is_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -48,19 +51,22 @@ def share(name, value):
     finite_number(name, value, 0, 1, low_open=True)
 
 
+def _is_step_count(value):
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and 1 <= value <= INT64_MAX)
+
+
 def positive_integer(name, value):
-    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-            and value >= 1):
-        raise ValueError(f"`{name}` must be a positive integer; received {value!r}")
+    if not _is_step_count(value):
+        raise ValueError(f"`{name}` must be a positive integer (at most 2**63 - 1); "
+                         f"received {value!r}")
 
 
 def interval(name, value):
     """A number of steps >= 1, or a callable of the step giving one."""
-    if not callable(value):
-        if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                and value >= 1):
-            raise ValueError(f"`{name}` must be a positive integer or a callable of the "
-                             f"step; received {value!r}")
+    if not (callable(value) or _is_step_count(value)):
+        raise ValueError(f"`{name}` must be a positive integer (at most 2**63 - 1, the "
+                         f"int64 step counter) or a callable of the step; received {value!r}")
 
 
 def one_of(choices):
