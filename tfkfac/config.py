@@ -11,12 +11,12 @@ import math
 import typing
 import warnings
 
-from tfkfac import schedules, validation
+from tfkfac import grafting, schedules, validation
 from tfkfac.distributed.packing import WIRE_DTYPES
 from tfkfac.placement import PLACEMENTS
 
 METHODS = ("eigen", "inverse", "eigen_adam")
-GRAFTING = (None, "sgd", "adam")
+GRAFTING = (None,) + grafting.KINDS
 WEIGHT_SHARING = ("expand", "reduce")
 PRODUCT_DTYPES = (None, "bfloat16")
 STATE_DTYPES = ("float32", "float64")
