@@ -18,6 +18,15 @@ CATEGORIES = (
     "allgather",
 )
 
+# What every communicator carries: Horovod's ops take these, and bfloat16 travels as its
+# bits where a transport refuses it. A mean takes no bool, int16 or uint16 (Horovod's
+# allreduce does not).
+COPY_DTYPES = tuple(tf.as_dtype(name) for name in (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "int64",
+    "float16", "bfloat16", "float32", "float64"))
+MEAN_DTYPES = tuple(dtype for dtype in COPY_DTYPES
+                    if dtype.name not in ("bool", "int16", "uint16"))
+
 
 class Communicator:
     """Collective operations on lists of tensors, usable inside a (non-XLA) `tf.function`.
@@ -52,7 +61,7 @@ class Communicator:
 
     def grouped_allreduce_mean(self, tensors, category="gradients"):
         """Average each tensor across ranks in one fused call (one per dtype)."""
-        tensors = self._checked(category, tensors)
+        tensors = self._checked(category, tensors, MEAN_DTYPES)
         if not tensors:
             return []
         return self._counted(category, tensors, self._grouped_allreduce_mean(tensors))
@@ -61,14 +70,14 @@ class Communicator:
         """Return each tensor as held by `root_rank`."""
         if not 0 <= root_rank < self.size:
             raise ValueError(f"root_rank must be in [0, {self.size}), got {root_rank}")
-        tensors = self._checked(category, tensors)
+        tensors = self._checked(category, tensors, COPY_DTYPES)
         if not tensors:
             return []
         return self._counted(category, tensors, self._broadcast(tensors, root_rank))
 
     def allgather(self, tensor, category="allgather"):
         """Concatenate `tensor` from every rank along axis 0 (sizes may differ)."""
-        (tensor,) = self._checked(category, [tensor])
+        (tensor,) = self._checked(category, [tensor], COPY_DTYPES)
         return self._counted(category, [tensor], [self._allgather(tensor)])[0]
 
     def broadcast_variables(self, variables, root_rank=0):
@@ -94,10 +103,17 @@ class Communicator:
             counter.assign(0)
 
     @staticmethod
-    def _checked(category, tensors):
+    def _checked(category, tensors, dtypes):
+        """`tensors` as tensors; ValueError for an unknown category or a dtype not in
+        `dtypes` (what every communicator can send for this collective)."""
         if category not in CATEGORIES:
             raise ValueError(f"category must be one of {CATEGORIES}, got {category!r}")
-        return [tf.convert_to_tensor(t) for t in tensors]
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        for tensor in tensors:
+            if tensor.dtype not in dtypes:
+                raise ValueError(f"communicators do not send {tensor.dtype.name} tensors in this "
+                                 f"collective; it takes {', '.join(d.name for d in dtypes)}")
+        return tensors
 
     def _counted(self, category, sent, received):
         """Count a collective once it has completed; returns `received`.

@@ -17,8 +17,10 @@
   one, the V2 ops wait forever for their peers (measured).
 - A gather needs the same shape on every replica: ranks first gather their sizes, then
   pad to the largest; the counters count the unpadded payload, like the transport's
-  other overheads (base.py). Gather and broadcast take no bfloat16: its bits travel as
-  float16.
+  other overheads (base.py).
+- The ops take fewer dtypes than Horovod's (`_OP_DTYPES`); the others a communicator
+  carries (base.py) travel widened, exactly: bool and the small integers as int32, and
+  bfloat16, which only the reduction takes, as its bits in float16.
 With more than one replica per process (MirroredStrategy), one Python object serves all
 of them: `rank` is read from the replica context while tracing, and every variable is a
 mirrored one, so each replica updates its own copy. Rank-specific state (the "owner"
@@ -38,6 +40,13 @@ SUPPORTED = "MirroredStrategy or MultiWorkerMirroredStrategy (one process: OneDe
             "or no strategy)"
 # Far above the group keys the strategies allocate for themselves (from 1 upwards).
 GROUP_KEY_BASE = 1 << 30
+
+# The dtypes TensorFlow's collective ops take (TF 2.21's op definitions).
+_OP_DTYPES = {
+    "reduce": (tf.bfloat16, tf.float16, tf.float32, tf.float64, tf.int32, tf.int64),
+    "gather": (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64),
+    "broadcast": (tf.bool, tf.float16, tf.float32, tf.float64, tf.int32, tf.int64),
+}
 
 _GROUP_KEYS = {}  # replica layout -> group key, in order of first use (same on every worker)
 _INSTANCE_KEYS = collections.defaultdict(lambda: itertools.count(1))  # (group, replica) ->
@@ -151,12 +160,15 @@ class StrategyCommunicator(Communicator):
 
     # ------------------------------------------------------------ collectives
     def _grouped_allreduce_mean(self, tensors):
-        return self._per_dtype(tensors, lambda flat, keys: tf.raw_ops.CollectiveReduceV2(
-            input=flat, merge_op="Add", final_op="Div", **keys))
+        def mean(flat, keys):
+            return _from_wire(tf.raw_ops.CollectiveReduceV2(
+                input=_to_wire(flat, "reduce"), merge_op="Add", final_op="Div", **keys),
+                flat.dtype)
+        return self._per_dtype(tensors, mean)
 
     def _broadcast(self, tensors, root_rank):
         def broadcast(flat, keys):
-            wire = _to_wire(flat)
+            wire = _to_wire(flat, "broadcast")
             if self.rank == root_rank:
                 wire = tf.raw_ops.CollectiveBcastSendV2(input=wire, **_unordered(keys))
             else:
@@ -172,7 +184,7 @@ class StrategyCommunicator(Communicator):
         flat = tf.reshape(tensor, [-1])
         row = tensor.shape[1:].num_elements()  # elements per entry of axis 0
         sizes = tf.raw_ops.CollectiveGatherV2(input=size, **self._keys())
-        padded = _to_wire(tf.pad(flat, [[0, (tf.reduce_max(sizes) - size[0]) * row]]))
+        padded = _to_wire(tf.pad(flat, [[0, (tf.reduce_max(sizes) - size[0]) * row]]), "gather")
         gathered = tf.reshape(_from_wire(tf.raw_ops.CollectiveGatherV2(
             input=padded, **self._keys()), tensor.dtype), [self.size, -1])
         kept = tf.sequence_mask(sizes * row, tf.shape(gathered)[1])
@@ -211,11 +223,20 @@ def _unordered(keys):
     return {k: v for k, v in keys.items() if k != "ordering_token"}
 
 
-def _to_wire(tensor):
-    """Gather and broadcast ops take no bfloat16 (the reduction does): send its bits as
-    float16, which they copy unchanged."""
-    return tf.bitcast(tensor, tf.float16) if tensor.dtype == tf.bfloat16 else tensor
+def _to_wire(tensor, op):
+    """`tensor` in a dtype the collective `op` takes: as it is, bfloat16 as its bits in
+    float16 (copied unchanged), bool and the small integers widened to int32 (exact)."""
+    if tensor.dtype in _OP_DTYPES[op]:
+        return tensor
+    if tensor.dtype == tf.bfloat16:
+        return tf.bitcast(tensor, tf.float16)
+    return tf.cast(tensor, tf.int32)
 
 
 def _from_wire(tensor, dtype):
-    return tf.bitcast(tensor, tf.bfloat16) if dtype == tf.bfloat16 else tensor
+    """The `dtype` tensor `_to_wire` sent as `tensor`."""
+    if tensor.dtype == dtype:
+        return tensor
+    if dtype == tf.bfloat16:
+        return tf.bitcast(tensor, tf.bfloat16)
+    return tf.cast(tensor, dtype)
