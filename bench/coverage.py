@@ -16,10 +16,10 @@ KL clip, method) except that it updates factors and decompositions every second 
 The trainer's default 10/100 schedule costs between the two per step. Both optimizers
 run Keras's compiled train step with jit_compile=False (the trainer's default; Keras's
 jit_compile="auto" made SGD steps 2-3x slower on this CPU), K-FAC with its own XLA off
-(its default on CPU). After `--steps` warm-up steps each, `--timed_steps` steps of each
-optimizer alternate (SGD, K-FAC, SGD, ...) so drift of the shared machine hits both
-alike; the medians are reported. The batch is random pixels and labels: what is timed
-does not depend on their values.
+(its default on CPU). After `--steps` warm-up steps each, `--repeats` steps of each
+optimizer are interleaved (bench/harness.py) so drift of the shared machine hits both
+alike; the medians are reported, with their ranges. The batch is random pixels and
+labels: what is timed does not depend on their values.
 
 Run (in the background; tracing each keras.applications model takes ~100 s here):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/coverage.py \
@@ -28,22 +28,17 @@ Writes bench/results/coverage.json and coverage.png and prints one line per mode
 """
 
 import collections
-import statistics
 import time
 import warnings
 
-from absl import app, flags, logging
+from absl import flags
 import keras
-import matplotlib
 import numpy as np
 
-import outputs
+import harness
 import tfkfac
 from tfkfac import keras_integration
 from trainers import config as config_lib, models
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 APPLICATIONS = {
     "resnet50": keras.applications.ResNet50,
@@ -64,9 +59,8 @@ flags.DEFINE_list("models", list(MODEL_NAMES), f"Models to measure, among {MODEL
 flags.DEFINE_integer("batch_size", 64, "Examples per step, the same for both optimizers.")
 flags.DEFINE_integer("steps", 5, "K-FAC training steps whose losses must be finite; also "
                      "each optimizer's warm-up before timing (at least 2: both K-FAC kinds).")
-flags.DEFINE_integer("timed_steps", 10, "Timed steps of each optimizer, interleaved; K-FAC's "
-                     "alternate full and stale (at least 2).")
-flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where coverage.json/.png go.")
+harness.define_repeats(10, "one step of each optimizer; K-FAC's alternate full and stale, "
+                       "so at least 2")
 
 _TRAINER = config_lib.TrainConfig()
 KFAC_SETTINGS = dict(learning_rate=_TRAINER.learning_rate, damping=_TRAINER.damping,
@@ -97,13 +91,6 @@ def compiled(name, optimizer):
     model.compile(optimizer=optimizer, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
-
-
-def timed_step(model, batch):
-    """Seconds of one compiled training step; returns once the loss is on the host."""
-    start = time.perf_counter()
-    model.train_on_batch(*batch)
-    return time.perf_counter() - start
 
 
 def parameters(variables):
@@ -151,12 +138,18 @@ def measure(name):
     sgd_model = compiled(name, keras.optimizers.SGD(**SGD_SETTINGS))
     for _ in range(FLAGS.steps):
         sgd_model.train_on_batch(*batch)
-    times = {"sgd": [], "kfac_full": [], "kfac_stale": []}
-    for _ in range(FLAGS.timed_steps):
-        times["sgd"].append(timed_step(sgd_model, batch))
+
+    def kfac_step():  # by its kind; train_on_batch returns with the loss on the host
         full = int(optimizer.iterations) % KFAC_UPDATE_EVERY == 0
-        times["kfac_full" if full else "kfac_stale"].append(timed_step(kfac_model, batch))
-    medians = {kind: statistics.median(values) for kind, values in times.items()}
+        return {"kfac_full" if full else "kfac_stale":
+                harness.seconds(kfac_model.train_on_batch, *batch)}
+
+    samples = harness.interleave(
+        {"sgd": lambda: {"sgd": harness.seconds(sgd_model.train_on_batch, *batch)},
+         "kfac": kfac_step}, FLAGS.repeats)
+    times = harness.by_figure(samples["sgd"] + samples["kfac"])
+    result["step_s"] = {kind: harness.spread(values) for kind, values in times.items()}
+    medians = {kind: step["median"] for kind, step in result["step_s"].items()}
     result["median_step_s"] = medians
     result["timed_steps"] = {kind: len(values) for kind, values in times.items()}
     result["ratio_to_sgd"] = {kind: medians[kind] / medians["sgd"]
@@ -164,11 +157,12 @@ def measure(name):
     return result
 
 
-def plot(report, path):
+def plot(report):
     names = list(report["models"])
     results = [report["models"][name] for name in names]
     positions = np.arange(len(names))
-    figure, (fraction, ratio) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(names)), 4.5))
+    figure, (fraction, ratio) = harness.subplots(1, 2,
+                                                 figsize=(max(10, 1.6 * len(names)), 4.5))
     bars = fraction.bar(positions, [100 * r["fraction_preconditioned"] for r in results])
     fraction.bar_label(bars, fmt="%.1f%%", fontsize=8)
     fraction.set_ylim(0, 110)
@@ -186,22 +180,17 @@ def plot(report, path):
     ratio.legend()
     for axis in (fraction, ratio):
         axis.set_xticks(positions, names, rotation=30, ha="right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)
-    unknown = sorted(set(FLAGS.models) - set(MODEL_NAMES))
-    if unknown:
-        raise ValueError(f"models must be among {', '.join(MODEL_NAMES)}; got {unknown}")
-    if FLAGS.steps < KFAC_UPDATE_EVERY or FLAGS.timed_steps < KFAC_UPDATE_EVERY:
-        raise ValueError(f"steps and timed_steps must be >= {KFAC_UPDATE_EVERY}, so both kinds "
+def main():
+    harness.check_among("models", FLAGS.models, MODEL_NAMES)
+    if FLAGS.steps < KFAC_UPDATE_EVERY or FLAGS.repeats < KFAC_UPDATE_EVERY:
+        raise ValueError(f"steps and repeats must be >= {KFAC_UPDATE_EVERY}, so both kinds "
                          "of K-FAC step run")
     report = {"batch_size": FLAGS.batch_size, "steps": FLAGS.steps,
-              "timed_steps": FLAGS.timed_steps, "kfac": KFAC_SETTINGS, "sgd": SGD_SETTINGS,
-              "compile": COMPILE, "machine": outputs.machine(), "models": {}}
+              "timed_steps": FLAGS.repeats, "kfac": KFAC_SETTINGS, "sgd": SGD_SETTINGS,
+              "compile": COMPILE, "models": {}}
     for name in FLAGS.models:
         result = report["models"][name] = measure(name)
         ratios = result["ratio_to_sgd"]
@@ -211,8 +200,8 @@ def main(argv):
               f"finite={result['finite']}  SGD {result['median_step_s']['sgd'] * 1e3:.1f} ms, "
               f"K-FAC stale {ratios['kfac_stale']:.2f}x, full {ratios['kfac_full']:.2f}x",
               flush=True)
-    outputs.write(report, FLAGS.output_dir, "coverage", plot)
+    harness.write(report, "coverage", plot)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    harness.run(main)

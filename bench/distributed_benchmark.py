@@ -31,9 +31,9 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-import outputs  # noqa: E402
+import harness  # noqa: E402
 from trainers import launch  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -52,8 +52,6 @@ flags.DEFINE_integer("num_ranks", 2, "Ranks of the distributed run.")
 flags.DEFINE_list("engines", list(ENGINES), "Engines of the distributed runs.")
 flags.DEFINE_string("engine", None, "Internal: the engine a worker runs under.")
 flags.DEFINE_integer("timeout", 900, "Seconds before a run is killed.")
-flags.DEFINE_string("output_dir", outputs.RESULTS_DIR,
-                    "Where distributed.json and distributed.png go.")
 flags.DEFINE_string("replot", None, "Only redraw the PNG and reprint the figures from "
                     "this distributed.json (no runs).")
 flags.DEFINE_string("worker_out", None, "Internal: run as a worker, write results here.")
@@ -192,12 +190,13 @@ def worker_main(out_path):
 
 
 # ----------------------------------------------------------------------------- driver
-def _run(command, env):
+def _run(name, job):
+    """Runs `job()` -> (exit code, output); returns the output's per-run lines."""
     start = time.time()
-    code, output = launch.run_job(command, FLAGS.timeout, env)
+    code, output = job()
     if code:
-        raise RuntimeError(f"{command[:6]} exited {code}:\n{output[-3000:]}")
-    print(f"{' '.join(command[:6])} ... took {time.time() - start:.0f} s", flush=True)
+        raise RuntimeError(f"{name} exited {code}:\n{output[-3000:]}")
+    print(f"{name} took {time.time() - start:.0f} s", flush=True)
     return [line for line in output.splitlines() if "steps in" in line]
 
 
@@ -215,7 +214,8 @@ def run_all(work_dir):
     """(the single process's results, {engine: [results of each rank]})."""
     env = launch.job_environment()
     single = os.path.join(work_dir, "single")
-    for line in _run([sys.executable] + _worker_args(single), env):
+    for line in _run("1 process", lambda: launch.run_job(
+            [sys.executable] + _worker_args(single), FLAGS.timeout, env)):
         print("  " + line)
     n = FLAGS.num_ranks
     load = lambda path: json.load(open(path))
@@ -224,23 +224,15 @@ def run_all(work_dir):
         out = os.path.join(work_dir, engine)
         args = _worker_args(out) + [f"--engine={engine}"]
         if engine == "horovod":
-            lines = _run(launch.horovodrun_command(args, n, env), env)
+            lines = _run(f"{n} Horovod ranks", lambda: launch.run_job(
+                launch.horovodrun_command(args, n, env), FLAGS.timeout, env))
         else:
-            lines = _run_multi_worker(args, n, env)
+            lines = _run(f"{n} MultiWorkerMirroredStrategy workers",
+                         lambda: launch.run_multi_worker_job(args, n, FLAGS.timeout, env))
         for line in lines:
             print("  " + line)
         per_engine[engine] = [load(f"{out}.rank{r}.json") for r in range(n)]
     return load(f"{single}.rank0.json"), per_engine
-
-
-def _run_multi_worker(args, num_workers, env):
-    start = time.time()
-    code, output = launch.run_multi_worker_job(args, num_workers, FLAGS.timeout, env)
-    if code:
-        raise RuntimeError(f"multi_worker exited {code}:\n{output[-3000:]}")
-    print(f"{num_workers} MultiWorkerMirroredStrategy workers took {time.time() - start:.0f} s",
-          flush=True)
-    return [line for line in output.splitlines() if "steps in" in line]
 
 
 def _fmt(value, digits=3):
@@ -261,21 +253,19 @@ def _timing(timed_ranks):
     inverse = [i for i in steps
                if (FLAGS.warmup_steps + i) % FLAGS.decomposition_update_freq == 0]
     decomposition = [slowest("decomposition_seconds_each", i) for i in inverse]
+    spread = harness.spread(decomposition) if decomposition else {}
     return {
         "step_seconds": max(t["step_seconds"] for t in timed_ranks),
         "median_step_seconds": statistics.median(slowest("step_seconds_each", i)
                                                  for i in steps),
-        "decomposition_seconds_per_inverse_step":
-            statistics.median(decomposition) if decomposition else None,
-        "decomposition_seconds_min": min(decomposition) if decomposition else None,
+        "decomposition_seconds_per_inverse_step": spread.get("median"),
+        "decomposition_seconds_min": spread.get("min"),
         "decomposition_seconds_each_inverse_step": decomposition,
     }
 
 
 def _megabytes(count):
-    """Byte counts (one or a list) in MB for printing; "n/a" for older results."""
-    if count is None:
-        return "n/a"
+    """Byte counts (one or a list) in MB for printing."""
     if isinstance(count, list):
         return "/".join(f"{c / 1e6:.2f}" for c in count)
     return f"{count / 1e6:.2f}"
@@ -365,14 +355,9 @@ def _rows(name, engine, per_rank, single_row):
     return rows
 
 
-def plot(report, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+def plot(report):
     names = list(report["models"])
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig, axes = harness.subplots(2, 2, figsize=(13, 9))
     axes = axes.ravel()
     width = 0.18
     # (1) mean step time, (2) median step time, (3) decomposition per inverse step.
@@ -386,7 +371,7 @@ def plot(report, path):
             entry = report["models"][name]
             rows = [r for r in entry["distributed"] if key in r]
             bars = [("1 process", entry["single"][key])] + [
-                (f"{FLAGS.num_ranks} {_ENGINE_LABELS[r.get('engine', 'horovod')]} "
+                (f"{FLAGS.num_ranks} {_ENGINE_LABELS[r['engine']]} "
                  f"{r['placement']}", r[key]) for r in rows]
             for j, (label, value) in enumerate(bars):
                 value = value or 0.0  # No inverse step in the timed window.
@@ -403,7 +388,7 @@ def plot(report, path):
     labels, stacks = [], []
     for name in names:
         for row in report["models"][name]["distributed"]:
-            labels.append(f"{name} {row.get('engine', 'horovod')[:5]}\n"
+            labels.append(f"{name} {row['engine'][:5]}\n"
                           f"{row['placement'][:5]}\n{row['factor_wire']}")
             stacks.append([row["amortized_bytes_per_step_per_rank"][c] / 1e6
                            for c in categories])
@@ -421,9 +406,7 @@ def plot(report, path):
     fig.suptitle(f"Distributed K-FAC on {report['settings']['cpu_count']} cores: 1 process "
                  f"vs {FLAGS.num_ranks} ranks (Horovod Gloo, tf.distribute "
                  f"MultiWorkerMirroredStrategy), global batch {FLAGS.global_batch}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def add_amortized_bytes(report):
@@ -445,8 +428,7 @@ def add_amortized_bytes(report):
                 row["amortized_bytes_per_step_per_rank"].values())
 
 
-def main(argv):
-    del argv
+def main():
     if FLAGS.worker_out:
         worker_main(FLAGS.worker_out)
         return
@@ -455,13 +437,10 @@ def main(argv):
         with open(FLAGS.replot) as f:
             report = json.load(f)
         settings = report["settings"]
-        if "inv_update_freq" in settings:  # results written before the rename
-            settings["decomposition_update_freq"] = settings.pop("inv_update_freq")
         for name in ("factor_update_freq", "decomposition_update_freq", "num_ranks",
                      "global_batch"):
             setattr(FLAGS, name, settings[name])
-        os.makedirs(FLAGS.output_dir, exist_ok=True)
-        plot(report, os.path.join(FLAGS.output_dir, "distributed.png"))
+        harness.save_plot(report, "distributed", plot)
     else:
         load_at_start = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as work_dir:
@@ -469,7 +448,7 @@ def main(argv):
         report = summarize(single, per_engine, load_at_start)
         add_amortized_bytes(report)
         report["settings"]["benchmark_seconds"] = time.time() - start
-        outputs.write(report, FLAGS.output_dir, "distributed", plot)
+        harness.write(report, "distributed", plot)
     for name, entry in report["models"].items():
         single_row = entry["single"]
         print(f"{name}: {entry['parameters']} parameters, factor dims {entry['factor_dims']}")
@@ -479,14 +458,14 @@ def main(argv):
               f"{single_row['median_step_seconds'] * 1e3:.1f}), decomposition "
               f"{_fmt(single_row['decomposition_seconds_per_inverse_step'])} s per inverse "
               f"step (min {_fmt(single_row['decomposition_seconds_min'])}), K-FAC state "
-              f"{_megabytes(single_row.get('kfac_state_bytes'))} MB")
+              f"{_megabytes(single_row['kfac_state_bytes'])} MB")
         for row in entry["distributed"]:
-            label = (f"{row.get('engine', 'horovod'):>12} {row['placement']:>10} "
+            label = (f"{row['engine']:>12} {row['placement']:>10} "
                      f"{row['factor_wire']}/{row['eigen_wire']}")
             text = (f"  {FLAGS.num_ranks} ranks {label}: "
                     f"{row['amortized_bytes_per_step_per_rank']['total'] / 1e3:.1f} kB/step/rank"
                     f" (factor step {row['factor_bytes_per_factor_step'] / 1e3:.1f} kB), "
-                    f"K-FAC state {_megabytes(row.get('kfac_state_bytes_per_rank'))} MB/rank")
+                    f"K-FAC state {_megabytes(row['kfac_state_bytes_per_rank'])} MB/rank")
             if "step_seconds" in row:
                 text += (f", {row['step_seconds'] * 1e3:.1f} ms/step "
                          f"(x{_fmt(row['speedup_vs_single'], 2)} vs 1 process; median "
@@ -500,4 +479,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    harness.run(main)

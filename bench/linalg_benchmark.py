@@ -1,6 +1,6 @@
 """The kernels behind K-FAC's cost on CPU, each timed against its alternative.
 
-Side by side in one run, alternating A and B repetitions so machine drift hits both:
+Side by side in one run, A and B interleaved (bench/harness.py) so machine drift hits both:
 - decompositions (`tfkfac.linalg`): TensorFlow's CPU kernels vs LAPACK through scipy,
   for eigh and for the damped inverse, at the factor sizes of the benchmark models
   (ResNet-20 577, autoencoder 1001, CNN Dense 1601);
@@ -11,7 +11,8 @@ Side by side in one run, alternating A and B repetitions so machine drift hits b
   "bfloat16")` computes them (`tfkfac.linalg.matmul`: the inverse stored in bfloat16,
   the gradient and the Gram's rows cast at every call), with the bfloat16 product's
   relative error against float32 (Frobenius norm).
-Every kernel runs inside a `tf.function`, as in training; reported: median ms.
+Every kernel runs inside a `tf.function`, as in training; reported: median ms over
+`--repeats` calls.
 It also measures this machine's rates (`rates()`, which bench/step_floor.py imports):
 the best float32 matmul FLOP/s over square sizes, the streaming bandwidth of an
 elementwise op, and the LAPACK eigh and Cholesky-inverse FLOP/s at the nominal counts
@@ -22,30 +23,17 @@ Run (~2 min on 2 idle cores):
 Writes bench/results/linalg.json and linalg.png and prints the ratios.
 """
 
-import statistics
-import time
-
-from absl import app, flags
+from absl import flags
 import keras
-import matplotlib
 import numpy as np
 import tensorflow as tf
 
-from trainers.planning import floor_model
-import outputs
+import harness
 from tfkfac import linalg
 from tfkfac.blocks import ConvBlock
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
+from trainers.planning import floor_model
 
 FLAGS = flags.FLAGS
-
-
-def define_flags():
-    """This script's flags, defined when it runs (other benchmarks import `rates`)."""
-    flags.DEFINE_integer("repeats", 7, "Timed repetitions of each kernel (alternating A/B).")
-    flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where linalg.json/.png go.")
 
 
 FACTOR_SIZES = (577, 1001, 1601)
@@ -59,34 +47,35 @@ def factor(dim):
     return tf.constant(rows.T @ rows / (4 * dim))
 
 
+def call_seconds(functions, *args, repeats):
+    """name -> seconds of each of `repeats` interleaved calls of `functions[name](*args)`
+    traced in a `tf.function`, after a warm-up call that traces it; a call ends when its
+    outputs are on the host."""
+    def timed(function):
+        function = tf.function(function)
+        return lambda: harness.seconds(
+            lambda: tf.nest.map_structure(lambda t: t.numpy(), function(*args)))
+
+    return harness.interleave({name: timed(f) for name, f in functions.items()}, repeats,
+                              warm_up=1)
+
+
 def compare(name, baseline, candidate, *args):
-    """Median ms of two traced kernels, timed in alternation; candidate/baseline ratio."""
-    functions = [tf.function(baseline), tf.function(candidate)]
-    times = [[], []]
-    for function in functions:  # trace and warm up
-        tf.nest.map_structure(lambda t: t.numpy(), function(*args))
-    for _ in range(FLAGS.repeats):
-        for function, samples in zip(functions, times):
-            start = time.perf_counter()
-            tf.nest.map_structure(lambda t: t.numpy(), function(*args))
-            samples.append((time.perf_counter() - start) * 1e3)
-    base, cand = (statistics.median(t) for t in times)
+    """Median ms of two traced kernels, interleaved; candidate/baseline ratio."""
+    times = call_seconds({"baseline": baseline, "candidate": candidate}, *args,
+                         repeats=FLAGS.repeats)
+    base, cand = (1e3 * harness.spread(times[kind])["median"]
+                  for kind in ("baseline", "candidate"))
     print(f"{name:45s} {base:9.2f} ms -> {cand:9.2f} ms  (x{base / cand:.2f} faster)",
           flush=True)
     return {"name": name, "baseline_ms": base, "candidate_ms": cand, "speedup": base / cand}
 
 
 def best_seconds(function, *args, repeats):
-    """Fastest wall seconds of `function(*args)` traced in a `tf.function`, after a warm-up
-    call (on CPU the call returns when its outputs exist): what this machine can do."""
-    function = tf.function(function)
-    function(*args)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function(*args)
-        samples.append(time.perf_counter() - start)
-    return min(samples)
+    """Fastest of `repeats` calls of `function(*args)` (`call_seconds`): what this machine
+    can do."""
+    return harness.spread(call_seconds({"kernel": function}, *args,
+                                       repeats=repeats)["kernel"])["min"]
 
 
 def rates(repeats, matmul_sizes=(512, 1024, 2048), stream_elements=(2 ** 20, 2 ** 24),
@@ -182,9 +171,9 @@ def reduced_precision():
     return results
 
 
-def plot(report, path):
+def plot(report):
     results = report["results"]
-    figure, axis = plt.subplots(figsize=(11, 4.5))
+    figure, axis = harness.subplots(figsize=(11, 4.5))
     positions = np.arange(len(results))
     axis.barh(positions - 0.2, [r["baseline_ms"] for r in results], 0.4, label="baseline")
     axis.barh(positions + 0.2, [r["candidate_ms"] for r in results], 0.4, label="candidate")
@@ -194,19 +183,19 @@ def plot(report, path):
     axis.set_xlabel("median ms (log)")
     axis.set_title("K-FAC kernels on this CPU: baseline -> candidate")
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
-def main(argv):
-    del argv
-    report = {"machine": outputs.machine(), "repeats": FLAGS.repeats}
+def main():
+    report = {"repeats": FLAGS.repeats}
     report["results"] = decompositions() + im2col() + reduced_precision()
     report["rates"] = rates(FLAGS.repeats)
     print_rates(report["rates"])
-    outputs.write(report, FLAGS.output_dir, "linalg", plot)
+    harness.write(report, "linalg", plot)
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    # Defined only when this script runs: bench/step_floor.py imports `rates` beside
+    # bench/step_time.py's --repeats.
+    harness.define_repeats(7, "one call of each kernel")
+    harness.run(main)

@@ -22,8 +22,8 @@ timed steps (`summary()["phase_seconds"]`); "forward/backward" is the rest of th
 forward/backward + preconditioning + update; factor steps add factors; decomposition
 steps add decompositions) is also compared with the sum of its phases' floors.
 
-bench/step_time.py's flags apply (--models, --batch_size, --blocks,
---amortized_block_steps, --cached_batches, --output_dir).
+bench/step_time.py's flags apply (--models, --batch_size, --repeats,
+--amortized_block_steps, --cached_batches, --output_dir); its others are refused.
 
 Run (in the background, on an idle machine; ~15 min on 2 cores):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_floor.py \\
@@ -32,19 +32,14 @@ Writes bench/results/step_floor.json and step_floor.png and prints the table.
 """
 
 import dataclasses
-import os
 
-from absl import app, flags, logging
-import matplotlib
+from absl import flags
 
-from trainers.planning import floor_model
+import harness
 import linalg_benchmark
-import outputs
 import step_time
 from trainers import config as config_lib, data as data_lib, models
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
+from trainers.planning import floor_model
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rate_repeats", 5, "Timed repetitions of each rate measurement.")
@@ -59,6 +54,8 @@ CONFIGURATIONS = {
     "kfac_inverse": dict(step_time.CONFIGURATIONS["kfac_amortized_inverse"], phase_clocks=True),
 }
 METHODS = {"eigen": "kfac_eigen", "inverse": "kfac_inverse"}
+# bench/step_time.py's flags of the comparisons this script does not run.
+STEP_TIME_ONLY_FLAGS = ("compare", "every_step_block_steps", "weight_sharing_block_steps")
 RATES = ("matmul", "bandwidth", "eigh", "cholesky_inverse")  # what Kernel.seconds reads
 SGD_PHASES = ("forward_backward", "update")
 # Per kind of K-FAC step (`trainers.runner.phase_fn`), the phases it runs, each in full.
@@ -180,10 +177,10 @@ def print_table(model, result):
                      if measured is not None else ""), flush=True)
 
 
-def plot(report, path):
+def plot(report):
     model_names = list(report["models"])
     phases = floor_model.PHASES
-    figure, axes = plt.subplots(1, len(model_names), figsize=(4.2 * len(model_names), 4.8),
+    figure, axes = harness.subplots(1, len(model_names), figsize=(4.2 * len(model_names), 4.8),
                                 squeeze=False)
     for axis, model in zip(axes[0], model_names):
         result = report["models"][model]
@@ -220,20 +217,18 @@ def plot(report, path):
     axes[0][0].legend(fontsize=7)
     figure.suptitle(f"Step time: floor vs measured, batch {report['batch_size']}\n"
                     f"K-FAC factors every 10 steps, decompositions every 100", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)
-    for model in FLAGS.models:
-        if model not in models.CLASSIFIERS:
-            raise ValueError(f"models must be among {', '.join(models.CLASSIFIERS)}; "
-                             f"got {model!r}")
-    report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.blocks,
+def main():
+    harness.check_among("models", FLAGS.models, models.CLASSIFIERS)
+    ignored = [name for name in STEP_TIME_ONLY_FLAGS if FLAGS[name].present]
+    if ignored:
+        raise ValueError(f"bench/step_floor.py times its own configurations; it does not "
+                         f"read {', '.join('--' + name for name in ignored)}")
+    report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.repeats,
               "amortized_block_steps": FLAGS.amortized_block_steps,
-              "machine": outputs.machine(), "configurations": CONFIGURATIONS,
+              "configurations": CONFIGURATIONS,
               "floor_model": {"eigh_flops_per_n3": floor_model.EIGH_FLOPS_PER_N3,
                               "cholesky_inverse_flops_per_n3":
                                   floor_model.CHOLESKY_INVERSE_FLOPS_PER_N3},
@@ -258,8 +253,8 @@ def main(argv):
     for model, measurement in measurements.items():
         report["models"][model] = compare(measurement, report["rates"])
         print_table(model, report["models"][model])
-    outputs.write(report, FLAGS.output_dir, "step_floor", plot)
+    harness.write(report, "step_floor", plot)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    harness.run(main)

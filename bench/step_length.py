@@ -1,5 +1,5 @@
-"""How far K-FAC's step length is from Adam's, per layer, and how often the KL clip binds
-(issue 27 item 5): the diagnostic behind layer-wise grafting on the ViT.
+"""How far K-FAC's step length is from Adam's, per layer, and how often the KL clip binds:
+the diagnostic behind layer-wise grafting on the ViT.
 
 Grafting (docs/design.md §11) keeps K-FAC's direction P_ℓ per managed layer ℓ and takes
 the length of Adam's r_ℓ = ∇_ℓ / (√v̂ + ε): it multiplies P_ℓ by ‖r_ℓ‖ / ‖P_ℓ‖. What it
@@ -43,18 +43,14 @@ import statistics
 import tempfile
 import time
 
-from absl import app, flags, logging
-import matplotlib
+from absl import flags
 import numpy as np
 import tensorflow as tf
 
-import outputs
+import harness
 import time_to_accuracy
 import trials
 from trainers import config as config_lib, data as data_lib, runner
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 MODEL, ENTRY = "vit", "kfac_inverse"
 
@@ -263,11 +259,11 @@ def print_summary(summary, records):
           f"p90 {summary['nu']['p90']:.3g})", flush=True)
 
 
-def plot(report, path):
+def plot(report):
     records = report["records"]
     steps = [r["step"] for r in records]
     kinds = list(report["summary"]["per_kind"])
-    figure, (ratio_axis, nu_axis) = plt.subplots(1, 2, figsize=(13, 4.8))
+    figure, (ratio_axis, nu_axis) = harness.subplots(1, 2, figsize=(13, 4.8))
     for layer in report["layers"]:
         color = f"C{kinds.index(layer['kind'])}"
         ratio_axis.plot(steps, [r["layers"][layer["path"]]["ratio"] for r in records],
@@ -292,16 +288,12 @@ def plot(report, path):
                       f"peak η={settings['learning_rate']:g}")
     nu_axis.legend(loc="lower left", fontsize=8)
     lr_axis.legend(loc="lower right", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)
+def main():
     if FLAGS.every < 1:
         raise ValueError(f"every must be >= 1; got {FLAGS.every}")
-    machine = outputs.machine()
     started = time.time()
     with tempfile.TemporaryDirectory() as model_dir:
         trainer = runner.Trainer(train_config(model_dir))
@@ -355,10 +347,10 @@ def main(argv):
         "unmanaged_variables": [variables[i].path for i in unmanaged],
         "summary": summary, "final_eval_accuracy": float(accuracy),
         "eval_split": config.eval_split, "seconds": time.time() - started,
-        "records": records, "machine": machine,
+        "records": records,
     }
-    outputs.write(report, FLAGS.output_dir, "step_length", plot)
+    harness.write(report, "step_length", plot)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    harness.run(main)

@@ -5,12 +5,12 @@ them (`trainers.runner.Trainer`): SGD compiled without and with XLA (`--xla`; th
 of the two is the baseline of every ratio, per model), K-FAC doing factors and eigendecompositions every
 step (`--factor_update_freq=1 --decomposition_update_freq=1`), amortized
 K-FAC (`--factor_update_freq=10 --decomposition_update_freq=100`) with the eigen and the
-inverse method, and the amortized inverse method with each of issue 16's options: factor
+inverse method, and the amortized inverse method with each of the step-cost options: factor
 statistics from a quarter of each batch (`--factor_batch_fraction=0.25`), bfloat16
 products (`--product_dtype=bfloat16`) and the reduce rule for convolutions
 (`--weight_sharing=reduce`, also with factors and decompositions every step). Their
-training steps then run in interleaved blocks (SGD, K-FAC amortized, ..., SGD, ...) so
-drift of the shared machine hits all of them alike. Batches come from the trainer's own
+training steps then run in `--repeats` interleaved blocks (bench/harness.py) so drift of
+the shared machine hits all of them alike. Batches come from the trainer's own
 pipeline, cached in memory first, so the input pipeline (identical for all) is not
 timed.
 
@@ -24,8 +24,8 @@ against each phase's floor is bench/step_floor.py's.
 `--compare=weight_sharing` measures instead what `weight_sharing="reduce"` saves against
 "expand" in the factor phase: two K-FAC trainers (the trainer's defaults, factors every
 step, decompositions only at the first) alternate blocks of `--weight_sharing_block_steps`
-steps (expand, reduce, expand, ...); each block's factor-phase seconds (K-FAC's own clock)
-over its factor updates gives one figure per block, and the median over `--blocks` blocks
+steps (expand, reduce, reduce, expand, ...); each block's factor-phase seconds (K-FAC's own
+clock) over its factor updates gives one figure per block, and the median over the blocks
 is reported with the ratio reduce / expand, beside the median step time of the blocks
 (every step a factor step).
 
@@ -43,12 +43,12 @@ Run (in the background; ~18 min on 2 idle cores):
 Writes bench/results/step_time.json and step_time.png and prints the ratios.
 Weight sharing (a few minutes):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_time.py \
-      --compare=weight_sharing --models=cnn,resnet20,vit --blocks=5 \
+      --compare=weight_sharing --models=cnn,resnet20,vit --repeats=5 \
       > /tmp/weight_sharing.log 2>&1 &
 Writes bench/results/weight_sharing.json and weight_sharing.png.
 Stale step (~8 min):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_time.py \
-      --compare=stale --blocks=6 > /tmp/stale_step.log 2>&1 &
+      --compare=stale --repeats=6 > /tmp/stale_step.log 2>&1 &
 Writes bench/results/stale_step.json and stale_step.png.
 """
 
@@ -57,21 +57,17 @@ import statistics
 import tempfile
 import time
 
-from absl import app, flags, logging
-import matplotlib
+from absl import flags
 
-import outputs
+import harness
 from trainers import config as config_lib, models, reporting, runner
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "cnn", "resnet20"], "Models to time.")
 flags.DEFINE_integer("batch_size", 128, "Examples per step, the same for every optimizer.")
-flags.DEFINE_integer("blocks", 4, "Interleaved timed blocks per configuration.")
+harness.define_repeats(4, "a block of training steps")
 flags.DEFINE_integer("amortized_block_steps", 50,
-                     "Steps per block for SGD and amortized K-FAC; blocks x this must be a "
+                     "Steps per block for SGD and amortized K-FAC; repeats x this must be a "
                      "multiple of the amortized decomposition_update_freq (100).")
 flags.DEFINE_integer("every_step_block_steps", 5,
                      "Steps per block for K-FAC with factors and eigendecompositions every step.")
@@ -83,8 +79,6 @@ flags.DEFINE_enum("compare", "optimizers", ["optimizers", "weight_sharing", "sta
                   "(stale_step.json).")
 flags.DEFINE_integer("weight_sharing_block_steps", 10,
                      "Steps per block of each weight-sharing rule (every step a factor step).")
-flags.DEFINE_string("output_dir", outputs.RESULTS_DIR,
-                    "Where step_time.json/.png (or weight_sharing.json/.png) go.")
 
 # name -> (TrainConfig overrides, timed steps per block flag)
 CONFIGURATIONS = {
@@ -144,7 +138,6 @@ class Timed:
         config = config_lib.TrainConfig(model=model, batch_size=FLAGS.batch_size,
                                         model_dir=model_dir, verbose=0,
                                         **(configurations or CONFIGURATIONS)[name])
-        self.name = name
         self.config = config
         self.trainer = runner.Trainer(config)
         batches = self.trainer.data.train(epoch=0).take(FLAGS.cached_batches).cache()
@@ -161,6 +154,26 @@ class Timed:
     def run(self, steps):
         self.trainer.model.fit(self._batches, steps_per_epoch=steps, epochs=1, verbose=0,
                                callbacks=[self.timer])
+
+    def block(self, steps):
+        """Runs `steps` steps; returns their mean seconds (the steps the timer counts)."""
+        count, seconds = self._counted()
+        self.run(steps)
+        end_count, end_seconds = self._counted()
+        return (end_seconds - seconds) / (end_count - count)
+
+    def factor_block(self):
+        """A block of --weight_sharing_block_steps steps: factor-phase seconds (K-FAC's
+        clock) per factor update, and the mean step."""
+        seconds, updates = factor_clock(self.trainer.optimizer)
+        step_s = self.block(FLAGS.weight_sharing_block_steps)
+        end_seconds, end_updates = factor_clock(self.trainer.optimizer)
+        return {"factor_s_per_update": (end_seconds - seconds) / (end_updates - updates),
+                "step_s": step_s}
+
+    def _counted(self):
+        return (sum(count for count, _ in self.totals.values()),
+                sum(seconds for _, seconds in self.totals.values()))
 
     def warm_up(self):
         """Runs every kind of step once (each traces), then starts the clocks afresh."""
@@ -190,19 +203,21 @@ class Timed:
 
 def time_model(model, configurations=None):
     """Mean step times of `configurations` (default CONFIGURATIONS) in interleaved
-    blocks, with K-FAC's phase clocks where a configuration has them on, and each one's
-    ratio to the fastest SGD configuration (`sgd_baseline`)."""
+    blocks (and the range of the blocks' means), with K-FAC's phase clocks where a
+    configuration has them on, and each one's ratio to the fastest SGD configuration
+    (`sgd_baseline`)."""
     configurations = configurations or CONFIGURATIONS
     with tempfile.TemporaryDirectory() as model_dir:
-        timed = [Timed(name, model, os.path.join(model_dir, name), configurations)
-                 for name in configurations]
-        for entry in timed:
+        timed = {name: Timed(name, model, os.path.join(model_dir, name), configurations)
+                 for name in configurations}
+        for entry in timed.values():
             entry.warm_up()
         started = time.time()
-        for _ in range(FLAGS.blocks):
-            for entry in timed:
-                entry.run(entry.block_steps)
-        results = {entry.name: entry.result() for entry in timed}
+        blocks = harness.interleave(
+            {name: lambda entry=entry: entry.block(entry.block_steps)
+             for name, entry in timed.items()}, FLAGS.repeats)
+        results = {name: dict(entry.result(), block_mean_step_s=harness.spread(blocks[name]))
+                   for name, entry in timed.items()}
     baseline = min((name for name in results if configurations[name]["optimizer"] == "sgd"),
                    key=lambda name: results[name]["mean_step_s"])
     for name, result in results.items():
@@ -220,26 +235,18 @@ def factor_clock(optimizer):
 def time_weight_sharing(model):
     """Factor-phase seconds per factor update, reduce vs expand, in interleaved blocks."""
     with tempfile.TemporaryDirectory() as model_dir:
-        timed = [Timed(rule, model, os.path.join(model_dir, rule),
-                       WEIGHT_SHARING_CONFIGURATIONS) for rule in WEIGHT_SHARING_CONFIGURATIONS]
-        for entry in timed:
+        timed = {rule: Timed(rule, model, os.path.join(model_dir, rule),
+                             WEIGHT_SHARING_CONFIGURATIONS)
+                 for rule in WEIGHT_SHARING_CONFIGURATIONS}
+        for entry in timed.values():
             entry.warm_up()
-        per_block = {entry.name: {"factor_s_per_update": [], "step_s": []} for entry in timed}
         started = time.time()
-        for _ in range(FLAGS.blocks):
-            for entry in timed:
-                seconds, updates = factor_clock(entry.trainer.optimizer)
-                entry.totals.clear()
-                entry.run(FLAGS.weight_sharing_block_steps)
-                end_seconds, end_updates = factor_clock(entry.trainer.optimizer)
-                per_block[entry.name]["factor_s_per_update"].append(
-                    (end_seconds - seconds) / (end_updates - updates))
-                per_block[entry.name]["step_s"].append(
-                    reporting.mean_step_times(entry.totals)["all"])
+        samples = harness.interleave({rule: entry.factor_block for rule, entry in timed.items()},
+                                     FLAGS.repeats)
         results = {}
-        for entry in timed:
-            blocks = per_block[entry.name]
-            results[entry.name] = {
+        for rule, entry in timed.items():
+            blocks = harness.by_figure(samples[rule])
+            results[rule] = {
                 "per_block": blocks,
                 "median_factor_s_per_update": statistics.median(blocks["factor_s_per_update"]),
                 "median_step_s": statistics.median(blocks["step_s"]),
@@ -252,9 +259,9 @@ def time_weight_sharing(model):
                 "step": reduce["median_step_s"] / expand["median_step_s"]}}
 
 
-def plot_weight_sharing(report, path):
+def plot_weight_sharing(report):
     model_names = list(report["models"])
-    figure, (factors, steps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    figure, (factors, steps) = harness.subplots(1, 2, figsize=(11, 4.2))
     width = 0.4
     for axis, key, title in (
             (factors, "median_factor_s_per_update", "K-FAC factor phase per factor step"),
@@ -274,14 +281,13 @@ def plot_weight_sharing(report, path):
         axis.set_ylabel("ms (median over blocks)")
         axis.set_title(f"{title}, batch {report['batch_size']}")
         axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
-def plot(report, path):
+def plot(report):
     names = list(report["configurations"])
     model_names = list(report["models"])
-    figure, times = plt.subplots(figsize=(7, 4.5))
+    figure, times = harness.subplots(figsize=(7, 4.5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         values = [report["models"][m]["configurations"][name]["mean_step_s"] * 1e3
@@ -299,24 +305,18 @@ def plot(report, path):
     times.set_ylabel("ms per step (log)")
     times.set_title(f"Step time, batch {report['batch_size']} (ratio to SGD on bars)")
     times.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
-    for model in FLAGS.models:
-        if model not in models.CLASSIFIERS:
-            raise ValueError(f"models must be among {', '.join(models.CLASSIFIERS)}; "
-                             f"got {model!r}")
+def main():
+    harness.check_among("models", FLAGS.models, models.CLASSIFIERS)
     if FLAGS.compare == "weight_sharing":
         weight_sharing_main()
         return
     stale = FLAGS.compare == "stale"
     configurations = STALE_CONFIGURATIONS if stale else CONFIGURATIONS
-    report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.blocks,
-              "machine": outputs.machine(), "configurations": configurations, "models": {}}
+    report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.repeats,
+              "configurations": configurations, "models": {}}
     for model in FLAGS.models:
         report["models"][model] = time_model(model, configurations)
         baseline = report["models"][model]["sgd_baseline"]
@@ -327,21 +327,20 @@ def main(argv):
                   f"/ {baseline} = {result['ratio_to_sgd']:.2f}  "
                   f"{result['over_sgd_ms']:+.1f} ms over sgd", flush=True)
     if stale:
-        outputs.write(report, FLAGS.output_dir, "stale_step", plot)
+        harness.write(report, "stale_step", plot)
         return
     report["median_amortized_inverse_ratio"] = statistics.median(
         r["configurations"]["kfac_amortized_inverse"]["ratio_to_sgd"]
         for r in report["models"].values())
     report["median_amortized_ratio"] = statistics.median(
         r["configurations"]["kfac_amortized"]["ratio_to_sgd"] for r in report["models"].values())
-    outputs.write(report, FLAGS.output_dir, "step_time", plot)
+    harness.write(report, "step_time", plot)
 
 
 def weight_sharing_main():
-    report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.blocks,
+    report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.repeats,
               "block_steps": FLAGS.weight_sharing_block_steps,
-              "machine": outputs.machine(), "configurations": WEIGHT_SHARING_CONFIGURATIONS,
-              "models": {}}
+              "configurations": WEIGHT_SHARING_CONFIGURATIONS, "models": {}}
     for model in FLAGS.models:
         result = report["models"][model] = time_weight_sharing(model)
         rules = result["rules"]
@@ -352,8 +351,8 @@ def weight_sharing_main():
               f"{rules['expand']['median_step_s'] * 1e3:.1f} ms, reduce "
               f"{rules['reduce']['median_step_s'] * 1e3:.1f} ms "
               f"({result['reduce_over_expand']['step']:.2f}x)", flush=True)
-    outputs.write(report, FLAGS.output_dir, "weight_sharing", plot_weight_sharing)
+    harness.write(report, "weight_sharing", plot_weight_sharing)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    harness.run(main)

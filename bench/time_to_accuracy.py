@@ -5,11 +5,11 @@ autoencoder's training error against time.
 Every trial is one run of the trainer (`trainers.runner.run`, what
 `python -m trainers.train` runs), so the numbers are what a user gets from the flags
 recorded beside them. Entries (bench/trials.py OPTIMIZERS): `adamw`, `sgd` (momentum
-0.9), K-FAC `kfac_inverse` and `kfac_eigen` (KL clip on), `kfac_constant` (the protocol
-before issue 27, for reference), and issue 27's `kfac_adamw` (K-FAC in front of AdamW),
+0.9), K-FAC `kfac_inverse` and `kfac_eigen` (KL clip on), `kfac_constant` (the earlier
+constant-learning-rate protocol, for reference), `kfac_adamw` (K-FAC in front of AdamW),
 `kfac_graft_adam` (layer-wise grafting of Adam's step length) and `kfac_eigen_adam`
 (Adam in the Kronecker eigenbasis).
-Protocol (issue 27), identical for every entry but `kfac_constant`:
+Protocol, identical for every entry but `kfac_constant`:
 1. Schedule: linear warm-up over the first 5% of the run's budget, then half a cosine
    to 0 at the budget's last step (`--lr_schedule=cosine`); decoupled weight decay of
    the same λ per step for every entry (BUDGETS' `weight_decay`; `trials.protocol`
@@ -53,8 +53,8 @@ Run (hours on 2 cores; in the background):
       --models=vit --optimizers=adamw,sgd --work_dir=/work/tta_vit_modern \
       > /tmp/time_to_accuracy.log 2>&1 &
 Writes bench/results/time_to_accuracy.json and .png and prints the ratios; the results
-of models a run does not measure are kept. The constant-learning-rate protocol's results
-(before issue 27) are in bench/results/constant_lr/.
+of models a run does not measure are kept. The earlier constant-learning-rate protocol's
+results are in bench/results/constant_lr/.
 """
 
 import copy
@@ -62,15 +62,11 @@ import json
 import os
 import statistics
 
-from absl import app, flags, logging
-import matplotlib
+from absl import flags
 
-import outputs
+import harness
 import trials
 from trials import GRIDS, OPTIMIZERS, TUNE_SPLIT, VALIDATION_SPLIT, WARMUP_FRACTION
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["cnn", "resnet20"], "Classifiers to measure.")
@@ -98,7 +94,6 @@ flags.DEFINE_bool("keep_other_results", True,
                   "run does not measure; each result keeps the commit it was measured at.")
 flags.DEFINE_string("work_dir", "/tmp/tfkfac_time_to_accuracy",
                     "Where the trials' runs (checkpoints, logs) go.")
-flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where the JSON and PNG go.")
 
 FIRST_ORDER = ("sgd", "adamw")
 # The ViT's targets, from a probe of AdamW at its tuned learning rate (1e-3), seed 0, on
@@ -131,7 +126,7 @@ BUDGETS = {
                 target_accuracies=VIT_TARGETS, weight_decay=5e-5, first_order_xla=True),
 }
 AUTOENCODER_EVAL_EVERY_STEPS = 100
-# Stated settings, constant learning rate (measured before issue 27; not tuned).
+# Stated settings, constant learning rate (measured under the earlier protocol; not tuned).
 AUTOENCODER_SETTINGS = {
     "sgd": dict(optimizer="sgd", learning_rate=0.1),
     "adam": dict(optimizer="adam", learning_rate=1e-3),
@@ -277,9 +272,9 @@ def ratios(results, entry, baseline="sgd"):
     return out
 
 
-def plot(report, path):
+def plot(report):
     panels = list(report["models"]) + (["autoencoder"] if report["autoencoder"] else [])
-    figure, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 8.4),
+    figure, axes = harness.subplots(2, len(panels), figsize=(5.5 * len(panels), 8.4),
                                 squeeze=False)
     for axis, panel in zip(axes[1], panels):
         if panel == "autoencoder":
@@ -311,8 +306,7 @@ def plot(report, path):
             axis.set_title(f"{panel} on Fashion-MNIST ({report['seeds']} seeds each)")
         axis.set_xlabel("training wall time (s)")
         axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
 
 
 def best_tuning(model_result):
@@ -388,17 +382,11 @@ def carry_over(report):
                 "measured_at_commit", measured_at))
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
-    unknown = sorted(set(FLAGS.models) - set(BUDGETS))
-    if unknown:
-        raise ValueError(f"models must be among {', '.join(BUDGETS)}; got {unknown}")
+def main():
+    harness.check_among("models", FLAGS.models, BUDGETS)
+    harness.check_among("optimizers", FLAGS.optimizers, OPTIMIZERS)
+    harness.check_among("tuned_only", FLAGS.tuned_only, OPTIMIZERS)
     entries = FLAGS.optimizers + [o for o in FLAGS.tuned_only if o not in FLAGS.optimizers]
-    unknown = sorted(set(entries) - set(OPTIMIZERS))
-    if unknown:
-        raise ValueError(f"optimizers and tuned_only must be among {', '.join(OPTIMIZERS)}; "
-                         f"got {unknown}")
     for model in FLAGS.models:
         ungridded = [o for o in entries if o not in GRIDS[model]]
         if ungridded:
@@ -421,8 +409,7 @@ def main(argv):
                              for m in FLAGS.models},
                    "trials_per_entry": trials.TUNING_TRIALS,
                    "train_split": TUNE_SPLIT, "validation_split": VALIDATION_SPLIT},
-        "machine": outputs.machine(), "models": {}, "autoencoder": {},
-        "library_commit": outputs.library_commit(),
+        "models": {}, "autoencoder": {}, "library_commit": harness.library_commit(),
     }
     for model in FLAGS.models:
         # All tuning first, then all measured runs back to back, so the timed runs of
@@ -485,8 +472,8 @@ def save(report, print_ratios=False):
             if print_ratios:
                 print(f"{model} {entry}/{baseline} by target: "
                       f"{model_result[f'{entry}_over_{baseline}']}", flush=True)
-    outputs.write(report, FLAGS.output_dir, "time_to_accuracy", plot)
+    harness.write(report, "time_to_accuracy", plot)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    harness.run(main)

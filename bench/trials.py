@@ -18,8 +18,8 @@ from trainers import checkpoints, config as config_lib, runner
 
 # Tuning trains on TUNE_SPLIT and scores accuracy on the held-out VALIDATION_SPLIT.
 TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
-# K-FAC's curvature schedule, pinned so that changing the trainer's defaults (issue 27
-# item 7) does not change what an entry measures.
+# K-FAC's curvature schedule, pinned so that changing the trainer's defaults does not
+# change what an entry measures.
 _KFAC = dict(optimizer="kfac", factor_update_freq=10, decomposition_update_freq=100)
 # Benchmark entry -> the trainer settings that make it. Every entry but those in
 # CONSTANT_LEARNING_RATE trains on the protocol's schedule with its weight decay
@@ -29,8 +29,8 @@ OPTIMIZERS = {
     "sgd": dict(optimizer="sgd"),  # with the trainer's momentum 0.9
     "kfac_inverse": dict(_KFAC, kfac_method="inverse"),
     "kfac_eigen": dict(_KFAC, kfac_method="eigen"),
-    # The protocol before issue 27, for reference: constant learning rate 0.05, KL clip
-    # 1e-3 (chosen on the CNN), no weight decay, damping tuned.
+    # The earlier protocol, for reference: constant learning rate 0.05, KL clip 1e-3
+    # (chosen on the CNN), no weight decay, damping tuned.
     "kfac_constant": dict(_KFAC, kfac_method="inverse", learning_rate=0.05, kl_clip=1e-3),
     # K-FAC in front of AdamW (the protocol's weight decay goes to the inner AdamW),
     # grafted to Adam's step length, and Adam in the Kronecker eigenbasis (docs/design.md
