@@ -1,6 +1,7 @@
 """KFAC is a preconditioner in front of a Keras optimizer (docs/usage.md): the inner
-optimizer applies every update, and its learning rate is the one Keras users set —
-through KFAC's `learning_rate`, schedules and callbacks."""
+optimizer applies every update, its learning rate is the one Keras users set — through
+KFAC's `learning_rate`, schedules and callbacks — and its Keras options (clipping, weight
+decay, EMA, loss scale, accumulation) act as docs/usage.md's table states."""
 
 import os
 import warnings
@@ -101,6 +102,135 @@ class InnerOptimizerTest(absltest.TestCase):
         for moved, start, p in zip(after, before, preconditioned):
             np.testing.assert_allclose(moved, start - 0.1 * p.numpy(), rtol=0, atol=1e-6)
         self.assertGreater(max(np.abs(m - s).max() for m, s in zip(after, before)), 1e-4)
+
+
+# K-FAC manages no layer: every gradient reaches the inner optimizer as it is, so KFAC in
+# front of an optimizer must train exactly as that optimizer alone.
+IDENTITY = dict(skip_layers=[".*"], kl_clip=None)
+
+
+def fit_weights(optimizer, epochs=2):
+    """The weights of `mlp()` after `fit` with `optimizer` (a KFAC attached first)."""
+    model = mlp()
+    if isinstance(optimizer, tfkfac.KFAC):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the warning naming the skipped layers
+            optimizer.attach(model)
+    model.compile(optimizer=optimizer, loss=LOSS)
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def preconditioned(optimizer, model, x, y):
+    """`optimizer.precondition` of the loss gradient on (x, y) at the current weights."""
+    with tf.GradientTape() as tape:
+        loss = LOSS(y, model(x, training=True))
+    variables = model.trainable_variables
+    return [p.numpy() for p in optimizer.precondition(tape.gradient(loss, variables),
+                                                      variables)]
+
+
+class InnerOptionsTest(absltest.TestCase):
+    """The inner optimizer's Keras options under KFAC (the table in docs/usage.md)."""
+
+    def test_options_train_as_the_plain_optimizer_when_kfac_manages_no_layer(self):
+        sgd = lambda **options: keras.optimizers.SGD(0.1, momentum=0.5, **options)
+        cases = {  # name: (the inner optimizer, `exclude_from_weight_decay` var_names)
+            "use_ema": (lambda: sgd(use_ema=True, ema_momentum=0.9), None),
+            "ema_overwrite_frequency": (
+                lambda: sgd(use_ema=True, ema_overwrite_frequency=3), None),
+            "loss_scale_factor": (lambda: sgd(loss_scale_factor=128.0), None),
+            "gradient_accumulation_steps": (lambda: sgd(gradient_accumulation_steps=2), None),
+            "clipvalue": (lambda: sgd(clipvalue=0.01), None),
+            "clipnorm": (lambda: sgd(clipnorm=0.01), None),
+            "global_clipnorm": (lambda: sgd(global_clipnorm=0.01), None),
+            "weight_decay": (lambda: sgd(weight_decay=0.1), None),
+            "sgd_exclusion": (lambda: sgd(weight_decay=0.5), ["bias"]),
+            "adamw_exclusion": (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.5),
+                                ["kernel"]),
+        }
+        for name, (make, excluded) in cases.items():
+            with self.subTest(option=name):
+                plain, kfac = make(), tfkfac.KFAC(inner_optimizer=make(), **IDENTITY)
+                if excluded:
+                    plain.exclude_from_weight_decay(var_names=excluded)
+                    kfac.exclude_from_weight_decay(var_names=excluded)
+                for got, want in zip(fit_weights(kfac), fit_weights(plain)):
+                    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+    def test_loss_scale_and_clipping_act_on_the_unscaled_preconditioned_gradient(self):
+        # One `fit` step moves the weights by -η clip(P): P, the preconditioned gradient,
+        # from the gradients and factors with the inner optimizer's loss scale undone,
+        # then clipped by the inner optimizer.
+        x, y = data(16)
+        clipped = {
+            "clipvalue": lambda p, c: [np.clip(t, -c, c) for t in p],
+            "clipnorm": lambda p, c: [t * min(1.0, c / np.linalg.norm(t)) for t in p],
+            "global_clipnorm": lambda p, c: [
+                t * min(1.0, c / np.sqrt(sum(np.sum(u * u) for u in p))) for t in p],
+        }
+        for clip, rule in clipped.items():
+            with self.subTest(clip=clip):
+                model = mlp()
+                inner = keras.optimizers.SGD(0.1, loss_scale_factor=128.0, **{clip: 0.02})
+                optimizer = tfkfac.KFAC(inner_optimizer=inner, kl_clip=None, damping=1e-2,
+                                        xla=False).attach(model)
+                model.compile(optimizer=optimizer, loss=LOSS)
+                before = model.get_weights()
+                model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+                after = model.get_weights()
+                model.set_weights(before)
+                p = preconditioned(optimizer, model, x, y)
+                self.assertGreater(max(np.abs(t).max() for t in p), 0.02)  # clipping acts
+                for moved, start, q in zip(after, before, rule(p, 0.02)):
+                    np.testing.assert_allclose(moved, start - 0.1 * q, rtol=0, atol=1e-6)
+
+    def test_gradient_accumulation_applies_the_mean_preconditioned_gradient(self):
+        # Two batches, one update: the inner optimizer applies the mean of the two
+        # preconditioned gradients. K-FAC's step is the inner optimizer's `iterations`,
+        # which counts updates: the one factor update is the first batch's.
+        settings = dict(kl_clip=None, damping=1e-2, factor_update_freq=1,
+                        decomposition_update_freq=1, xla=False)
+        x, y = data(32)
+        model = mlp()
+        inner = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+        optimizer = tfkfac.KFAC(inner_optimizer=inner, **settings).attach(model)
+        model.compile(optimizer=optimizer, loss=LOSS)
+        before = model.get_weights()
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        after = model.get_weights()
+        self.assertEqual((optimizer.counters()["steps"],
+                          optimizer.counters()["factor_updates"]), (1, 1))
+        first = mlp()
+        first_only = tfkfac.KFAC(learning_rate=0.1, **settings).attach(first)
+        first.compile(optimizer=first_only, loss=LOSS)
+        first.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+        for layer, first_layer in zip(model.layers, first.layers):
+            for factor, expected in zip(optimizer.factors(layer).values(),
+                                        first_only.factors(first_layer).values()):
+                np.testing.assert_allclose(factor, expected, rtol=1e-6, atol=1e-7)
+        model.set_weights(before)
+        mean = [(a + b) / 2 for a, b in zip(preconditioned(optimizer, model, x[:16], y[:16]),
+                                            preconditioned(optimizer, model, x[16:], y[16:]))]
+        for moved, start, p in zip(after, before, mean):
+            np.testing.assert_allclose(moved, start - 0.1 * p, rtol=0, atol=1e-6)
+        # A checkpoint holds the step count's variable, of which `iterations` is the
+        # quotient under accumulation.
+        path = tf.train.Checkpoint(optimizer=optimizer).save(
+            os.path.join(self.create_tempdir().full_path, "ckpt"))
+        restored_model = mlp()
+        restored = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(
+            0.1, gradient_accumulation_steps=2), **settings).attach(restored_model)
+        restored.build(restored_model.trainable_variables)
+        tf.train.Checkpoint(optimizer=restored).restore(path)
+        self.assertEqual(restored.counters(), optimizer.counters())
+        self.assertEqual(int(restored.inner_optimizer.iterations), 1)
+
+    def test_weight_decay_exclusion_without_a_decay_is_refused(self):
+        with self.assertRaisesRegex(ValueError, r"exclude_from_weight_decay: the inner "
+                                    r"optimizer \(SGD\) applies no weight decay"):
+            tfkfac.KFAC().exclude_from_weight_decay(var_names=["bias"])
 
 
 class JitCompileTest(absltest.TestCase):

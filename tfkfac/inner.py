@@ -50,6 +50,25 @@ def inner_optimizer(optimizer, learning_rate, momentum, weight_decay):
                                 weight_decay=weight_decay)
 
 
+def take_loss_scale_factor(optimizer):
+    """`optimizer`'s `loss_scale_factor`, which KFAC applies from now on in its place.
+
+    The gradients must be unscaled before they are preconditioned (the KL clip and the
+    factors are not linear in them), so KFAC scales the loss and unscales the gradients
+    itself, and the inner optimizer, handed unscaled gradients, must not divide again.
+    Keras's `LossScaleOptimizer` takes its inner optimizer's factor the same way.
+    """
+    factor, optimizer.loss_scale_factor = optimizer.loss_scale_factor, None
+    return factor
+
+
+def serialized(optimizer, loss_scale_factor):
+    """`optimizer`'s Keras config, holding again the `loss_scale_factor` KFAC took."""
+    config = keras.saving.serialize_keras_object(optimizer)
+    config["config"]["loss_scale_factor"] = loss_scale_factor
+    return config
+
+
 def from_saved(config, custom_objects=None):
     """(KFAC's arguments of the update rule, the rest of `config`) from a saved config:
     the inner optimizer, deserialized, or for a save of 0.1 its default rule's arguments;

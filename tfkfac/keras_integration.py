@@ -8,8 +8,8 @@ names that remain, each because no public API serves:
   not be tracked (its variables would be saved twice or in another order);
 - `keras.src.backend.name_scope(..., caller=)`: the scope `Optimizer.apply` builds in;
 - `Layer._flatten_layers`: the only traversal that sees nested layers;
-- `Optimizer._learning_rate`: the inner optimizer's learning-rate variable, for the
-  checkpoint layout of `checkpoint_children`;
+- `Optimizer._learning_rate`, `Optimizer._iterations`: the inner optimizer's learning-rate
+  and step-count variables, for the checkpoint layout of `checkpoint_children`;
 - `Trackable._trackable_children`: the hook that chooses a checkpoint's layout;
 - `Optimizer._all_reduce_sum_gradients`: the sum over tf.distribute replicas that Keras's
   TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer;
@@ -240,7 +240,8 @@ def checkpoint_children(children, kfac):
     children = dict(children)
     children.pop("inner_optimizer", None)
     inner = kfac.inner_optimizer
-    children["_iterations"] = inner.iterations
+    # The step count's variable (`iterations` is a quotient of it under accumulation).
+    children["_iterations"] = inner._iterations
     learning_rate = inner._learning_rate  # a variable unless it is a schedule
     if isinstance(learning_rate, tf.__internal__.tracking.Trackable):
         children["_learning_rate"] = learning_rate

@@ -55,6 +55,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name)
         self.config = config
         self.inner_optimizer = inner_optimizer
+        self.loss_scale_factor = inner.take_loss_scale_factor(inner_optimizer)
         # KFAC hands it gradients its communicator has averaged over every rank.
         keras_integration.without_replica_sum(inner_optimizer)
         if communicator is not None and not isinstance(communicator,
@@ -109,6 +110,21 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
     @property
     def _counters(self):
         return self._state.counters
+
+    def finalize_variable_values(self, var_list):
+        """The inner optimizer's end of `fit` (with `use_ema`, its averages replace the
+        weights)."""
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Exclude variables from the weight decay of the inner optimizer, which applies
+        it; an error if it applies none (`weight_decay` None)."""
+        if self.inner_optimizer.weight_decay is None:
+            raise ValueError(
+                "KFAC.exclude_from_weight_decay: the inner optimizer "
+                f"({type(self.inner_optimizer).__name__}) applies no weight decay "
+                "(weight_decay=None), so nothing would be excluded; give it a `weight_decay`.")
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         return keras_integration.checkpoint_children(
@@ -181,6 +197,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         if var_list is None:
             var_list = attachment.model.trainable_variables
         attachment.step(tape, loss, list(var_list), self.apply,
+                        loss_scale=self.scale_loss(1.0),
                         replicas=keras_integration.replicas_in_sync(), fresh=fresh)
 
     # ---------------------------------------------------------------- state
@@ -223,6 +240,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
             with keras_integration.name_scope(self):
                 self.build(variables)
         grads = list(grads)
+        if self.loss_scale_factor is not None:  # the inner optimizer's, taken over
+            grads = [None if g is None else g / self.loss_scale_factor for g in grads]
         step = self.iterations
         damping = self._damping_at(step)
         # Zero is a learning rate schedules reach (decay to zero): only it may be 0.
@@ -290,7 +309,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
     # -------------------------------------------------------- serialization
     def get_config(self):
         return {"name": self.name,
-                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                "inner_optimizer": inner.serialized(self.inner_optimizer,
+                                                    self.loss_scale_factor),
                 **self.config.to_config()}
 
     @classmethod
