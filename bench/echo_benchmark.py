@@ -3,9 +3,9 @@ training step (the trainers' CNN, plain SGD), with and without echoing.
 
 Upstream stands for slow storage: a simulated read latency per example (one reader,
 reading 32 examples at a time), tuned so that R = t_upstream / t_downstream is about
-`--ratio`, then measured again before every repeat: t_upstream is the time per batch
-of the plain pipeline alone, t_downstream the time per training step on a batch
-already in memory. Each echo variant runs with e = 1, 2, 3 (plus the pipeline without
+`--ratio` (bench/slow_input.py), then measured again in every repeat: t_upstream is the
+time per batch of the plain pipeline alone, t_downstream the time per training step on
+a batch already in memory. Each echo variant runs with e = 1, 2, 3 (plus the pipeline without
 an echo stage) and reports downstream steps/s and fresh examples/s; the paper predicts
 steps/s growing like min(e, R) while fresh examples/s stays flat until e > R. The echo
 stage's own overhead is measured twice: the CPU time it adds per batch on an
@@ -18,24 +18,22 @@ Run (about 5 minutes on 2 cores; in the background):
 Writes bench/results/echo_benchmark.json and .png.
 """
 
+import functools
 import gc
 import json
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
 import keras
-import matplotlib
 import numpy as np
 import tensorflow as tf
 
-import outputs
+import harness
 import pipelines
 from pipelines import counters, idx_dataset
+import slow_input
 from trainers import models
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch_size", 128, "Examples per training step.")
@@ -44,11 +42,9 @@ flags.DEFINE_list("factors", ["1", "2", "3"], "Echo factors to measure.")
 flags.DEFINE_list("variants", list(pipelines.ECHO_MODES[1:]), "Echo modes to measure.")
 flags.DEFINE_float("seconds", 3.0, "Timed training seconds per measurement.")
 flags.DEFINE_integer("warmup_steps", 8, "Untimed steps before each measurement.")
-flags.DEFINE_integer("repeats", 3, "Interleaved repeats of every configuration (median kept).")
+harness.define_repeats(3, "a timed window of training, and a measurement of R")
 flags.DEFINE_integer("shuffle_buffer", 1024, "The pipeline's one shuffle buffer.")
 flags.DEFINE_integer("seed", 0, "Data and model seed.")
-flags.DEFINE_string("output_dir", outputs.RESULTS_DIR,
-                    "Where echo_benchmark.json and .png go.")
 
 AUGMENTATION = pipelines.Augmentation(crop_padding=2, flip=True)
 
@@ -99,16 +95,9 @@ def build(echo_mode="none", echo_factor=1, read_latency=0.0, source="fashion_mni
                            read_latency=read_latency)
 
 
-def seconds_per_batch(dataset, batches, clock=time.perf_counter):
-    """Time per batch of iterating `dataset` alone, after two warm-up batches, on
-    `clock` (wall time, or `time.process_time` for the CPU time of all our threads)."""
-    iterator = iter(dataset)
-    for _ in range(2):
-        next(iterator)
-    start = clock()
-    for _ in range(batches):
-        next(iterator)
-    return (clock() - start) / batches
+def plain_pipeline(read_latency):
+    """The pipeline without an echo stage: what `slow_input` calibrates."""
+    return build(read_latency=read_latency)[0]
 
 
 def downstream_seconds(model):
@@ -117,21 +106,13 @@ def downstream_seconds(model):
     return 1.0 / timed_fit(model, tf.data.Dataset.from_tensors(batch).repeat())["steps_per_s"]
 
 
-def upstream_seconds(read_latency):
-    """Seconds per batch of the plain pipeline with this read latency, no training."""
-    batches = max(10, int(4.0 / (read_latency * FLAGS.batch_size)))
-    return seconds_per_batch(build(read_latency=read_latency)[0], batches)
-
-
-def calibrate(model):
-    """Finds the read latency giving R close to FLAGS.ratio; returns it with t_down, t_up."""
+def ratio_now(model, latency):
+    """t_down, t_up at `latency` and their ratio R, measured now."""
     t_down = downstream_seconds(model)
-    latency = FLAGS.ratio * t_down / FLAGS.batch_size
-    t_up = upstream_seconds(latency)
-    # Sleeping overshoots by a roughly constant factor: correct once, measure again.
-    latency *= FLAGS.ratio * t_down / t_up
-    t_up = upstream_seconds(latency)
-    return latency, t_down, t_up
+    t_up = slow_input.upstream_seconds(plain_pipeline, latency, FLAGS.batch_size)
+    print(f"t_down {1e3 * t_down:.1f} ms, t_up {1e3 * t_up:.1f} ms, R = {t_up / t_down:.2f}",
+          flush=True)
+    return {"t_downstream_s": t_down, "t_upstream_s": t_up, "ratio": t_up / t_down}
 
 
 def echo_stage_overhead(t_down, tries=3):
@@ -154,11 +135,11 @@ def echo_stage_overhead(t_down, tries=3):
     num_batches = 20000 // batch - 2
     gc.collect()  # end the iterators of earlier measurements and their threads
     overhead = {}
-    for name, (plain, echoed) in stages.items():
-        times = {"plain": [], "echoed": []}
-        for _ in range(tries):
-            for kind, dataset in (("plain", plain), ("echoed", echoed)):
-                times[kind].append(seconds_per_batch(dataset, num_batches, time.process_time))
+    for name, datasets in stages.items():
+        times = harness.interleave(
+            {kind: functools.partial(slow_input.seconds_per_batch, dataset, num_batches,
+                                     time.process_time)
+             for kind, dataset in zip(("plain", "echoed"), datasets)}, tries)
         extra = min(times["echoed"]) - min(times["plain"])
         overhead[name] = {"plain_cpu_ms_per_batch": 1e3 * min(times["plain"]),
                           "echoed_cpu_ms_per_batch": 1e3 * min(times["echoed"]),
@@ -168,23 +149,20 @@ def echo_stage_overhead(t_down, tries=3):
 
 
 def measure_all(model, latency):
-    """Runs every configuration `repeats` times, interleaved, re-measuring t_down and
-    t_up (so R) at the start of each repeat; keeps medians (the machine is shared)."""
+    """Runs every configuration `--repeats` times, interleaved with a measurement of
+    t_down and t_up (so R); keeps medians (the machine is shared)."""
+    def run(mode, factor):
+        dataset, counters = build(mode, factor, latency)
+        result = timed_fit(model, dataset, counters)
+        print(f"{mode:24s} e={factor:g}: {result['steps_per_s']:6.2f} steps/s, "
+              f"{result['fresh_examples_per_s']:7.1f} fresh ex/s", flush=True)
+        return result
+
     configs = [("none", 1.0)] + [(mode, float(e)) for mode in FLAGS.variants for e in FLAGS.factors]
-    runs = {config: [] for config in configs}
-    ratios = []
-    for repeat in range(FLAGS.repeats):
-        t_down, t_up = downstream_seconds(model), upstream_seconds(latency)
-        ratios.append({"t_downstream_s": t_down, "t_upstream_s": t_up, "ratio": t_up / t_down})
-        print(f"[repeat {repeat}] t_down {1e3 * t_down:.1f} ms, t_up {1e3 * t_up:.1f} ms, "
-              f"R = {t_up / t_down:.2f}", flush=True)
-        # Alternate the order (ABBA) so a drift in machine load hits every config alike.
-        for mode, factor in (configs if repeat % 2 == 0 else configs[::-1]):
-            dataset, counters = build(mode, factor, latency)
-            result = timed_fit(model, dataset, counters)
-            runs[(mode, factor)].append(result)
-            print(f"[repeat {repeat}] {mode:24s} e={factor:g}: {result['steps_per_s']:6.2f} steps/s, "
-                  f"{result['fresh_examples_per_s']:7.1f} fresh ex/s", flush=True)
+    runs = harness.interleave(
+        {"R": functools.partial(ratio_now, model, latency),
+         **{config: functools.partial(run, *config) for config in configs}}, FLAGS.repeats)
+    ratios = runs.pop("R")
     summary = []
     for (mode, factor), results in runs.items():
         entry = {"echo_mode": mode, "echo_factor": factor, "runs": results}
@@ -203,8 +181,8 @@ def add_speedups(summary):
         entry["speedup_vs_plain"] = entry["steps_per_s"] / plain
 
 
-def plot(report, path):
-    figure, (steps_axis, fresh_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+def plot(report):
+    figure, (steps_axis, fresh_axis) = harness.subplots(1, 2, figsize=(11, 4.2))
     factors = sorted({s["echo_factor"] for s in report["results"]})
     t_up, t_down = report["t_upstream_s"], report["t_downstream_s"]
     ideal = [min(e / t_up, 1 / t_down) for e in factors]
@@ -229,16 +207,16 @@ def plot(report, path):
     steps_axis.legend(fontsize=8)
     figure.suptitle(f"Data echoing, Fashion-MNIST CNN, batch {FLAGS.batch_size}, "
                     f"{report['machine']['cpus']} CPU cores")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    return figure
 
 
-def main(argv):
-    del argv
+def main():
+    harness.check_among("variants", FLAGS.variants, pipelines.ECHO_MODES[1:])
     started = time.time()
-    machine = outputs.machine()
     model = make_model()
-    latency, t_down, t_up = calibrate(model)
+    t_down = downstream_seconds(model)
+    calibrated = slow_input.calibrate(plain_pipeline, FLAGS.ratio * t_down, FLAGS.batch_size)
+    latency, t_up = calibrated["read_latency_s"], calibrated["t_upstream_s"]
     print(f"t_down {1e3 * t_down:.1f} ms/step, read latency {1e6 * latency:.0f} us/example, "
           f"t_up {1e3 * t_up:.1f} ms/batch, R = {t_up / t_down:.2f}", flush=True)
     overhead = echo_stage_overhead(t_down)
@@ -260,10 +238,9 @@ def main(argv):
         "augmentation": "random crop (padding 2) + horizontal flip",
         "echo_stage_overhead": overhead,
         "results": summary,
-        "machine": machine,
         "wall_seconds": time.time() - started,
     }
-    outputs.write(report, FLAGS.output_dir, "echo_benchmark", plot)
+    harness.write(report, "echo_benchmark", plot)
     print(f"\n{'echo mode':24s} {'e':>3s} {'steps/s':>8s} {'vs e=1':>7s} {'vs plain':>8s} "
           f"{'fresh ex/s':>11s}")
     for s in summary:
@@ -280,4 +257,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    harness.run(main)

@@ -12,13 +12,13 @@ statistics count each source example once; at e = 1 it is plain K-FAC, whose tun
 step time and e = 1 runs it shares). Protocol:
 
 1. Tuning at e = 1 without read latency (scored by accuracy, not time), constant
-   learning rate, as bench/time_to_accuracy.py tuned before issue 27: each entry over
+   learning rate, as bench/time_to_accuracy.py tuned before its cosine schedule: each entry over
    its 4-point grid (GRIDS), `tune_epochs` on train[:54000], scored on
    train[54000:]; the best setting is kept for every e.
 2. Calibration: t_down is the mean step time of a short SGD run with no read latency
    (the input overlapped by prefetching); for each R in `--ratios` the read latency per
    example that makes one plain batch of the trainer's own pipeline take R x t_down
-   (sleeping overshoots: corrected until within 5%). One latency serves every
+   (bench/slow_input.py: corrected until within 5%). One latency serves every
    entry, as one storage system would; each entry's own R (t_up over its own step
    time) is reported. Stored in `work_dir/calibration.json` and reused, so a restarted
    benchmark keeps its latencies and a new R in `--ratios` is added beside them
@@ -44,20 +44,16 @@ import glob
 import json
 import os
 import statistics
-import time
 
-from absl import app, flags, logging
-import matplotlib
+from absl import flags
 import tensorflow as tf
 
-import outputs
+import harness
 import pipelines
+import slow_input
 import trials
 from trainers import config as config_lib, runner
 from trainers.data import TrainingData
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ratios", ["2", "4"], "Target R = t_upstream / t_downstream (SGD's step).")
@@ -74,13 +70,12 @@ flags.DEFINE_integer("calibration_steps", 300, "Steps of the run that measures t
 flags.DEFINE_bool("tune_only", False, "Run only the tuning trials and stop.")
 flags.DEFINE_string("work_dir", "/tmp/tfkfac_echo_time_to_accuracy",
                     "Where the trials' runs and the calibration go.")
-flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where the JSON and PNG go.")
 
 MODEL, BATCH_SIZE = "cnn", 128
 AUGMENTATION = dict(crop_padding=2, flip=True)
-# Issue 17 measured with the constant-learning-rate protocol bench/time_to_accuracy.py had
-# then (trainer defaults: K-FAC learning rate 0.05, KL clip 1e-3), and keeps it, with its
-# tuning grids, so its trials are read back as they were run.
+# Measured with the constant-learning-rate protocol bench/time_to_accuracy.py had then
+# (trainer defaults: K-FAC learning rate 0.05, KL clip 1e-3), and kept, with its tuning
+# grids, so that its trials are read back as they were run.
 ENTRIES = {"sgd": dict(optimizer="sgd"),
            "kfac_inverse": dict(optimizer="kfac", kfac_method="inverse"),
            "kfac": dict(optimizer="kfac", kfac_method="eigen")}
@@ -93,9 +88,6 @@ GRIDS = {"sgd": [dict(learning_rate=lr) for lr in (0.01, 0.03, 0.1, 0.3)],
 ENTRIES["kfac_inverse_fresh"] = dict(ENTRIES["kfac_inverse"], factor_examples="fresh")
 SAME_AT_E1 = {"kfac_inverse_fresh": "kfac_inverse"}
 NAME = "echo_time_to_accuracy"
-# Sleeping overshoots by a factor that depends on the latency: correct until t_up is
-# within the tolerance of R x t_down, at most this many measurements.
-CALIBRATION_ROUNDS, CALIBRATION_TOLERANCE = 4, 0.05
 
 
 def trial(name, **settings):
@@ -126,20 +118,14 @@ def step_seconds(entry, setting):
     return summary["mean_step_time_s"]["all"]
 
 
-def upstream_seconds(read_latency, batches=40):
-    """Seconds per batch of the trainer's own training pipeline alone at `read_latency`."""
+def training_pipeline(read_latency):
+    """The trainer's own training pipeline at `read_latency`: what `slow_input` calibrates."""
     config = config_lib.TrainConfig(model=MODEL, batch_size=BATCH_SIZE,
                                     read_latency=read_latency, **AUGMENTATION)
-    iterator = iter(TrainingData(config, 0, 1, tf.float32).train(0))
-    for _ in range(2):
-        next(iterator)
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(iterator)
-    return (time.perf_counter() - start) / batches
+    return TrainingData(config, 0, 1, tf.float32).train(0)
 
 
-def calibrate(tunings):
+def calibrated_latencies(tunings):
     """{R: read latency} and every entry's step time, for the R in `--ratios`. Both are
     kept in work_dir/calibration.json: a restarted benchmark reuses them, and an R not
     yet there is calibrated and added beside the others."""
@@ -154,7 +140,8 @@ def calibrate(tunings):
             t_down[entry] = step_seconds(entry, tunings[entry]["best"])
     for ratio in FLAGS.ratios:
         if ratio not in calibration["ratios"]:
-            calibration["ratios"][ratio] = read_latency_for(float(ratio) * t_down["sgd"])
+            calibration["ratios"][ratio] = slow_input.calibrate(
+                training_pipeline, float(ratio) * t_down["sgd"], BATCH_SIZE)
         latency = calibration["ratios"][ratio]
         latency["ratio_by_entry"] = {e: latency["t_upstream_s"] / t_down[e]
                                      for e in FLAGS.entries}
@@ -165,19 +152,6 @@ def calibrate(tunings):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(calibration, f, indent=2)
     return calibration
-
-
-def read_latency_for(wanted):
-    """The read latency per example that makes one batch take `wanted` seconds upstream
-    (sleeping overshoots: corrected until within the tolerance)."""
-    latency, t_up = wanted / BATCH_SIZE, None
-    for _ in range(CALIBRATION_ROUNDS):
-        if t_up is not None:
-            latency *= wanted / t_up
-        t_up = upstream_seconds(latency)
-        if abs(t_up / wanted - 1) < CALIBRATION_TOLERANCE:
-            break
-    return {"read_latency_s": latency, "t_upstream_s": t_up}
 
 
 def configurations():
@@ -257,9 +231,9 @@ SHORT_MODE_NAMES = {"none": "none", "example_before_augment": "before aug.",
                     "example_after_augment": "after aug.", "batch": "batch"}
 
 
-def plot(report, path):
+def plot(report):
     ratios, entries = list(report["results"]), FLAGS.entries
-    figure, axes = plt.subplots(len(ratios), len(entries), squeeze=False,
+    figure, axes = harness.subplots(len(ratios), len(entries), squeeze=False,
                                 figsize=(6 * len(entries), 3.8 * len(ratios)))
     for row, ratio in zip(axes, ratios):
         for axis, entry in zip(row, entries):
@@ -277,27 +251,24 @@ def plot(report, path):
             axis.set_title(f"{entry}, R = {own_ratio:.2f}")
     figure.suptitle(f"Data echoing: wall time to test accuracy {FLAGS.target_accuracy}, "
                     f"Fashion-MNIST CNN, {FLAGS.seeds} seeds")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    return figure
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
-    unknown = sorted(set(FLAGS.entries) - set(ENTRIES))
-    if unknown or "sgd" not in FLAGS.entries:
-        raise ValueError(f"entries must be among {', '.join(ENTRIES)} and include sgd (R is "
-                         f"set by its step); got {FLAGS.entries}")
+def main():
+    harness.check_among("entries", FLAGS.entries, ENTRIES)
+    if "sgd" not in FLAGS.entries:
+        raise ValueError(f"entries must include sgd (R is set by its step); got "
+                         f"{FLAGS.entries}")
+    harness.check_among("variants", FLAGS.variants, pipelines.ECHO_MODES[1:])
     report = {"model": MODEL, "batch_size": BATCH_SIZE, "augmentation": AUGMENTATION,
               "target_accuracy": FLAGS.target_accuracy, "seeds": FLAGS.seeds,
-              "max_epochs": FLAGS.max_epochs, "machine": outputs.machine(),
-              "library_commit": outputs.library_commit()}
+              "max_epochs": FLAGS.max_epochs, "library_commit": harness.library_commit()}
     tunings = {entry: tune(entry) for entry in FLAGS.entries}
     if FLAGS.tune_only:
         print("tuned: " + json.dumps({e: t["best"] for e, t in tunings.items()}), flush=True)
         return
     report["tuning"] = tunings
-    report["calibration"] = calibrate(tunings)
+    report["calibration"] = calibrated_latencies(tunings)
     report["results"] = {}
     for ratio in FLAGS.ratios:
         calibrated = report["calibration"]["ratios"][ratio]
@@ -308,8 +279,8 @@ def main(argv):
             best = best_against_e1(results, calibrated["ratio_by_entry"][entry])
             report["results"][ratio][entry] = {"configurations": results, "best": best}
             print(f"{entry} R={ratio} best: {json.dumps(best)}", flush=True)
-    outputs.write(report, FLAGS.output_dir, NAME, plot)
+    harness.write(report, NAME, plot)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    harness.run(main)
