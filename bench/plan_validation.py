@@ -1,4 +1,6 @@
-"""The planner (`python -m trainers.plan`) against measurements: this machine and the papers.
+"""The planner (`python -m trainers.plan`) against measurements, this machine's
+(bench/plan_measurement.py) and the papers' (bench/papers.py): the comparison, the fits
+of the V100's decompositions to the papers, the tables and the figure.
 
 (1) This machine: 1 process vs 2 ranks (Horovod, and tf.distribute's
     MultiWorkerMirroredStrategy), predicted by the planner's "local" device and
@@ -16,8 +18,8 @@
     (kfac_pytorch: full factors and eigenbases allreduced in float32, its layer-wise
     round-robin); Osawa et al. (CVPR'19) §5: the factors' size (Figure 4) and 1 vs 64 GPUs.
 (4) The LPT saturation on keras.applications.ResNet50 (224x224, 108 factors): the
-    slowest rank's decomposition work against the issue's outside check (4.63x from 16
-    ranks on).
+    slowest rank's decomposition work against an outside estimate (4.63x from 16 ranks
+    on) and kfac_pytorch's round-robin.
 The papers' figures are quoted with their table or section; the models' inputs are the
 library's (trainers/planning). Writes bench/results/plan_validation.json and .png and
 prints the tables docs/benchmarks.md quotes.
@@ -30,138 +32,17 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
-import tempfile
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import app, flags  # noqa: E402
-
-import outputs  # noqa: E402
+import harness
+import papers
+from plan_measurement import (LOCAL_MODELS, MEASURED_DIR, NESTED, SEQUENTIAL,
+                              measure)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("measure", False, "Time the loopback collectives and run the 2-rank "
                   "K-FAC job before validating.")
-flags.DEFINE_string("output_dir", outputs.RESULTS_DIR, "Where plan_validation.json/.png go.")
-flags.DEFINE_string("worker_out", None, "Internal: run as a loopback-timing rank.")
-
-MEASURED_DIR = os.path.join(outputs.RESULTS_DIR, "plan_validation")
-LOOPBACK_SIZES = [2 ** k for k in range(8, 23, 2)]  # float32 elements: 1 kB to 16 MB
-LOOPBACK_REPEATS = 15
-# (1): bench/distributed_benchmark.py's job.
-LOCAL_MODELS, LOCAL_BATCH, LOCAL_FACTOR, LOCAL_DECOMPOSITION = ("mlp", "cnn"), 128, 5, 10
-# (2) Ueno et al. 2020, Table 1 (128 V100s, ResNet-50, 32 per GPU) and §3.2.4.
-UENO = {"gpus": 128, "batch": 32, "sgd_ms": 57.0, "images_per_s_one_gpu": 744.8,
-        "rows_ms": {"distributed inverse": 251.0, "+ symmetric": 199.0, "+ float21": 182.0,
-                    "+ overlap": 221.0, "+ hierarchical": 192.0, "+ stale": 108.0}}
-ABCI_GPUS_PER_NODE = 4  # ABCI compute node: 4 V100s, 2 InfiniBand EDR links
-FLOAT21_BYTES = 8 / 3  # three 21-bit values in 64 bits (Ueno et al. Figure 7)
-OSAWA_STALE_INTERVAL = 20  # Osawa et al. 2019 eq. 20's largest interval
-
-# (3) Pauloski et al. 2020: Table IV (K-FAC-opt's improvement over SGD in time to
-# solution, 55 vs 90 epochs), Table V (ms per K-FAC update), Table VI, §VI-C2 Table III
-# (SGD 178 min for 90 epochs on 64 GPUs at 32 per GPU), §VI-C3 intervals (2000 iterations
-# between eigendecompositions on 16 GPUs, scaled with the batch; factors 10x as often).
-PAULOSKI = {
-    "gpus": (16, 32, 64, 128, 256), "batch": 32,
-    "improvement": (0.209, 0.197, 0.252, 0.235, 0.177), "epochs": (55, 90),
-    "sgd_minutes_64": 178.0, "imagenet_examples": 1281167,
-    "eigen_interval_16": 2000, "factor_per_eigen": 10,
-    "table_v": {16: (36.83, 155.79, 2256.64, 117.28), 32: (43.30, 171.57, 1668.19, 149.60),
-                64: (44.90, 154.63, 1497.96, 142.93)},
-    "table_vi": {32: (1.34, 2.88), 64: (1.55, 6.61)},
-    "parameters_per_worker": {16: (1.46e6, 2.83e7), 64: (1.64e4, 2.26e7)}}
-FRONTERA_GPUS_PER_NODE = 4  # Frontera's GPU nodes: 4 V100s, InfiniBand EDR
-
-# Osawa et al. 2019: Figure 4 (factor data of ResNet-50: 1017 MiB with BatchNorm's full
-# Fisher, 587 MiB with its diagonal), §5.2 (64 GPUs 131.1% faster per iteration than 1).
-OSAWA = {"mib_full_bn": 1017.0, "mib_diagonal_bn": 587.0, "speedup_64": 2.311}
-ISSUE_LPT = {"bound": 4.63, "saturation_ranks": 16}  # issue 28's outside check
-
-
-# --------------------------------------------------------------------- measuring
-def loopback_worker(out_path):
-    """One rank: median seconds of the communicator's allreduce and allgather per size."""
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    from tfkfac import distributed
-
-    comm = distributed.get_communicator("horovod")
-    reduce = tf.function(lambda t: comm.grouped_allreduce_mean([t], "gradients")[0])
-    gather = tf.function(lambda t: comm.allgather(t, "allgather"))
-    result = {"ranks": comm.size, "sizes_bytes": [4 * n for n in LOOPBACK_SIZES],
-              "allreduce_s": [], "allgather_s": []}
-    for n in LOOPBACK_SIZES:
-        x = tf.ones([n])
-        for name, function in (("allreduce_s", reduce), ("allgather_s", gather)):
-            function(x).numpy()
-            samples = []
-            for _ in range(LOOPBACK_REPEATS):
-                start = time.perf_counter()
-                function(x).numpy()
-                samples.append(time.perf_counter() - start)
-            result[name].append(statistics.median(samples))
-    if comm.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-
-
-def fit_loopback(measured):
-    """Least squares T = a + b·n over the allreduce sizes; on 2 ranks a ring allreduce is 2
-    steps and moves n bytes: ring step latency a/2, bandwidth 1/b."""
-    import numpy as np
-
-    n, t = np.array(measured["sizes_bytes"], float), np.array(measured["allreduce_s"])
-    b, a = np.polyfit(n, t, 1)
-    return {"ring_step_latency": max(a, 0.0) / 2, "bandwidth": 1.0 / b}
-
-
-def measure():
-    """This machine's rates now, the loopback collectives, then the 2-rank K-FAC job."""
-    import linalg_benchmark
-    from trainers import launch
-
-    env = launch.job_environment()
-    os.makedirs(MEASURED_DIR, exist_ok=True)
-    rates = linalg_benchmark.rates(3)
-    linalg_benchmark.print_rates(rates)
-    with open(os.path.join(MEASURED_DIR, "rates.json"), "w") as f:
-        json.dump({"rates": rates, "load_average": os.getloadavg()}, f, indent=1)
-    with tempfile.TemporaryDirectory() as work:
-        out = os.path.join(work, "loopback.json")
-        command = launch.horovodrun_command([os.path.abspath(__file__), f"--worker_out={out}"],
-                                            2, env)
-        code, output = launch.run_job(command, 600, env)
-        if code:
-            raise RuntimeError(f"loopback timing failed:\n{output[-3000:]}")
-        with open(out) as f:
-            measured = json.load(f)
-    measured["fit"] = fit_loopback(measured)
-    measured["machine"] = outputs.machine()
-    from trainers.planning import hardware
-
-    with open(hardware.LOOPBACK_JSON, "w") as f:
-        json.dump(measured, f, indent=1)
-    print(f"loopback fit: {measured['fit']}", flush=True)
-    command = [sys.executable, os.path.join(os.path.dirname(__file__), "distributed_benchmark.py"),
-               f"--models={','.join(LOCAL_MODELS)}", f"--global_batch={LOCAL_BATCH}",
-               f"--factor_update_freq={LOCAL_FACTOR}",
-               f"--decomposition_update_freq={LOCAL_DECOMPOSITION}", "--bytes_configs=",
-               f"--output_dir={MEASURED_DIR}"]
-    code, output = launch.run_job(command, 1200, env)
-    print(output[-3000:], flush=True)
-    if code:
-        raise RuntimeError("bench/distributed_benchmark.py failed")
-    path = os.path.join(MEASURED_DIR, "distributed.json")
-    with open(path) as f:
-        report = json.load(f)
-    report["phase_clocks"] = SEQUENTIAL  # measured by this library's PhaseClocks
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-
 
 # ------------------------------------------------------------ (1) this machine
 # What (1) compares, per step (amortized over the intervals), from what the saved
@@ -185,16 +66,6 @@ COLUMNS = {"every_step": ("forward_backward", "gradient_reduction", "preconditio
            "factors": ("factor_statistics", "factor_reduction"),
            "decomposition": ("decomposition", "decomposition_sharing")}
 TOLERANCE = 0.15
-# The layout of the phase clocks of a saved measurement. Before the fix (library 6a78fc7
-# and earlier, no "phase_clocks" key in distributed.json) they nest: "update"'s start
-# stamp waited for nothing, so it ran from the start of the step (forward, backward,
-# gradient reduction and all K-FAC phases inside), and a phase's tf.function could run
-# before its own start stamp, on the previous phase's clock (preconditioning under the
-# decompositions'). Then the clocks sum to more than the step ("rest" < 0) and only
-# the factors clock, the span factors..precondition and the decomposition clock of an
-# inverse step (its own work plus at most that step's preconditioning) are usable.
-# `--measure` marks its results "sequential" (tfkfac.state.PhaseClocks since the fix).
-NESTED, SEQUENTIAL = "nested", "sequential"
 
 
 def _predicted_columns(phases):
@@ -374,11 +245,11 @@ def ueno(unit):
     """
     from trainers.planning import collectives, hardware, step_model
 
-    work = unit.at_batch(UENO["batch"])
+    work = unit.at_batch(papers.UENO["batch"])
     v100 = hardware.device("v100")
-    gpus = UENO["gpus"]
+    gpus = papers.UENO["gpus"]
     update = v100.seconds(work.update(), "sgd", "mixed")
-    forward_backward = UENO["batch"] / UENO["images_per_s_one_gpu"] - update
+    forward_backward = papers.UENO["batch"] / papers.UENO["images_per_s_one_gpu"] - update
     statistics_mixed = v100.seconds([k for ks in work.statistics("expand") for k in ks],
                                     "factor_statistics", "mixed")
     shapes = work.factor_shapes()
@@ -386,7 +257,8 @@ def ueno(unit):
                 + sum(s[0] for s in shapes if len(s) == 1))
     result = {}
     for links in (1, 2):
-        fabric = step_model.fabric(v100, hardware.network("ib-edr"), ABCI_GPUS_PER_NODE, links)
+        fabric = step_model.fabric(v100, hardware.network("ib-edr"),
+                                   papers.ABCI_GPUS_PER_NODE, links)
 
         def step(factor_bytes, interval=1):
             config = step_model.Configuration(placement="owner", method="inverse",
@@ -402,8 +274,8 @@ def ueno(unit):
         packed = step_model.kfac_step(work, step_model.Configuration(), gpus, v100, fabric)[
             "factor_reduction"].payload[0]
         rows = {"distributed inverse": step(full), "+ symmetric": step(packed),
-                "+ float21": step(packed * FLOAT21_BYTES / 4),
-                "+ stale": step(packed * FLOAT21_BYTES / 4, OSAWA_STALE_INTERVAL)}
+                "+ float21": step(packed * papers.FLOAT21_BYTES / 4),
+                "+ stale": step(packed * papers.FLOAT21_BYTES / 4, papers.OSAWA_STALE_INTERVAL)}
         sgd = step_model.step_seconds(step_model.sgd_step(work, gpus, v100, fabric, "mixed",
                                                           forward_backward)) * 1e3
         totals = {name: sum(phases.values()) for name, phases in rows.items()}
@@ -416,8 +288,8 @@ def ueno(unit):
     result["v100_cholesky_solved"] = {"latency_s": latency, "flops": rate}
     result["v100_cholesky_profile"] = {"latency_s": hardware.V100_CHOLESKY_LATENCY,
                                        "flops": hardware.V100_CHOLESKY}
-    paper = UENO["rows_ms"]
-    result["paper"] = {"sgd_ms": UENO["sgd_ms"], "rows_ms": paper, "effects_ms": {
+    paper = papers.UENO["rows_ms"]
+    result["paper"] = {"sgd_ms": papers.UENO["sgd_ms"], "rows_ms": paper, "effects_ms": {
         "symmetric": paper["distributed inverse"] - paper["+ symmetric"],
         "float21": paper["+ symmetric"] - paper["+ float21"],
         "stale": paper["+ hierarchical"] - paper["+ stale"]}}
@@ -425,50 +297,6 @@ def ueno(unit):
 
 
 # ------------------------------------------------------- (3) Pauloski and Osawa
-def torchvision_order(blocks):
-    """The Kronecker blocks of keras ResNet50 in torchvision's module order: a first
-    bottleneck's projection (keras `_0_conv`, built before `_1_conv`) after `_3_conv`."""
-    from tfkfac.blocks import KroneckerBlock
-
-    ordered, projection = [], None
-    for block in (b for b in blocks if isinstance(b, KroneckerBlock)):
-        if block.path.endswith("_0_conv"):
-            projection = block
-            continue
-        ordered.append(block)
-        if projection is not None and block.path.endswith("_3_conv"):
-            ordered.append(projection)
-            projection = None
-    return ordered
-
-
-def kfac_pytorch_factors(blocks):
-    """[(dim, layer)] of A and G per layer as kfac_pytorch (SC'20) keeps them: torchvision's
-    convolutions have no bias, so A is kh·kw·c_in; the Linear layer's A has the bias row."""
-    from tfkfac.blocks import ConvBlock
-
-    factors = []
-    for layer, block in enumerate(blocks):
-        factors += [(block.in_dim if isinstance(block, ConvBlock) else block.a_dim, layer),
-                    (block.out_dim, layer)]
-    return factors
-
-
-def kfac_pytorch_owners(layers, size):
-    """kfac_pytorch's round-robin (kfac_preconditioner.py, SC'20): ranks cycle over the
-    layers in module order; A and G of a layer on one rank unless there are more ranks
-    than layers, then each factor on the next rank."""
-    distribute = size > layers
-    owners, rank = [], 0
-    for _ in range(layers):
-        a = rank % size
-        rank += 1
-        g = rank % size if distribute else a
-        rank += 1 if distribute else 0
-        owners += [a, g]
-    return owners
-
-
 def _rank_factors(dims, owners, size):
     """Per rank, the dims of the factors it decomposes."""
     ranks = [[] for _ in range(size)]
@@ -496,29 +324,17 @@ def fit_eigh(rank_dims, measured, points=4001):
     return latency, rate_for(latency)
 
 
-def resnet34_factor_dims():
-    """ResNet-34 as Ueno et al. train it (torchvision's layout: convolutions without bias,
-    1x1 projections, a Linear head with bias): [A, G] per layer."""
-    layers, c_in = [(7, 3, 64)], 64
-    for width, count in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        for block in range(count):
-            layers += [(3, c_in, width), (3, width, width)]
-            if block == 0 and c_in != width:
-                layers.append((1, c_in, width))
-            c_in = width
-    return [n for k, i, o in layers for n in (k * k * i, o)] + [512 + 1, 1000]
-
-
 def solve_cholesky():
-    """(latency per call, FLOP/s at n³) from Ueno et al. §3.3.1: ResNet-34's factors
-    inverted in 384 ms on one V100, its largest layer (4608 and 512) in about 36 ms."""
+    """(latency per call, FLOP/s at n³) that fit Ueno et al.'s two Cholesky timings on one
+    V100 (papers.UENO_CHOLESKY): ResNet-34's factors and its largest layer's."""
     import numpy as np
 
-    dims = resnet34_factor_dims()
-    largest = [4608, 512]
+    dims, cholesky = papers.resnet34_factor_dims(), papers.UENO_CHOLESKY
+    largest = cholesky["largest_layer_dims"]
     latency, inverse_rate = np.linalg.solve(
         [[len(largest), sum(float(n) ** 3 for n in largest)],
-         [len(dims), sum(float(n) ** 3 for n in dims)]], [0.036, 0.384])
+         [len(dims), sum(float(n) ** 3 for n in dims)]],
+        [cholesky["largest_layer_s"], cholesky["all_factors_s"]])
     return float(latency), float(1.0 / inverse_rate)
 
 
@@ -533,13 +349,13 @@ def pauloski(unit):
     from trainers.planning import floor_model
     from trainers.planning import collectives, hardware, step_model
 
-    work = unit.at_batch(PAULOSKI["batch"])
+    work = unit.at_batch(papers.PAULOSKI["batch"])
     v100 = hardware.device("v100")
-    blocks = torchvision_order(work.blocks["expand"])
-    dims = [n for n, _ in kfac_pytorch_factors(blocks)]
-    rank_dims = {p: _rank_factors(dims, kfac_pytorch_owners(len(blocks), p), p)
-                 for p in PAULOSKI["gpus"]}
-    fit = fit_eigh(rank_dims, {p: PAULOSKI["table_v"][p][2] / 1e3 for p in (16, 64)})
+    blocks = papers.torchvision_order(work.blocks["expand"])
+    dims = papers.kfac_pytorch_factor_dims(blocks)
+    rank_dims = {p: _rank_factors(dims, papers.kfac_pytorch_owners(len(blocks), p), p)
+                 for p in papers.PAULOSKI["gpus"]}
+    fit = fit_eigh(rank_dims, {p: papers.PAULOSKI["table_v"][p][2] / 1e3 for p in (16, 64)})
     eigen = {p: [v100.seconds([floor_model.decomposition(n, 1, "eigen") for n in ds],
                               "decomposition") for ds in ranks if ds]  # ranks with work
              for p, ranks in rank_dims.items()}
@@ -548,9 +364,10 @@ def pauloski(unit):
                                 "factor_statistics")
     factor_bytes = 4 * sum(n * n for n in dims)
     eigen_bytes = 4 * sum(n * n + n for n in dims)
-    steps_per_epoch = PAULOSKI["imagenet_examples"] / (64 * PAULOSKI["batch"])
-    sgd_64 = PAULOSKI["sgd_minutes_64"] * 60 / (PAULOSKI["epochs"][1] * steps_per_epoch)
-    fabric = step_model.fabric(v100, hardware.network("ib-edr"), FRONTERA_GPUS_PER_NODE, 1)
+    steps_per_epoch = papers.PAULOSKI["imagenet_examples"] / (64 * papers.PAULOSKI["batch"])
+    sgd_64 = (papers.PAULOSKI["sgd_minutes_64"] * 60
+              / (papers.PAULOSKI["epochs"][1] * steps_per_epoch))
+    fabric = step_model.fabric(v100, hardware.network("ib-edr"), papers.FRONTERA_GPUS_PER_NODE, 1)
     sgd_rest = lambda p: step_model.step_seconds(step_model.sgd_step(
         work, p, v100, fabric, "float32", 0.0))
     forward_backward = sgd_64 - sgd_rest(64)
@@ -558,26 +375,27 @@ def pauloski(unit):
                                 + floor_model.kl_clip_kernels(sum(work.managed_parameters())),
                                 "preconditioning")
     rows = []
-    for i, p in enumerate(PAULOSKI["gpus"]):
-        eigen_interval = PAULOSKI["eigen_interval_16"] * 16 / p
-        factor_interval = eigen_interval / PAULOSKI["factor_per_eigen"]
+    for i, p in enumerate(papers.PAULOSKI["gpus"]):
+        eigen_interval = papers.PAULOSKI["eigen_interval_16"] * 16 / p
+        factor_interval = eigen_interval / papers.PAULOSKI["factor_per_eigen"]
         factor_comm = collectives.allreduce(factor_bytes, p, fabric)
         eigen_comm = collectives.allreduce(eigen_bytes, p, fabric)
         sgd = forward_backward + sgd_rest(p)
         kfac = (sgd + precondition + (statistics_s + factor_comm) / factor_interval
                 + (max(eigen[p]) + eigen_comm) / eigen_interval)
-        measured = (1 - PAULOSKI["improvement"][i]) * PAULOSKI["epochs"][1] / PAULOSKI["epochs"][0]
+        kfac_epochs, sgd_epochs = papers.PAULOSKI["epochs"]
+        measured = (1 - papers.PAULOSKI["improvement"][i]) * sgd_epochs / kfac_epochs
         row = {"gpus": p, "ratio_predicted": kfac / sgd, "ratio_paper": measured,
                "sgd_ms": sgd * 1e3, "kfac_ms": kfac * 1e3,
                "factor_ms": {"comp": statistics_s * 1e3, "comm": factor_comm * 1e3},
                "eigen_ms": {"comp": max(eigen[p]) * 1e3, "comm": eigen_comm * 1e3},
                "slowest_speedup": max(eigen[16]) / max(eigen[p]),
                "fastest_speedup": min(eigen[16]) / min(eigen[p])}
-        if p in PAULOSKI["table_v"]:
+        if p in papers.PAULOSKI["table_v"]:
             row["table_v_ms"] = dict(zip(("factor_comp", "factor_comm", "eigen_comp",
-                                          "eigen_comm"), PAULOSKI["table_v"][p]))
-        if p in PAULOSKI["table_vi"]:
-            row["table_vi"] = dict(zip(("slowest", "fastest"), PAULOSKI["table_vi"][p]))
+                                          "eigen_comm"), papers.PAULOSKI["table_v"][p]))
+        if p in papers.PAULOSKI["table_vi"]:
+            row["table_vi"] = dict(zip(("slowest", "fastest"), papers.PAULOSKI["table_vi"][p]))
         rows.append(row)
     return {"rows": rows,
             "v100_eigh_fit": {"latency_s": fit[0], "flops": fit[1]},
@@ -586,7 +404,7 @@ def pauloski(unit):
             "sgd_ms_at_64_paper": sgd_64 * 1e3, "forward_backward_ms": forward_backward * 1e3,
             "precondition_ms": precondition * 1e3,
             "parameters_per_worker": {p: {"predicted": (min(e), max(e)),
-                                          "paper": PAULOSKI["parameters_per_worker"][p]}
+                                          "paper": papers.PAULOSKI["parameters_per_worker"][p]}
                                       for p, e in elements.items()}}
 
 
@@ -594,23 +412,23 @@ def osawa(unit):
     """(3): Figure 4's factor data and §5.2's 1 vs 64 GPUs with the owner placement."""
     from trainers.planning import hardware, step_model
 
-    work = unit.at_batch(UENO["batch"])
+    work = unit.at_batch(papers.UENO["batch"])
     shapes = work.factor_shapes()
     kronecker = 4 * sum(s[-1] ** 2 for s in shapes if len(s) >= 2)
     diagonal = [s[0] for s in shapes if len(s) == 1]
     mib = lambda b: b / 2 ** 20
     v100 = hardware.device("v100")
-    fabric = step_model.fabric(v100, hardware.network("ib-edr"), ABCI_GPUS_PER_NODE, 1)
+    fabric = step_model.fabric(v100, hardware.network("ib-edr"), papers.ABCI_GPUS_PER_NODE, 1)
     config = step_model.Configuration(placement="owner", method="inverse")
-    forward_backward = UENO["batch"] / UENO["images_per_s_one_gpu"]
+    forward_backward = papers.UENO["batch"] / papers.UENO["images_per_s_one_gpu"]
     times = {p: step_model.step_seconds(step_model.kfac_step(
         work, dataclasses.replace(config, decomposition_interval=1), p, v100, fabric, "mixed",
         forward_backward)) for p in (1, 64)}
     return {"mib_diagonal_bn": {"predicted": mib(kronecker + 4 * sum(diagonal)),
-                                "paper": OSAWA["mib_diagonal_bn"]},
+                                "paper": papers.OSAWA["mib_diagonal_bn"]},
             "mib_full_bn": {"predicted": mib(kronecker + 4 * sum(n * n for n in diagonal)),
-                            "paper": OSAWA["mib_full_bn"]},
-            "speedup_64": {"predicted": times[1] / times[64], "paper": OSAWA["speedup_64"],
+                            "paper": papers.OSAWA["mib_full_bn"]},
+            "speedup_64": {"predicted": times[1] / times[64], "paper": papers.OSAWA["speedup_64"],
                            "step_ms": {p: t * 1e3 for p, t in times.items()}}}
 
 
@@ -625,12 +443,12 @@ def lpt_saturation(unit):
     costs = [placement.decomposition_cost(blocks[b].factor_shapes()[j])
              for b, j in placement.factor_items(blocks)]
     total = sum(costs)
-    torch_blocks = torchvision_order(blocks)
-    torch_costs = [float(n) ** 3 for n, _ in kfac_pytorch_factors(torch_blocks)]
+    torch_blocks = papers.torchvision_order(blocks)
+    torch_costs = [float(n) ** 3 for n in papers.kfac_pytorch_factor_dims(torch_blocks)]
     rows = []
     for p in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         slowest = slowest_rank(costs, placement.owners("replicated", blocks, p), p)
-        robin = slowest_rank(torch_costs, kfac_pytorch_owners(len(torch_blocks), p), p)
+        robin = slowest_rank(torch_costs, papers.kfac_pytorch_owners(len(torch_blocks), p), p)
         rows.append({"ranks": p, "speedup": total / slowest,
                      "round_robin_speedup": sum(torch_costs) / robin})
     saturated = next(p for p in range(1, 1025) if slowest_rank(
@@ -638,7 +456,7 @@ def lpt_saturation(unit):
     return {"factors": len(costs), "largest": max(b.factor_shapes()[j][-1] for b in blocks
                                                   for j in b.symmetric_factors()),
             "bound": total / max(costs), "saturation_ranks": saturated, "rows": rows,
-            "issue": ISSUE_LPT}
+            "outside_estimate": papers.LPT_OUTSIDE_ESTIMATE}
 
 
 # ------------------------------------------------------------------- output
@@ -741,7 +559,8 @@ def print_tables(report):
     lpt = report["lpt"]
     print(f"\n(4) LPT on keras ResNet50: {lpt['factors']} factors, largest {lpt['largest']}; "
           f"bound {lpt['bound']:.3f}x, reached from {lpt['saturation_ranks']} ranks on "
-          f"(issue: {lpt['issue']['bound']}x from {lpt['issue']['saturation_ranks']})")
+          f"(outside estimate: {lpt['outside_estimate']['bound']}x from "
+          f"{lpt['outside_estimate']['saturation_ranks']})")
     print("| ranks | " + " | ".join(str(r["ranks"]) for r in lpt["rows"]) + " |")
     print("| --- " * (1 + len(lpt["rows"])) + "|")
     print("| LPT speed-up | " + " | ".join(f"{r['speedup']:.2f}" for r in lpt["rows"]) + " |")
@@ -749,13 +568,8 @@ def print_tables(report):
                                           for r in lpt["rows"]) + " |")
 
 
-def plot(report, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    figure, axes = plt.subplots(2, 2, figsize=(13, 9))
+def plot(report):
+    figure, axes = harness.subplots(2, 2, figsize=(13, 9))
     if "this_machine" in report:
         axis = axes[0][0]
         rows = report["this_machine"]["rows"]
@@ -809,29 +623,23 @@ def plot(report, path):
     axis.set_ylabel("decomposition speed-up (slowest rank)")
     axis.set_title("(4) keras ResNet50: slowest rank's decomposition work", fontsize=9)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
-def main(argv):
-    del argv
-    if FLAGS.worker_out:
-        loopback_worker(FLAGS.worker_out)
-        return
+def main():
     if FLAGS.measure:
         measure()
     from trainers.planning import workloads
 
-    report = {"machine": outputs.machine()}
+    report = {}
     if os.path.isfile(os.path.join(MEASURED_DIR, "distributed.json")):
         report["this_machine"] = this_machine()
     resnet50 = workloads.workload(workloads.load_model("resnet50"), 1, "resnet50")
     report.update(ueno=ueno(resnet50), pauloski=pauloski(resnet50), osawa=osawa(resnet50),
                   lpt=lpt_saturation(resnet50))
     print_tables(report)
-    outputs.write(report, FLAGS.output_dir, "plan_validation", plot)
+    harness.write(report, "plan_validation", plot)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    harness.run(main)
