@@ -811,15 +811,15 @@ class RunFileTest(parameterized.TestCase):
          "or start a new run in another model_dir"),
         (checkpoints.CONFIG_FILE, "[1, 2]", r"is damaged \(a JSON list, not an object\); it "
          "holds the settings"),
-        (checkpoints.CONFIG_FILE, '{"batch_size": "abc"}', r"is damaged \(batch_size is 'abc',"
-         r" not int\); it holds the settings"),
+        (checkpoints.CONFIG_FILE, '{"batch_size": "abc"}', r'is damaged \(batch_size is "abc" '
+         r"\(a string\), not an integer\); it holds the settings"),
         (checkpoints.RUN_HISTORY_FILE, "[{", r"is damaged \(not valid JSON: .*\); it only "
          "records what each start changed: delete it to resume with the settings of "
          "config.json"),
         (checkpoints.RUN_HISTORY_FILE, '[{"changed": {"steps": 5}}]', r"is damaged \(not a "
          r"list of starts with their changed settings as \[before, after\] pairs\)"),
         (checkpoints.RUN_HISTORY_FILE, '[{"changed": {"kl_clip": ["x", "y"]}}]',
-         r"is damaged \(kl_clip is 'y', not Optional\[float\]\)"),
+         r'is damaged \(kl_clip is "y" \(a string\), not a number or null\)'),
     )
     def test_damaged_run_file_is_named(self, name, content, reason):
         model_dir = self.copy_with(name, content)

@@ -10,20 +10,23 @@ such a write are removed when the next run starts and before every save. A write
 fails (a full disk) removes its partial checkpoint and says what is safe to delete.
 
 On resume the newest checkpoint that loads is used. One that does not (a truncated or
-missing file, unreadable state) is reported by path with the reason, and the run falls
-back to the next older one with a warning saying how many steps of training are lost;
-if none loads, `CheckpointError` names every checkpoint tried and why. The two newest
-checkpoints are kept.
+missing file, a trainer state that is not what the trainer writes: see `check_state`) is
+reported by path with the reason, and the run falls back to the next older one with a
+warning saying how many steps of training are lost; if none loads, `CheckpointError`
+names every checkpoint tried and why. The two newest checkpoints are kept.
 
 Runs written before this layout (`checkpoints/epoch-<N>` with `trainer_state.json` in
 the model dir) are still found and resumed.
 """
 
 import json
+import math
 import os
 import re
 import shutil
 import signal
+import types
+import typing
 
 from absl import logging
 import numpy as np
@@ -163,9 +166,149 @@ def _first_line(error):
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+_VALUE_KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a float"),
+                (str, "a string"), (list, "a list"), (dict, "an object"))
+_EXPECTED_KINDS = {int: "an integer", float: "a number", str: "a string",
+                   bool: "true or false", type(None): "null"}
+
+
+def describe(value):
+    """A JSON value as its file shows it, and its kind: '"200" (a string)', 'null'."""
+    text = json.dumps(value)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    kind = next((name for kind, name in _VALUE_KINDS if isinstance(value, kind)), None)
+    return f"{text} ({kind})" if kind else text
+
+
+def _expected_kind(annotation):
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_expected_kind(arg) for arg in typing.get_args(annotation))
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict:
+        return "an object"
+    return _EXPECTED_KINDS.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def json_mismatch(annotation, value, name):
+    """None if the JSON `value` (read back from a run's file) can stand for a value
+    annotated `annotation`; else a phrase naming the first part that cannot and what it
+    is: 'counters.history[2].loss is "x" (a string), not a number'."""
+    if annotation is typing.Any:  # a class since Python 3.11, but isinstance refuses it
+        return None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):  # Optional[...]
+        problems = [json_mismatch(arg, value, name) for arg in args]
+        if None in problems:
+            return None
+        # A container of the right kind with a bad item: name the item.
+        deeper = [problem for problem in problems if not problem.startswith(f"{name} is ")]
+        if deeper:
+            return deeper[0]
+    elif origin in (list, tuple) and isinstance(value, list):  # tuples are JSON lists
+        return next(filter(None, (json_mismatch(args[0], item, f"{name}[{index}]")
+                                  for index, item in enumerate(value))), None)
+    elif origin is dict and isinstance(value, dict):
+        return next(filter(None, (json_mismatch(args[1], item, f"{name}.{key}")
+                                  for key, item in value.items())), None)
+    elif origin is None and _fits(annotation, value):
+        return None
+    return f"{name} is {describe(value)}, not {_expected_kind(annotation)}"
+
+
+def _fits(annotation, value):
+    """Whether a JSON value is of the plain type `annotation` (an int is a float too)."""
+    if isinstance(value, bool) and annotation is not bool:
+        return False
+    if annotation is float:
+        return isinstance(value, (int, float))
+    if annotation is type(None):
+        return value is None
+    return isinstance(value, annotation) if isinstance(annotation, type) else True
+
+
+# What `check_state` asks of `RunCounters` beyond its fields' types: counts and seconds
+# are >= 0 (seconds finite); the rows hold what the reports read from them.
+_COUNTS = ("epochs", "steps", "fresh_examples")
+_ROW_KEYS = {"history": reporting.LEADING_COLUMNS,
+             "evaluations": ("steps", "epochs", "train_time_s", "fresh_examples"),
+             "to_target": ("time_s", "steps", "epochs", "fresh_examples", "accuracy")}
+# Counters an earlier version did not write yet; a checkpoint without them gets the default.
+_COUNTERS_ADDED_LATER = ("evaluations",)
+
+
+def check_state(state, legacy=False):
+    """Raises ValueError naming the first value of a trainer state (a checkpoint's
+    `trainer_state.json`) that is not what the trainer writes: `counters`
+    (`reporting.RunCounters`: every field, of its type, counts >= 0, finite seconds) and
+    `epoch_metrics` (null, or the metric variables' values as numbers or lists of them),
+    plus `checkpoint` (its variables' name) in the `legacy` layout."""
+    if not isinstance(state, dict):
+        raise ValueError(f"it is {describe(state)}, not an object")
+    known = ("counters", "epoch_metrics") + (("checkpoint",) if legacy else ())
+    unknown = sorted(set(state).difference(known))
+    if unknown:
+        raise ValueError(f"it holds unknown fields: {', '.join(unknown)}")
+    if "counters" not in state:
+        raise ValueError("it has no counters")
+    _check_counters(state["counters"])
+    metrics = state.get("epoch_metrics")
+    if metrics is not None and not (isinstance(metrics, list) and all(
+            _numbers(value) for value in metrics)):
+        raise ValueError(f"epoch_metrics is {describe(metrics)}, not null or a list of the "
+                         "metric variables' values (numbers or lists of them)")
+    if legacy and not isinstance(state.get("checkpoint"), str):
+        raise ValueError(f"checkpoint is {describe(state.get('checkpoint'))}, not a string")
+
+
+def _check_counters(counters):
+    """`check_state` of the `counters`: `reporting.RunCounters.to_dict()`'s fields."""
+    hints = typing.get_type_hints(reporting.RunCounters)
+    problem = json_mismatch(typing.Dict[str, typing.Any], counters, "counters")
+    if problem:
+        raise ValueError(problem)
+    unknown = sorted(set(counters).difference(hints))
+    if unknown:
+        raise ValueError(f"counters holds unknown fields: {', '.join(unknown)}")
+    missing = [name for name in hints if name not in counters
+               and name not in _COUNTERS_ADDED_LATER]
+    if missing:
+        raise ValueError(f"counters lacks {', '.join(missing)}")
+    for name, value in counters.items():
+        problem = json_mismatch(hints[name], value, f"counters.{name}")
+        if problem:
+            raise ValueError(problem)
+    seconds = [("train_time_s", counters["train_time_s"])]
+    for phase, pair in counters["step_time"].items():
+        if len(pair) != 2 or json_mismatch(int, pair[0], phase):
+            raise ValueError(f"counters.step_time.{phase} is {describe(pair)}, not [steps "
+                             "timed, their seconds]")
+        seconds.append((f"step_time.{phase}", pair[1]))
+    for name, value in [(name, counters[name]) for name in _COUNTS] + seconds:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"counters.{name} is {describe(value)}, not a finite number >= 0")
+    for field, keys in _ROW_KEYS.items():
+        rows = counters.get(field)
+        named = ({field: rows} if isinstance(rows, dict) else
+                 {f"{field}[{index}]": row for index, row in enumerate(rows or [])})
+        for where, row in named.items():
+            absent = [key for key in keys if key not in row]
+            if absent:
+                raise ValueError(f"counters.{where} lacks {', '.join(absent)}")
+
+
+def _numbers(value):
+    """Whether `value` is a number or a (nested) list of numbers: a variable's value."""
+    if isinstance(value, list):
+        return all(_numbers(item) for item in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _load_state(step, path, state_file):
-    """The checkpoint's trainer state, after reading every saved tensor (their checksums
-    catch truncated or damaged files). Raises with the reason if anything fails."""
+    """The checkpoint's trainer state, checked (`check_state`), after reading every saved
+    tensor (their checksums catch truncated or damaged files). Raises with the reason if
+    anything fails."""
     if not os.path.exists(state_file):
         raise _Unloadable(f"{state_file} is missing")
     with open(state_file, encoding="utf-8") as f:
@@ -173,9 +316,12 @@ def _load_state(step, path, state_file):
             state = json.load(f)
         except ValueError as error:
             raise _Unloadable(f"{state_file} is not valid JSON ({error})") from None
-    saved_step = state.get("counters", {}).get("steps") if isinstance(state, dict) else None
-    if saved_step != step:
-        raise _Unloadable(f"{state_file} is for step {saved_step}, not {step}")
+    try:
+        check_state(state, legacy=not os.path.isdir(path))
+    except ValueError as error:
+        raise _Unloadable(f"{state_file} is damaged: {error}") from None
+    if state["counters"]["steps"] != step:
+        raise _Unloadable(f"{state_file} is for step {state['counters']['steps']}, not {step}")
     prefix = _prefix(path)
     try:
         reader = tf.train.load_checkpoint(prefix)

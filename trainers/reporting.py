@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from trainers import storage
+from trainers import errors, storage
 
 EVAL_ACCURACY_KEY = "val_accuracy"
 METRICS_FILE = "metrics.csv"
@@ -155,9 +155,15 @@ class EpochRecorder(StepTimer):
         from before the cut (every metric here is a mean of sums and counts). Done after
         the first step, when Keras has built all of the compiled metrics' variables."""
         variables = self.model.metrics_variables
-        if len(variables) != len(self._metrics_to_restore):
-            raise ValueError(f"the checkpoint holds {len(self._metrics_to_restore)} metric "
-                             f"variables, the model has {len(variables)}")
+        saved_shapes = [np.shape(value) for value in self._metrics_to_restore]
+        shapes = [tuple(variable.shape) for variable in variables]
+        if saved_shapes != shapes:
+            raise errors.RunError(
+                "the checkpoint resumed from holds the epoch's running metrics (epoch_metrics) "
+                f"as {len(saved_shapes)} values of shapes {saved_shapes}, the model has "
+                f"{len(shapes)} metric variables of shapes {shapes}: the checkpoint is damaged "
+                "or was written for other metrics; delete it (the newest in checkpoints/) to "
+                "resume from the one before")
         for variable, value in zip(variables, self._metrics_to_restore):
             variable.assign_add(np.asarray(value, variable.dtype))
         self._metrics_to_restore = None

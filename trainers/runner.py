@@ -148,28 +148,9 @@ def _check_saved_types(path, values, role):
     """Each known setting in `values` (read from `path`) must have its field's type."""
     hints = typing.get_type_hints(config_lib.TrainConfig)
     for name, value in values.items():
-        if name in hints and not _fits(hints[name], value):
-            kind = str(hints[name]).replace("typing.", "").replace("<class '", "").rstrip("'>")
-            raise checkpoints.RunFileError(f"{path} is damaged ({name} is {value!r}, not "
-                                           f"{kind}); {role}")
-
-
-def _fits(annotation, value):
-    """Whether a JSON value can stand for a field annotated `annotation`."""
-    if annotation is typing.Any:  # a class since Python 3.11, but isinstance refuses it
-        return True
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Union:  # Optional[...]
-        return any(_fits(arg, value) for arg in args)
-    if origin is tuple:  # Tuple[float, ...], stored as a JSON list
-        return isinstance(value, list) and all(_fits(args[0], item) for item in value)
-    if annotation is type(None):
-        return value is None
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, annotation) if isinstance(annotation, type) else True
+        problem = checkpoints.json_mismatch(hints[name], value, name) if name in hints else None
+        if problem:
+            raise checkpoints.RunFileError(f"{path} is damaged ({problem}); {role}")
 
 
 def _resumed_config(config, given, model_dir):

@@ -1,0 +1,109 @@
+"""The trainer never loses a user's work nor answers a mistake with a traceback: a
+checkpoint whose trainer state is not what the trainer writes is damage like any other,
+and the run falls back to the older checkpoint with the same warning."""
+
+import json
+import os
+import shutil
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl.testing import absltest, parameterized
+
+import trainer_testing as tt
+from trainers import checkpoints, config as config_lib, errors, runner
+
+# The smallest real run that leaves an epoch-end checkpoint (step-20) and a mid-epoch
+# one (step-25, holding the epoch's running metrics).
+SGD = dict(model="mlp", optimizer="sgd", learning_rate=0.01)
+
+
+def run(model_dir, **settings):
+    return runner.run(config_lib.TrainConfig(model_dir=model_dir,
+                                             **dict(tt.SMALL, **dict(SGD, **settings))))
+
+
+def resume(model_dir, steps):
+    """`--resume --model_dir=D --steps=N` and nothing else."""
+    return runner.run(config_lib.TrainConfig(model_dir=model_dir, steps=steps, resume=True,
+                                             verbose=0),
+                      {"model_dir", "resume", "steps", "verbose"})
+
+
+class TrainerStateTest(parameterized.TestCase):
+    """A `trainer_state.json` with a value of the wrong type or range makes its checkpoint
+    unloadable, named with the value and its type, and the older one is used."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.base = os.path.join(absltest.get_default_test_tmpdir(), "state_base")
+        shutil.rmtree(cls.base, ignore_errors=True)
+        run(cls.base, steps=25)
+
+    def damaged_copy(self, damage):
+        """A copy of the run whose step-25 trainer state went through `damage(state)`."""
+        model_dir = os.path.join(self.create_tempdir().full_path, "run")
+        shutil.copytree(self.base, model_dir)
+        path = os.path.join(tt.checkpoint_dir(model_dir, 25), checkpoints.STATE_FILE)
+        state = tt.read_json(path)
+        damaged = damage(state)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(state if damaged is None else damaged, f)
+        return model_dir, path
+
+    @parameterized.named_parameters(
+        ("float_step", lambda s: s["counters"].update(steps=25.0),
+         r"counters.steps is 25.0 \(a float\), not an integer"),
+        ("string_step", lambda s: s["counters"].update(steps="25"),
+         r'counters.steps is "25" \(a string\), not an integer'),
+        ("unknown_counter", lambda s: s["counters"].update(best_loss=0.1),
+         "counters holds unknown fields: best_loss"),
+        ("null_fresh_examples", lambda s: s["counters"].update(fresh_examples=None),
+         "counters.fresh_examples is null, not an integer"),
+        ("history_of_wrong_type", lambda s: s["counters"].update(history={"epoch": 1}),
+         r'counters.history is {"epoch": 1} \(an object\), not a list'),
+        ("history_row_without_its_epoch",
+         lambda s: s["counters"]["history"][0].__delitem__("epoch"),
+         "counters.history\\[0\\] lacks epoch"),
+        ("negative_time", lambda s: s["counters"].update(train_time_s=-3.5),
+         r"counters.train_time_s is -3.5 \(a float\), not a finite number >= 0"),
+        ("epoch_metrics_of_wrong_type", lambda s: s.update(epoch_metrics="abc"),
+         r'epoch_metrics is "abc" \(a string\), not null or a list'),
+        ("not_an_object", lambda s: [s], r"it is \[.*\.\.\. \(a list\), not an object"),
+    )
+    def test_falls_back_to_the_older_checkpoint(self, damage, reason):
+        model_dir, path = self.damaged_copy(damage)
+        state, loaded, failures = checkpoints.find_loadable(model_dir)
+        self.assertEqual(loaded, tt.checkpoint_dir(model_dir, 20))
+        self.assertEqual(state["counters"]["steps"], 20)
+        [(step, failed, message)] = failures
+        self.assertEqual((step, failed), (25, tt.checkpoint_dir(model_dir, 25)))
+        self.assertRegex(message, f"^{path} is damaged: {reason}")
+
+    def test_resume_warns_and_continues_from_the_older_checkpoint(self):
+        model_dir, path = self.damaged_copy(lambda s: s["counters"].update(fresh_examples=None))
+        with self.assertLogs("absl", "WARNING") as logs:
+            summary = resume(model_dir, 30)
+        warnings = "\n".join(logs.output)
+        self.assertIn(f"checkpoint {tt.checkpoint_dir(model_dir, 25)} (step 25) cannot be "
+                      f"loaded: {path} is damaged: counters.fresh_examples is null", warnings)
+        self.assertIn(f"resuming from the older checkpoint {tt.checkpoint_dir(model_dir, 20)} "
+                      "(step 20) instead: 5 steps of training (steps 20 to 25) are lost",
+                      warnings)
+        self.assertEqual(summary["steps"], 30)
+        self.assertEqual(summary["fresh_examples"], 30 * tt.BATCH)
+
+    def test_epoch_metrics_of_other_metrics_is_one_error(self):
+        # The right types, but not this model's 4 metric variables (loss and accuracy
+        # totals and counts): found when the epoch continues, as a RunError.
+        model_dir, _ = self.damaged_copy(lambda s: s.update(epoch_metrics=[1.0, 2.0, 3.0]))
+        with self.assertRaisesRegex(
+                errors.RunError, r"^the checkpoint resumed from holds the epoch's running "
+                r"metrics \(epoch_metrics\) as 3 values of shapes \[\(\), \(\), \(\)\], the "
+                r"model has 4 metric variables"):
+            resume(model_dir, 30)
+
+
+if __name__ == "__main__":
+    absltest.main()
