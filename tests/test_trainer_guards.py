@@ -1,6 +1,9 @@
-"""The trainer never loses a user's work nor answers a mistake with a traceback: a
-checkpoint whose trainer state is not what the trainer writes is damage like any other,
-and the run falls back to the older checkpoint with the same warning."""
+"""The trainer never loses a user's work nor answers a mistake with a traceback:
+
+- a checkpoint whose trainer state is not what the trainer writes is damage like any
+  other: the run falls back to the older checkpoint, with the same warning;
+- a warmup longer than the run and a data_dir that cannot be used are one-line errors.
+"""
 
 import json
 import os
@@ -28,6 +31,13 @@ def resume(model_dir, steps):
     return runner.run(config_lib.TrainConfig(model_dir=model_dir, steps=steps, resume=True,
                                              verbose=0),
                       {"model_dir", "resume", "steps", "verbose"})
+
+
+def assert_one_line_error(test, result, message):
+    """The binary ended with exit code 1 and `message` (a regex) as its last line."""
+    test.assertEqual(result.returncode, 1, result.stderr[-3000:])
+    test.assertNotIn("Traceback", result.stderr)
+    test.assertRegex(tt.own_lines(result.stderr)[-1], "^trainers.train: error: " + message)
 
 
 class TrainerStateTest(parameterized.TestCase):
@@ -103,6 +113,36 @@ class TrainerStateTest(parameterized.TestCase):
                 r"metrics \(epoch_metrics\) as 3 values of shapes \[\(\), \(\), \(\)\], the "
                 r"model has 4 metric variables"):
             resume(model_dir, 30)
+
+
+class OneLineUsageErrorTest(absltest.TestCase):
+    """A warmup as long as the run or longer, and a data_dir that cannot be created or
+    is a link to nothing, are a ValueError naming the setting (the binary: one line)."""
+
+    def test_warmup_longer_than_the_run(self):
+        for schedule in ("warmup", "constant"):
+            config = config_lib.TrainConfig(lr_schedule=schedule, warmup_epochs=1000, steps=20,
+                                            **dict(tt.SMALL, **SGD))
+            with self.assertRaisesRegex(
+                    ValueError, f"^lr_schedule={schedule} reaches learning_rate only after the "
+                    "warmup, which must end before the run: warmup_epochs=1000 is 20000 steps "
+                    r"of the run's 20 \(--steps/--epochs\)$"):
+                runner.check(config)
+
+    def test_data_dir_that_cannot_be_used(self):
+        dangling = os.path.join(self.create_tempdir().full_path, "data")
+        os.symlink(os.path.join(os.path.dirname(dangling), "gone"), dangling)
+        cases = [("/proc/self/tfds", "^data_dir /proc/self/tfds does not exist and cannot be "
+                  "created: No such file or directory; choose a directory this user can "
+                  "write, or one it can create$"),
+                 (dangling, f"^data_dir {dangling} is a symbolic link to "
+                  f"{os.path.dirname(dangling)}/gone, which does not exist$")]
+        for data_dir, message in cases:
+            with self.assertRaisesRegex(ValueError, message):
+                runner.check(config_lib.TrainConfig(data_dir=data_dir,
+                                                    **dict(tt.SMALL, **SGD)))
+        assert_one_line_error(self, tt.run_binary("--data_dir=/proc/self/tfds", "--model=mlp"),
+                              cases[0][1][1:])
 
 
 if __name__ == "__main__":

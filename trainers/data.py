@@ -6,6 +6,8 @@ takes the same number of steps from it on every rank; so ranks stay in lockstep 
 when shards differ by an example or a fractional echo factor varies the epoch length.
 """
 
+import os
+
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
@@ -18,14 +20,26 @@ def dataset_info(name, data_dir=None, idx_dir=None):
     """TFDS metadata of `name`; the IDX datasets are prepared offline first if needed.
 
     Raises ValueError, saying what is wrong and how to fix it, for an unknown name, a
-    TFDS dataset not prepared in `data_dir`, missing or damaged IDX files, or IDX files
-    that differ from those the prepared copy was made from.
+    `data_dir` that cannot be read or created, a TFDS dataset not prepared in `data_dir`,
+    missing or damaged IDX files, or IDX files that differ from those the prepared copy
+    was made from.
     """
+    if data_dir is not None:
+        _check_data_dir(data_dir)
     if name in idx_dataset.IDX_DATASETS:
+        where = os.path.abspath(data_dir or idx_dataset.default_data_dir())
         try:
             return idx_dataset.prepare_idx(name, data_dir=data_dir, idx_dir=idx_dir).info
         except idx_dataset.IdxFilesNotFoundError as error:
             raise ValueError(str(error)) from error
+        except OSError as error:  # creating data_dir, or preparing the dataset in it
+            failed = os.path.abspath(error.filename or "")
+            if os.path.commonpath([failed, where]) != where:
+                raise
+            what = ("does not exist and cannot be created" if failed == where
+                    else f"cannot be used ({failed})")
+            raise ValueError(f"data_dir {where} {what}: {error.strerror}; choose a directory "
+                             "this user can write, or one it can create") from None
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError as error:
@@ -39,6 +53,19 @@ def dataset_info(name, data_dir=None, idx_dir=None):
             f"prepared {name} directory into it); only {' and '.join(sorted(idx_dataset.IDX_DATASETS))} "
             "are prepared offline by the trainer itself")
     return builder.info
+
+
+def _check_data_dir(data_dir):
+    """ValueError naming `data_dir` if it is there but no readable directory (a file, a
+    link to nothing, no permission to list it); one that does not exist yet is created
+    where the dataset is prepared."""
+    if os.path.islink(data_dir) and not os.path.exists(data_dir):
+        raise ValueError(f"data_dir {data_dir} is a symbolic link to {os.readlink(data_dir)}, "
+                         "which does not exist")
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise ValueError(f"data_dir {data_dir} is a file, not a directory")
+    if os.path.isdir(data_dir) and not os.access(data_dir, os.R_OK | os.X_OK):
+        raise ValueError(f"data_dir {data_dir} cannot be read: this user may not list it")
 
 
 def split_sizes(config):

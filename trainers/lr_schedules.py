@@ -85,7 +85,7 @@ def build_learning_rate(config, steps_per_epoch, total_steps):
     Any schedule starts with a linear warmup when `warmup_epochs` > 0. "The end" is
     `total_steps`, the run's whole budget (`--steps`/`--epochs`), so a resumed run with
     the same budget keeps the schedule's end. Raises ValueError when the warmup does not
-    end before the run does under a schedule that decays after it.
+    end before the run does: the run would never train at `learning_rate`.
     """
     if steps_per_epoch < 1 or total_steps < 1:
         raise ValueError(f"steps_per_epoch and total_steps must be >= 1, got "
@@ -93,6 +93,11 @@ def build_learning_rate(config, steps_per_epoch, total_steps):
     lr = float(config.learning_rate)
     warmup_steps = (max(1, int(round(config.warmup_epochs * steps_per_epoch)))
                     if config.warmup_epochs > 0 else 0)
+    if warmup_steps >= total_steps:
+        raise ValueError(f"lr_schedule={config.lr_schedule} reaches learning_rate only after the "
+                         f"warmup, which must end before the run: warmup_epochs="
+                         f"{config.warmup_epochs:g} is {warmup_steps} steps of the run's "
+                         f"{total_steps} (--steps/--epochs)")
     if config.lr_schedule == "step":
         # Keras switches to the next value after a boundary; step k (0-based) is the first
         # step of epoch e when k = e * steps_per_epoch, so that step must already decay.
@@ -103,10 +108,6 @@ def build_learning_rate(config, steps_per_epoch, total_steps):
         schedule = keras.optimizers.schedules.PolynomialDecay(
             lr, decay_steps=total_steps, end_learning_rate=0.0, power=config.lr_decay_power)
     elif config.lr_schedule == "cosine":
-        if warmup_steps >= total_steps:
-            raise ValueError(f"lr_schedule=cosine decays after the warmup, which must end "
-                             f"before the run: warmup_epochs={config.warmup_epochs} is "
-                             f"{warmup_steps} steps of the run's {total_steps}")
         schedule = CosineDecay(lr, warmup_steps, total_steps)
     elif config.lr_schedule in ("constant", "warmup"):
         schedule = lr
