@@ -2,19 +2,26 @@
 
 - a checkpoint whose trainer state is not what the trainer writes is damage like any
   other: the run falls back to the older checkpoint, with the same warning;
+- one run per model_dir at a time: a second trainer there ends with one line naming the
+  process that holds it (two real trainer processes);
+- a new run never overwrites files in its model_dir that no run of the trainer wrote;
 - a warmup longer than the run and a data_dir that cannot be used are one-line errors.
 """
 
 import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl.testing import absltest, parameterized
 
 import trainer_testing as tt
-from trainers import checkpoints, config as config_lib, errors, runner
+from trainers import checkpoints, config as config_lib, errors, run_lock, runner
 
 # The smallest real run that leaves an epoch-end checkpoint (step-20) and a mid-epoch
 # one (step-25, holding the epoch's running metrics).
@@ -113,6 +120,88 @@ class TrainerStateTest(parameterized.TestCase):
                 r"metrics \(epoch_metrics\) as 3 values of shapes \[\(\), \(\), \(\)\], the "
                 r"model has 4 metric variables"):
             resume(model_dir, 30)
+
+
+class ModelDirLockTest(absltest.TestCase):
+    """Two trainers started at once on one model_dir: one trains, the other ends with one
+    line naming it (pid, host, start time); so does a --resume while it runs. The lock of
+    a process killed with SIGKILL is free at once."""
+
+    def start(self, model_dir):
+        """A trainer that runs until killed (50 ms per example: 1.6 s per step)."""
+        log_dir = self.create_tempdir().full_path
+        process = tt.start_binary(f"--model_dir={model_dir}", "--steps=2000",
+                                  "--read_latency=0.05", *tt.SMALL_FLAGS,
+                                  *[f"--{name}={value}" for name, value in SGD.items()],
+                                  log_dir=log_dir)
+        self.addCleanup(process.wait)
+        self.addCleanup(process.kill)
+        return process, log_dir
+
+    def test_one_run_per_model_dir(self):
+        model_dir = os.path.join(self.create_tempdir().full_path, "run")
+        started = [self.start(model_dir) for _ in range(2)]
+        deadline = time.monotonic() + 300
+        while all(process.poll() is None for process, _ in started):
+            self.assertLess(time.monotonic(), deadline, "neither trainer ended")
+            time.sleep(0.2)
+        [(loser, log_dir)] = [entry for entry in started if entry[0].poll() is not None]
+        [(winner, _)] = [entry for entry in started if entry[0] is not loser]
+        with open(os.path.join(log_dir, "stderr"), encoding="utf-8") as f:
+            stderr = f.read()
+        in_use = (f"model_dir {model_dir} is in use by another run of the trainer \\(pid "
+                  f"{winner.pid} on host {socket.gethostname()}, started "
+                  r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d; it holds "
+                  f"{run_lock.path(model_dir)}\\): wait for it to end, or choose another "
+                  "--model_dir$")
+        assert_one_line_error(self, subprocess.CompletedProcess([], loser.returncode, "",
+                                                                stderr), in_use)
+        # A --resume once the run has a checkpoint: refused the same way.
+        tt.wait_for(winner, tt.checkpoint_dir(model_dir, 20))
+        assert_one_line_error(self, tt.run_binary(f"--model_dir={model_dir}", "--resume"),
+                              in_use)
+        self.assertIsNone(winner.poll())
+        winner.send_signal(signal.SIGKILL)
+        winner.wait(timeout=60)
+        with run_lock.holding(model_dir):  # the kernel released the dead process's lock
+            pass
+
+
+class NewRunTest(absltest.TestCase):
+    """A new run refuses a model_dir holding files of the names it writes that no run of
+    the trainer wrote, and leaves them as they were; a directory a run of the trainer
+    started in (it leaves its lock file) is its own."""
+
+    def test_users_own_files_are_refused_and_kept(self):
+        model_dir = self.create_tempdir().full_path
+        mine = os.path.join(model_dir, "metrics.csv")
+        with open(mine, "w", encoding="utf-8") as f:
+            f.write("my,own\n1,2\n")
+        os.makedirs(os.path.join(model_dir, "tensorboard", "train"))
+        message = (f"^model_dir {model_dir} holds tensorboard/, metrics.csv, which no run of "
+                   "the trainer wrote: a new run there would overwrite them; choose another "
+                   "--model_dir or an empty one, or move them away$")
+        for resume_flag in ({}, {"auto_resume": True}):
+            with self.assertRaisesRegex(ValueError, message):
+                runner.check(config_lib.TrainConfig(model_dir=model_dir, **resume_flag,
+                                                    **dict(tt.SMALL, **SGD)))
+        result = tt.run_binary(f"--model_dir={model_dir}", "--steps=5", *tt.SMALL_FLAGS,
+                               *[f"--{name}={value}" for name, value in SGD.items()])
+        assert_one_line_error(self, result, message[1:])
+        with open(mine, encoding="utf-8") as f:
+            self.assertEqual(f.read(), "my,own\n1,2\n")
+
+    def test_files_of_an_earlier_run_of_the_trainer_are_its_own(self):
+        # A run that stopped before its first checkpoint (diverged at step 20) leaves
+        # config.json, run_history.json, metrics.csv and tensorboard/; a new run there
+        # starts over, as after any run without a checkpoint.
+        model_dir = self.create_tempdir().full_path
+        with self.assertRaisesRegex(errors.RunError, "training diverged"):
+            run(model_dir, steps=40, learning_rate=1e30)
+        self.assertFalse(checkpoints.has_run(model_dir))
+        with open(run_lock.path(model_dir), encoding="utf-8") as f:
+            self.assertEqual(json.load(f)["pid"], os.getpid())
+        self.assertEqual(run(model_dir, steps=5)["steps"], 5)
 
 
 class OneLineUsageErrorTest(absltest.TestCase):

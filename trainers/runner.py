@@ -32,7 +32,7 @@ import tfkfac
 from tfkfac import distributed
 from trainers import agreement, checkpoints, config as config_lib, data as data_lib, errors
 from trainers import data_parallel, distribution, lr_schedules, models
-from trainers import preemption as preemption_lib, reporting
+from trainers import preemption as preemption_lib, reporting, run_lock
 
 SUMMARY_FILE = "summary.json"
 # What a run writes in its model_dir: name -> whether it is a directory.
@@ -64,6 +64,8 @@ def check(config, explicitly_set=None, num_ranks=1):
     if resuming:
         config = _resumed_config(config, given, model_dir)
         config.validate(given or ())
+    else:
+        _check_nothing_overwritten(model_dir)
     info, train_examples, _ = data_lib.split_sizes(config)
     data_lib.check_pipeline(config, info)
     steps_per_epoch = data_lib.steps_per_epoch(config, train_examples, num_ranks)
@@ -121,6 +123,23 @@ def _resuming(config, model_dir):
         raise ValueError(f"model_dir {model_dir} already holds a checkpoint; pass --resume to "
                          "continue that run or choose another --model_dir")
     return False
+
+
+def _check_nothing_overwritten(model_dir):
+    """A new run writes the files of `_RUN_LAYOUT`; where files of those names are in
+    `model_dir` but no run of the trainer started there (none left its
+    `run_lock.LOCK_FILE`), they are the user's own: an error naming them, not overwritten."""
+    if os.path.exists(run_lock.path(model_dir)):
+        return  # a run of the trainer started here: the files are its own
+    paths = {name + ("/" if is_directory else ""): os.path.join(model_dir, name)
+             for name, is_directory in _RUN_LAYOUT.items()}
+    theirs = [name for name, path in paths.items()
+              if os.path.isfile(path) or (os.path.isdir(path) and os.listdir(path))]
+    if theirs:
+        raise ValueError(
+            f"model_dir {model_dir} holds {', '.join(theirs)}, which no run of the trainer "
+            "wrote: a new run there would overwrite them; choose another --model_dir or an "
+            "empty one, or move them away")
 
 
 def saved_settings(model_dir):
@@ -238,6 +257,9 @@ class Trainer:
 
         self._store = checkpoints.CheckpointStore(self.model_dir, self.model,
                                                   self.model.optimizer)
+        # What this start was decided on (a new run, or the checkpoint to resume); `train`
+        # makes sure it still holds once it has the model_dir to itself.
+        self._checkpoints_seen = checkpoints.candidates(self.model_dir)
         state = self._store.restore(report=self.chief) if config.resume else None
         self.counters = (reporting.RunCounters.from_dict(state["counters"]) if state
                          else reporting.RunCounters())
@@ -281,7 +303,18 @@ class Trainer:
 
     def train(self):
         """Runs the steps left, checkpointing after each epoch (and at the end); returns
-        the run summary."""
+        the run summary. The chief, which writes the run's files, holds the model_dir's
+        lock (`run_lock`) meanwhile: another run there ends with `run_lock.ModelDirInUse`."""
+        if not self.chief:
+            return self._train()
+        with run_lock.holding(self.model_dir):
+            if checkpoints.candidates(self.model_dir) != self._checkpoints_seen:
+                raise errors.RunError(f"another run wrote checkpoints in {self.model_dir} while "
+                                      "this one was starting; start this one again")
+            return self._train()
+
+    def _train(self):
+        """`train` once the run's files are this process's to write."""
         config = self.config
         steps_per_epoch = self.data.steps_per_epoch
         if self._preemption is not None:
