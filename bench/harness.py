@@ -47,6 +47,16 @@ def check_among(name, values, allowed):
         raise ValueError(f"{name} must be among {', '.join(allowed)}; got {unknown}")
 
 
+def refuse_unread(module, read):
+    """Raises ValueError if a flag that `module` (imported for its code) defines is set
+    but is not one of `read`: the script would ignore it."""
+    unread = [flag.name for flag in FLAGS.flags_by_module_dict().get(module, ())
+              if flag.present and flag.name not in read]
+    if unread:
+        raise ValueError(f"{os.path.basename(sys.argv[0])} does not read "
+                         f"{', '.join('--' + name for name in unread)} (bench/{module}.py's)")
+
+
 # ---------------------------------------------------------------------------- timing
 def seconds(function, *args, clock=time.perf_counter):
     """`clock`'s seconds over one call `function(*args)` (wall time by default;

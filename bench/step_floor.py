@@ -54,8 +54,6 @@ CONFIGURATIONS = {
     "kfac_inverse": dict(step_time.CONFIGURATIONS["kfac_amortized_inverse"], phase_clocks=True),
 }
 METHODS = {"eigen": "kfac_eigen", "inverse": "kfac_inverse"}
-# bench/step_time.py's flags of the comparisons this script does not run.
-STEP_TIME_ONLY_FLAGS = ("compare", "every_step_block_steps", "weight_sharing_block_steps")
 RATES = ("matmul", "bandwidth", "eigh", "cholesky_inverse")  # what Kernel.seconds reads
 SGD_PHASES = ("forward_backward", "update")
 # Per kind of K-FAC step (`trainers.runner.phase_fn`), the phases it runs, each in full.
@@ -222,10 +220,8 @@ def plot(report):
 
 def main():
     harness.check_among("models", FLAGS.models, models.CLASSIFIERS)
-    ignored = [name for name in STEP_TIME_ONLY_FLAGS if FLAGS[name].present]
-    if ignored:
-        raise ValueError(f"bench/step_floor.py times its own configurations; it does not "
-                         f"read {', '.join('--' + name for name in ignored)}")
+    harness.refuse_unread("step_time", ("models", "batch_size", "amortized_block_steps",
+                                        "cached_batches"))
     report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.repeats,
               "amortized_block_steps": FLAGS.amortized_block_steps,
               "configurations": CONFIGURATIONS,

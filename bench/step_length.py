@@ -26,7 +26,7 @@ Printed: ρ's median and 10th / 90th percentiles over the run per layer, per lay
 per role (the same layer of every block), the spread between layers (90th / 10th percentile over the layers at one step, median over
 the recorded steps), the share of recorded steps where the clip binds, the median ν, and
 the final test accuracy (a sanity check that the run trains as the benchmark's does).
-`--batch_size` (default 128) and `--output_dir` are bench/time_to_accuracy.py's flags.
+`--batch_size` (default 128) is bench/time_to_accuracy.py's flag; its others are refused.
 
 Run (in the background; 936 steps, the default 2 epochs: 5.5 min on 2 cores at load 6-11):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_length.py \
@@ -292,6 +292,7 @@ def plot(report):
 
 
 def main():
+    harness.refuse_unread("time_to_accuracy", ("batch_size",))
     if FLAGS.every < 1:
         raise ValueError(f"every must be >= 1; got {FLAGS.every}")
     started = time.time()

@@ -2,7 +2,8 @@
 interleaves their blocks in an order reversed every other repeat (A B C, C B A, ...) and
 sums each configuration up by min, median and max; a written report carries its
 provenance (library commit, date, the machine with its load at start and end) beside its
-figure; a script's program refuses positional arguments instead of ignoring them.
+figure; a script's program refuses positional arguments, and flags of a module it imports
+for its code but does not read, instead of ignoring them.
 """
 
 import datetime
@@ -17,9 +18,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 sys.path.insert(0, BENCH_DIR)
 
+from absl import flags  # noqa: E402
 from absl.testing import absltest, flagsaver  # noqa: E402
 
 import harness  # noqa: E402
+
+# Two flags of a module a script imports, of which it reads one.
+flags.DEFINE_integer("probe_read", 0, "Read by the script.", module_name="probe_module")
+flags.DEFINE_integer("probe_unread", 0, "Not read by the script.", module_name="probe_module")
 
 
 class TimerTest(absltest.TestCase):
@@ -83,6 +89,15 @@ class RunTest(absltest.TestCase):
         self.assertIn("unexpected arguments ['stray']", refused.stderr)
         self.assertNotIn("main ran", refused.stdout)
         self.assertIn("main ran", self.run_program("--output_dir=/tmp").stdout)
+
+    def test_a_set_flag_the_script_does_not_read_is_refused(self):
+        with flagsaver.flagsaver():
+            flags.FLAGS["probe_read"].parse("1")
+            harness.refuse_unread("probe_module", ("probe_read",))
+            flags.FLAGS["probe_unread"].parse("1")
+            with self.assertRaisesRegex(ValueError, r"does not read --probe_unread "
+                                        r"\(bench/probe_module.py's\)"):
+                harness.refuse_unread("probe_module", ("probe_read",))
 
 
 if __name__ == "__main__":
