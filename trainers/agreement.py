@@ -1,5 +1,5 @@
-"""Ranks agree or stop: under horovodrun every rank's run-defining settings are
-compared before training, and any difference ends the job with one line.
+"""Ranks agree or stop: every rank's run-defining settings are compared before training
+(Horovod ranks, or tf.distribute workers), and any difference ends the job with one line.
 
 Each rank parses its own flags and reads its own storage. Ranks that differ in a
 setting that shapes the run (model, batch, K-FAC settings, data split, the step a
@@ -7,7 +7,8 @@ resumed run continues from) would issue different collectives and hang, or train
 something else than asked without a sign. `agree` hashes this rank's settings and
 gathers the hashes (one small allgather); only when they differ are the settings
 themselves gathered, and every rank raises the same `RanksDisagree` naming each
-setting that differs with every rank's value.
+setting that differs with every rank's value. A tf.distribute worker that stopped before
+the comparison ends the others with one line naming it (`distribution.StartupError`).
 """
 
 import hashlib
@@ -16,7 +17,7 @@ import json
 import numpy as np
 import tensorflow as tf
 
-from trainers import errors
+from trainers import distribution, errors
 
 
 class RanksDisagree(errors.RunError):
@@ -34,11 +35,12 @@ def agree(communicator, settings, context=None):
         return
     text = json.dumps(settings, sort_keys=True)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-    digests = communicator.allgather(tf.constant([digest], tf.int64)).numpy()
-    if len(set(digests.tolist())) == 1:
-        return
-    ranks = [json.loads(part) for part in _gather_text(
-        communicator, json.dumps({"settings": settings, "context": context or {}}))]
+    with distribution.reporting_lost_workers("before the workers compared their settings"):
+        digests = communicator.allgather(tf.constant([digest], tf.int64)).numpy()
+        if len(set(digests.tolist())) == 1:
+            return
+        ranks = [json.loads(part) for part in _gather_text(
+            communicator, json.dumps({"settings": settings, "context": context or {}}))]
     raise RanksDisagree(_describe([rank["settings"] for rank in ranks],
                                   [rank["context"] for rank in ranks]))
 

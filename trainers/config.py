@@ -37,7 +37,7 @@ RENAMED_FIELDS = {old: new for old, new in kfac_config.RENAMED.items() if new in
 RESUME_MAY_CHANGE_FIELDS = (
     "steps", "epochs", "eval_every_steps", "target_accuracy", "stop_at_target",
     "data_dir", "idx_dir", "model_dir", "verbose", "resume", "auto_resume", "phase_clocks",
-    "preemption_grace_seconds", "distribution",
+    "preemption_grace_seconds", "distribution", "startup_timeout_seconds",
 )
 
 
@@ -90,6 +90,9 @@ class _RunConfig:
     preemption_grace_seconds: float = 25.0
     xla: bool = False
     verbose: int = 1
+    # multi_worker: seconds every worker named in TF_CONFIG has to join (above the field
+    # `distribution`, which hides the module below it).
+    startup_timeout_seconds: float = distribution.DEFAULT_STARTUP_TIMEOUT_SECONDS
     # The engine (trainers/distribution.py): auto, none, horovod, mirrored, multi_worker.
     distribution: str = "auto"
 
@@ -108,7 +111,7 @@ class _RunConfig:
         validation.one_of(PRECISIONS)("precision", self.precision)
         validation.one_of(VERBOSITIES)("verbose", self.verbose)
         validation.one_of(distribution.DISTRIBUTIONS)("distribution", self.distribution)
-        distribution.check(self.distribution, self.optimizer)
+        distribution.check(self, explicitly_set)
         if not self.dataset:
             raise ValueError("`dataset` must be a dataset name, e.g. fashion_mnist")
         # The library's checks and wording, so the two never disagree.

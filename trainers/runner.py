@@ -43,7 +43,8 @@ _RUN_LAYOUT = {checkpoints.CHECKPOINT_SUBDIR: True, reporting.TENSORBOARD_SUBDIR
 _INVOCATION_FIELDS = ("resume", "auto_resume", "model_dir", "verbose", "distribution")
 # Fields ranks may set differently: where each reads its data and keeps its files, how
 # it was invoked (the step it resumes from is compared instead), what it prints.
-_PER_RANK_FIELDS = _INVOCATION_FIELDS + ("data_dir", "idx_dir", "preemption_grace_seconds")
+_PER_RANK_FIELDS = _INVOCATION_FIELDS + ("data_dir", "idx_dir", "preemption_grace_seconds",
+                                         "startup_timeout_seconds")
 
 
 def check(config, explicitly_set=None, num_ranks=1):
@@ -223,7 +224,7 @@ class Trainer:
 
     def __init__(self, config, explicitly_set=None, preemption=None):
         self._preemption = preemption  # None: signals keep their usual effect
-        self.engine = distribution.Engine(config.distribution)
+        self.engine = distribution.Engine(config.distribution, config.startup_timeout_seconds)
         self.communicator = self.engine.communicator
         self.chief = self.communicator.rank == 0
         config = check(config, explicitly_set, self.communicator.size)

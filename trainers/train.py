@@ -134,6 +134,9 @@ flags.DEFINE_enum("distribution", _DEFAULTS.distribution, distribution.DISTRIBUT
                   "multi_worker: MultiWorkerMirroredStrategy, a process per worker with its "
                   "TF_CONFIG (trainers.launch on one host); auto: horovod under horovodrun, "
                   "multi_worker with TF_CONFIG, else none. See docs/distributed.md.")
+flags.DEFINE_float("startup_timeout_seconds", _DEFAULTS.startup_timeout_seconds,
+                   "multi_worker: seconds every worker named in TF_CONFIG has to join; past "
+                   "them each waiting worker ends naming the ones that did not.")
 flags.DEFINE_enum("verbose", str(_DEFAULTS.verbose), ["0", "1", "2"],
                   "Keras fit verbosity: 0 silent, 1 progress bar, 2 one line per epoch.")
 
@@ -187,7 +190,7 @@ def main(argv):
     try:
         config, explicitly_set = config_from_flags(FLAGS)
         config.validate(explicitly_set)
-        engine = distribution.Engine(config.distribution)
+        engine = distribution.Engine(config.distribution, config.startup_timeout_seconds)
         config = runner.check(config, explicitly_set, engine.communicator.size)
     except ValueError as error:
         usage_error(str(error))
