@@ -1,7 +1,9 @@
 """API misuse that used to train wrongly without a sign now stops with a clear error, or
-works as it should: a plain tape, schedules that return bad values, learning rates whose
-square overflows the KL clip, layers frozen after `attach`, two KFACs on one model, real
-sample weights taken for fresh flags, and steps a LossScaleOptimizer skips."""
+works as it should: a plain tape or one passed as `var_list`, schedules that return bad
+values, learning rates whose square overflows the KL clip, layers frozen after `attach`,
+two KFACs on one model, an attached model recompiled with another optimizer or a new
+KFAC, a wrapping optimizer as inner optimizer, real sample weights taken for fresh
+flags, and steps a LossScaleOptimizer skips."""
 
 import os
 
@@ -38,7 +40,8 @@ def fit(model, optimizer, epochs=1, **kwargs):
 
 class MisuseTest(parameterized.TestCase):
 
-    def test_minimize_with_a_plain_tape_says_to_use_record(self):
+    def test_minimize_with_a_wrong_tape_says_how_to_pass_it(self):
+        # A plain tape, or the recording tape passed as `var_list`.
         model = mlp()
         optimizer = tfkfac.KFAC(learning_rate=0.1).attach(model)
         x, y = data(16)
@@ -46,6 +49,11 @@ class MisuseTest(parameterized.TestCase):
             loss = LOSS(y, model(x, training=True))
         with self.assertRaisesRegex(RuntimeError, r"optimizer\.record\(\)"):
             optimizer.minimize(loss, tape=tape)
+        with optimizer.record() as tape:
+            loss = LOSS(y, model(x, training=True))
+        with self.assertRaisesRegex(ValueError, "GradientTape was passed as `var_list`; "
+                                    "pass it as `tape=tape`"):
+            optimizer.minimize(loss, tape)
 
     @parameterized.named_parameters(
         ("damping_nan", dict(damping=lambda step: float("nan")), "damping"),
@@ -122,6 +130,49 @@ class MisuseTest(parameterized.TestCase):
         tfkfac.KFAC().attach(model)
         with self.assertRaisesRegex(ValueError, "already driven by another KFAC"):
             tfkfac.KFAC().attach(model)
+
+    def test_compiling_an_attached_model_with_another_optimizer_detaches_kfac(self):
+        # The model then trains with plain Adam, as one never attached.
+        model = mlp()
+        optimizer = tfkfac.KFAC().attach(model)
+        fit(model, "adam")
+        plain = mlp()
+        fit(plain, "adam")
+        for got, want in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_array_equal(got, want)
+        with self.assertRaisesRegex(RuntimeError, "detached from its model: model "
+                                    "'sequential.*' was compiled with another optimizer "
+                                    r"\(Adam\)"):
+            optimizer.record()
+
+    def test_freeze_fit_unfreeze_and_recompile_with_a_new_kfac(self):
+        # Keras asks for a new optimizer when trainable flags change: the new KFAC takes
+        # the model over, the old one is detached.
+        model = mlp()
+        model.get_layer("d1").trainable = False
+        old = tfkfac.KFAC(learning_rate=0.1).attach(model)
+        fit(model, old)
+        frozen = model.get_layer("d1").get_weights()
+        model.get_layer("d1").trainable = True
+        new = tfkfac.KFAC(learning_rate=0.1).attach(model)
+        fit(model, new)
+        self.assertEqual([m["layer"] for m in new.summary()["managed"]], ["d1", "d2"])
+        self.assertEqual(new.counters()["steps"], 4)
+        self.assertGreater(max(np.abs(a - b).max() for a, b in
+                               zip(frozen, model.get_layer("d1").get_weights())), 1e-4)
+        with self.assertRaisesRegex(RuntimeError, "detached from its model: KFAC 'kfac' "
+                                    "was attached to model 'sequential.*' in its place"):
+            old.record()
+        with self.assertRaisesRegex(ValueError, "was detached.*make a new KFAC"):
+            old.attach(model)
+
+    def test_a_wrapping_optimizer_as_inner_optimizer_is_refused_naming_it(self):
+        for wrapper in (tfkfac.KFAC(),
+                        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())):
+            with self.assertRaisesRegex(ValueError, "`inner_optimizer` must be the Keras "
+                                        f"optimizer that applies the update.*received "
+                                        f"{type(wrapper).__name__} around SGD"):
+                tfkfac.KFAC(inner_optimizer=wrapper)
 
     def test_attach_to_something_else_than_a_model_names_it(self):
         with self.assertRaisesRegex(ValueError, "`model` must be a keras.Model; received list"):

@@ -25,7 +25,10 @@ ATTACH_HINT = (
     "KFAC has no layer captures for this step: it needs its own train step. Attach it "
     "to the model before training with `optimizer.attach(model)` (or "
     "`tfkfac.KFAC(..., model=model)`), or in a custom loop compute gradients with "
-    "`optimizer.record()` and `optimizer.minimize(loss, tape)`.")
+    "`optimizer.record()` and `optimizer.minimize(loss, tape=tape)`. Compiled without "
+    "`attach`, KFAC finds its model itself only under a tf.distribute strategy and after "
+    "`keras.models.load_model`: otherwise Keras's train step calls the optimizer first "
+    "after the forward pass, too late to record it.")
 FRESH_HINT = (
     "KFAC(factor_examples='fresh') takes each example's fresh flag (1 on the first copy "
     "of a source example, 0 on an echoed repeat) from the third element of every "

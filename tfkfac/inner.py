@@ -34,6 +34,12 @@ def inner_optimizer(optimizer, learning_rate, momentum, weight_decay):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError("`inner_optimizer` must be a keras.optimizers.Optimizer; "
                              f"received {type(optimizer).__name__}")
+        wrapped = getattr(optimizer, "inner_optimizer", None)
+        if wrapped is not None:
+            raise ValueError(
+                "`inner_optimizer` must be the Keras optimizer that applies the update, not "
+                f"one that wraps another: received {type(optimizer).__name__} around "
+                f"{type(wrapped).__name__}; pass the {type(wrapped).__name__} itself.")
         if given:
             raise ValueError(
                 f"KFAC received both `inner_optimizer` and {', '.join(map(repr, given))}: "

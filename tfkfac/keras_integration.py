@@ -18,7 +18,9 @@ names that remain, each because no public API serves:
   training iterator and reduced over replicas (which fails under
   MultiWorkerMirroredStrategy, keras-team/keras#20585); the attached model's
   `test_step` is wrapped there for the same bug.
-Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras object.
+Besides, `model_building` finds the model that builds an optimizer on Keras's call stack,
+Keras handing the optimizer the model's variables only. Nothing else in tfkfac touches
+`keras.src` or a private attribute of a Keras object.
 """
 
 import inspect
@@ -72,13 +74,57 @@ def train_step_owner(model):
     return owner() if owner is not None else None
 
 
-def install_train_step(model, owner, step_with_tape, reduce_logs,
+def compiled_optimizer(model):
+    """The optimizer `model` is compiled with (None before `compile`), taken out of the
+    `LossScaleOptimizer` Keras wraps it in at compile under `mixed_float16`."""
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+# The Keras methods that build a model's optimizer before its first step: `fit` under a
+# tf.distribute strategy, and `load_model`.
+_BUILDING_METHODS = ("_symbolic_build", "compile_from_config")
+
+
+def model_building(optimizer, variables):
+    """The keras.Model building `optimizer` on its trainable `variables` before its first
+    step, or None.
+
+    Keras hands an optimizer its model's variables, never the model: `optimizer.build(
+    model.trainable_variables)`, in `Trainer._symbolic_build` (`fit` under a tf.distribute
+    strategy) and `Trainer.compile_from_config` (`load_model`). The model is the `self` of
+    that method on the call stack, known by being compiled with `optimizer` and by its
+    trainable variables being `variables`. A build anywhere else (inside Keras's own
+    train step: too late for K-FAC's) finds none.
+    """
+    keys = [id(v) for v in variables]
+    frame = inspect.currentframe().f_back
+    while frame is not None:
+        model = frame.f_locals.get("self")
+        if (frame.f_code.co_name in _BUILDING_METHODS and isinstance(model, keras.Model)
+                and compiled_optimizer(model) is optimizer
+                and [id(v) for v in model.trainable_variables] == keys):
+            return model
+        frame = frame.f_back
+    return None
+
+
+# What `install_train_step` sets on a model; `uninstall_train_step` takes it away.
+_INSTALLED = ("train_step", "make_train_function", "_tfkfac_owner", "_maybe_symbolic_build",
+              "test_step")
+
+
+def install_train_step(model, owner, step_with_tape, reduce_logs, release,
                        fresh_in_sample_weight=False):
     """Replace this model's train step by one with K-FAC's tape and update (`owner`'s).
 
     `step_with_tape(forward, fresh)` runs `forward()` (returning the scaled loss and
     y_pred) under K-FAC's recording tape, applies the update and returns y_pred;
-    `reduce_logs` averages the step's logs over ranks. With `fresh_in_sample_weight`
+    `reduce_logs` averages the step's logs over ranks. If `fit` finds the model
+    compiled with another optimizer since, `release(reason)` gives it back Keras's
+    train step (`uninstall_train_step`) and Keras's own runs. With `fresh_in_sample_weight`
     the batch's sample-weight slot holds the fresh flags: they go to `step_with_tape`
     (None otherwise), and the loss and metrics get no sample weights. The loss and its
     metric are Keras's public `Model.compute_loss` and `Model.metrics`, as in Keras's
@@ -113,8 +159,20 @@ def install_train_step(model, owner, step_with_tape, reduce_logs,
         return _as_vectors(logs) if multi_worker else logs
 
     keras_make_train_function = type(model).make_train_function.__get__(model)
+    owner = weakref.ref(owner)
+
+    def still_owned():
+        """Whether `model` is still compiled with the owner; if not, it is released."""
+        optimizer = compiled_optimizer(model)
+        if optimizer is owner():
+            return True
+        release(f"model {model.name!r} was compiled with another optimizer "
+                f"({type(optimizer).__name__})")
+        return False
 
     def make_train_function(force=False):
+        if not still_owned():
+            return keras_make_train_function(force)
         if multi_worker and model.steps_per_execution > 1:
             raise ValueError(
                 "KFAC: under MultiWorkerMirroredStrategy `fit` runs one step per execution "
@@ -135,12 +193,28 @@ def install_train_step(model, owner, step_with_tape, reduce_logs,
 
     set_untracked(model, "train_step", train_step)
     set_untracked(model, "make_train_function", make_train_function)
-    set_untracked(model, "_tfkfac_owner", weakref.ref(owner))
+    set_untracked(model, "_tfkfac_owner", owner)
+    model.train_function = None  # one made before (e.g. by a `fit` that failed unattached)
     if model.distribute_strategy.num_replicas_in_sync > 1:
-        set_untracked(model, "_maybe_symbolic_build", _symbolic_build_on_local_batch(model))
+        build_on_local_batch = _symbolic_build_on_local_batch(model)
+
+        def maybe_symbolic_build(*args, **kwargs):
+            if still_owned():
+                return build_on_local_batch(*args, **kwargs)
+            return model._maybe_symbolic_build(*args, **kwargs)  # Keras's again
+
+        set_untracked(model, "_maybe_symbolic_build", maybe_symbolic_build)
     if multi_worker:
         keras_test_step = model.test_step
         set_untracked(model, "test_step", lambda data: _as_vectors(keras_test_step(data)))
+
+
+def uninstall_train_step(model):
+    """Give `model` back Keras's own train step (undo `install_train_step`)."""
+    for name in _INSTALLED:
+        if name in model.__dict__:
+            object.__delattr__(model, name)
+    model.train_function = None
 
 
 def _as_vectors(logs):

@@ -81,6 +81,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         self._state = state_lib.KFACState()
         self._skipped = []
         self._attachment = None
+        self._detached = None  # why this KFAC no longer drives the model it was attached to
         self._clocks = state_lib.PhaseClocks(self.config.phase_clocks)
         self._grafting = None if self.config.grafting is None else grafting_lib.Grafting(
             self.config.grafting, self.config.adam_beta_2, self.config.adam_epsilon,
@@ -137,6 +138,9 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
 
         Only this model instance is changed: its `train_step` records layer inputs and
         pre-activation gradients. Layers without a block get the plain gradient.
+        Attaching again to the same model changes nothing. A compiled model another KFAC
+        is attached to passes to this one (Keras asks for a new optimizer when a model is
+        recompiled, e.g. after freezing layers), and the other is detached.
         """
         if not isinstance(model, keras.Model):
             raise ValueError(f"KFAC.attach(model): `model` must be a keras.Model; received "
@@ -146,11 +150,19 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                 "KFAC.attach(model): the model is not built. Build it first (give it "
                 "an `Input` shape or call it on a batch) so its layers have weights.")
         if self._attachment is not None:
-            raise ValueError("This KFAC optimizer is already attached to a model.")
-        if keras_integration.train_step_owner(model) is not None:
+            if self._attachment.model is model:
+                return self
+            raise ValueError("This KFAC optimizer is already attached to another model "
+                             f"({self._attachment.model.name!r}).")
+        if self._detached is not None:
+            raise ValueError(
+                f"KFAC.attach(model): this KFAC optimizer ({self.name!r}) was detached: "
+                f"{self._detached}. Its state belongs to that model: make a new KFAC.")
+        previous = keras_integration.train_step_owner(model)
+        if previous is not None and not model.compiled:
             raise ValueError(
                 "KFAC.attach(model): this model is already driven by another KFAC "
-                f"({keras_integration.train_step_owner(model).name!r}); one model takes one "
+                f"({previous.name!r}) and has never been compiled; one model takes one "
                 "KFAC: compile it with that one, or attach the new one to a fresh model.")
         layers = keras_integration.leaf_layers(model)
         blocks, self._skipped = blocks_lib.discover(layers, self.config)
@@ -161,19 +173,35 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
             self._comm, self.config)
         distributed.check_model_strategy(self._comm, model.distribute_strategy)
         self._comm.broadcast_variables(model.variables, root_rank=0)
+        if previous is not None:
+            previous._detach(f"KFAC {self.name!r} was attached to model {model.name!r} in "
+                             "its place")
         self._attachment = Attachment(model, list(layers.values()), blocks, self._comm,
                                       fresh_only=self.config.factor_examples == "fresh",
                                       count_skipped_step=self._count_skipped_step)
         keras_integration.install_train_step(model, self, self._attachment.train_step,
                                              self._attachment.averaged_over_ranks,
-                                             self._attachment.fresh_only)
+                                             self._detach, self._attachment.fresh_only)
         blocks_lib.warn_unsupported(self._skipped)
         if self.built:
             self._create_kfac_state()
         return self
 
+    @keras_integration.no_tracking
+    def _detach(self, reason):
+        """Give the model back Keras's train step; this KFAC steps no more (`reason`)."""
+        model = self._attachment.model
+        if model is not None and keras_integration.train_step_owner(model) is self:
+            keras_integration.uninstall_train_step(model)
+        self._attachment, self._detached = None, reason
+
     def _attached(self):
         if self._attachment is None:
+            if self._detached is not None:
+                raise RuntimeError(
+                    f"This KFAC optimizer ({self.name!r}) was detached from its model: "
+                    f"{self._detached}. Compile the model with the optimizer attached to "
+                    "it, or make a new KFAC and attach it.")
             raise RuntimeError(ATTACH_HINT)
         return self._attachment
 
@@ -190,6 +218,10 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         give); K-FAC averages the gradients over replicas itself.
         `fresh`: the batch's fresh flags (N,), given exactly when factor_examples="fresh".
         """
+        if isinstance(var_list, tf.GradientTape):
+            raise ValueError(
+                "KFAC.minimize(loss, var_list=None, tape=None, fresh=None): the "
+                "GradientTape was passed as `var_list`; pass it as `tape=tape`.")
         if tape is None:
             raise ValueError(
                 "KFAC.minimize needs the `tape` returned by `optimizer.record()`.")
@@ -202,6 +234,17 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
 
     # ---------------------------------------------------------------- state
     def build(self, var_list):
+        if self._attachment is None:
+            # Compiled without `attach`: Keras builds the optimizer on the model's
+            # variables before the first step under a tf.distribute strategy and in
+            # `load_model`; that model is the one to manage.
+            model = keras_integration.model_building(self, var_list)
+            if model is not None:
+                self.attach(model)
+            elif tf.inside_function():
+                # Keras's own traced train step: it cannot be K-FAC's; no state is made
+                # in a graph that fails.
+                raise RuntimeError(ATTACH_HINT)
         super().build(var_list)
         keras_integration.set_untracked(self, "_built_variables", list(var_list))
         if not self.inner_optimizer.built:
