@@ -1,8 +1,9 @@
 """`model.compile(optimizer=tfkfac.KFAC(...))` without `attach` (docs/usage.md): KFAC finds
-its model where Keras builds the optimizer on the model's variables before the first step
-— under a tf.distribute strategy (one device, or two logical CPUs mirrored) and in
-`keras.models.load_model` — and then trains exactly as if attached. Elsewhere Keras shows
-the optimizer nothing before the first forward pass, and `fit` says to attach and why."""
+its model when `compile` takes it (a built model), or where Keras builds the optimizer on
+the model's variables before the first step — under a tf.distribute strategy (one device,
+or two logical CPUs mirrored) and in `keras.models.load_model` — and then trains exactly
+as if attached. A model unbuilt at `compile` outside a strategy shows the optimizer
+nothing before the first forward pass, and `fit` says to build it or attach, and why."""
 
 import os
 import tempfile
@@ -62,14 +63,15 @@ def fit(model, epochs=2):
     model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
 
 
-def trained(make_model, attach):
+def trained(make_model, attach, build=False):
     """(weights, optimizer) after `fit` with KFAC compiled on `make_model()`, attached
-    by hand (the model built on a batch first) or not."""
+    by hand (the model built on a batch first) or not (built first if `build`)."""
     keras.utils.set_random_seed(0)
     model = make_model()
     optimizer = tfkfac.KFAC(**SETTINGS)
-    if attach:
+    if attach or build:
         model(data(1)[0])
+    if attach:
         optimizer.attach(model)
     model.compile(optimizer=optimizer, loss=LOSS)
     fit(model)
@@ -127,20 +129,33 @@ class CompileWithoutAttachTest(parameterized.TestCase):
         # Attaching by hand as before changes nothing.
         self.assertIs(loaded.optimizer.attach(loaded), loaded.optimizer)
 
-    @parameterized.parameters("float32", "mixed_float16")
-    def test_outside_a_strategy_fit_says_to_attach_and_why_and_attaching_trains(self, policy):
+    @parameterized.named_parameters(("sequential", sequential, "float32"),
+                                    ("functional", functional, "float32"),
+                                    ("subclassed_built", Subclassed, "float32"),
+                                    ("sequential_mixed", sequential, "mixed_float16"))
+    def test_built_model_compiled_outside_a_strategy_trains_as_if_attached(self, make_model,
+                                                                           policy):
         keras.mixed_precision.set_global_policy(policy)
         try:
-            model = sequential()
-            optimizer = tfkfac.KFAC()
-            model.compile(optimizer=optimizer, loss=LOSS)
-            with self.assertRaisesRegex(RuntimeError, r"`optimizer\.attach\(model\)`.*"
-                                        r"minimize\(loss, tape=tape\).*too late to record"):
-                fit(model, epochs=1)
-            optimizer.attach(model)
-            fit(model, epochs=1)  # not the train step the failed `fit` made
+            expected, _ = trained(make_model, attach=True)
+            weights, optimizer = trained(make_model, attach=False, build=True)
         finally:
             keras.mixed_precision.set_global_policy("float32")
+        self.assertEqual([m["layer"] for m in optimizer.summary()["managed"]], ["d1", "d2"])
+        self.assertEqual(optimizer.counters()["factor_updates"], 4)
+        for got, want in zip(weights, expected):
+            np.testing.assert_array_equal(got, want)
+
+    def test_unbuilt_model_outside_a_strategy_says_to_build_or_attach_and_why(self):
+        model = Subclassed()
+        optimizer = tfkfac.KFAC()
+        model.compile(optimizer=optimizer, loss=LOSS)
+        with self.assertRaisesRegex(RuntimeError, r"`optimizer\.attach\(model\)`.*"
+                                    r"minimize\(loss, tape=tape\).*too late to record.*"
+                                    r"build the model"):
+            fit(model, epochs=1)
+        optimizer.attach(model)  # the failed `fit` built it
+        fit(model, epochs=1)  # not the train step the failed `fit` made
         self.assertEqual(optimizer.counters()["steps"], 4)
 
 

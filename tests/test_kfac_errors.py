@@ -211,9 +211,9 @@ class BadInputTest(parameterized.TestCase):
 
 class AttachTest(absltest.TestCase):
 
-    def test_compiled_without_attach_raises_the_hint_on_fit(self):
+    def test_compiled_unbuilt_without_attach_raises_the_hint_on_fit(self):
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model = keras.Sequential([keras.layers.Dense(2)])  # no Input: unbuilt at compile
         model.compile(optimizer=tfkfac.KFAC(xla=False), loss=MSE)
         x = np.zeros((4, 3), np.float32)
         y = np.zeros((4, 2), np.float32)

@@ -26,9 +26,11 @@ ATTACH_HINT = (
     "to the model before training with `optimizer.attach(model)` (or "
     "`tfkfac.KFAC(..., model=model)`), or in a custom loop compute gradients with "
     "`optimizer.record()` and `optimizer.minimize(loss, tape=tape)`. Compiled without "
-    "`attach`, KFAC finds its model itself only under a tf.distribute strategy and after "
-    "`keras.models.load_model`: otherwise Keras's train step calls the optimizer first "
-    "after the forward pass, too late to record it.")
+    "`attach`, KFAC attaches itself to a model that is built when compiled, or that Keras "
+    "builds before the first step (under a tf.distribute strategy, in "
+    "`keras.models.load_model`); this model was neither, and Keras's train step calls the "
+    "optimizer first after the forward pass, too late to record it: build the model (an "
+    "`Input` shape, or call it on a batch) before `compile`.")
 FRESH_HINT = (
     "KFAC(factor_examples='fresh') takes each example's fresh flag (1 on the first copy "
     "of a source example, 0 on an echoed repeat) from the third element of every "

@@ -18,9 +18,11 @@ names that remain, each because no public API serves:
   training iterator and reduced over replicas (which fails under
   MultiWorkerMirroredStrategy, keras-team/keras#20585); the attached model's
   `test_step` is wrapped there for the same bug.
-Besides, `model_building` finds the model that builds an optimizer on Keras's call stack,
-Keras handing the optimizer the model's variables only. Nothing else in tfkfac touches
-`keras.src` or a private attribute of a Keras object.
+- `Trackable._maybe_initialize_trackable`: called on an object when it is tracked as an
+  attribute, the only call `Model.compile` makes on its optimizer (`model_compiling`).
+Besides, `model_compiling` and `model_building` find the model that compiles or builds an
+optimizer on Keras's call stack, Keras handing the optimizer nothing else of the model.
+Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras object.
 """
 
 import inspect
@@ -100,12 +102,32 @@ def model_building(optimizer, variables):
     train step: too late for K-FAC's) finds none.
     """
     keys = [id(v) for v in variables]
-    frame = inspect.currentframe().f_back
+    return _calling_model(_BUILDING_METHODS, lambda model, frame: (
+        compiled_optimizer(model) is optimizer
+        and [id(v) for v in model.trainable_variables] == keys))
+
+
+def model_compiling(optimizer):
+    """The keras.Model whose `compile(optimizer=...)` is taking `optimizer`, or None.
+
+    `Model.compile` never calls its optimizer; it sets it as an attribute, and TensorFlow's
+    tracking then calls the optimizer's `_maybe_initialize_trackable`, from which this is
+    called: the model is the `self` of `compile` on the call stack, its `optimizer`
+    argument (after `keras.optimizers.get`) being `optimizer`. This is before the first
+    step, so K-FAC can install its train step (docs/usage.md).
+    """
+    return _calling_model(("compile",), lambda model, frame: (
+        frame.f_locals.get("optimizer") is optimizer))
+
+
+def _calling_model(methods, matches):
+    """The keras.Model that is the `self` of the nearest call of one of `methods` on the
+    call stack for which `matches(model, frame)` holds, or None."""
+    frame = inspect.currentframe().f_back.f_back
     while frame is not None:
         model = frame.f_locals.get("self")
-        if (frame.f_code.co_name in _BUILDING_METHODS and isinstance(model, keras.Model)
-                and compiled_optimizer(model) is optimizer
-                and [id(v) for v in model.trainable_variables] == keys):
+        if (frame.f_code.co_name in methods and isinstance(model, keras.Model)
+                and matches(model, frame)):
             return model
         frame = frame.f_back
     return None

@@ -187,6 +187,22 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
             self._create_kfac_state()
         return self
 
+    def _maybe_initialize_trackable(self):
+        # `model.compile(optimizer=kfac)` tracks KFAC as the model's attribute, which calls
+        # this: the one call Keras makes on an optimizer before the first step outside a
+        # tf.distribute strategy. A built model compiled without `attach` is attached
+        # here, as if `attach` had come first (docs/usage.md).
+        if ("_attachment" in self.__dict__ and self._attachment is None
+                and self._detached is None and not self.__dict__.get("_attaching")):
+            model = keras_integration.model_compiling(self)
+            if model is not None and model.built:
+                self.__dict__["_attaching"] = True  # attach tracks attributes too
+                try:
+                    self.attach(model)
+                finally:
+                    del self.__dict__["_attaching"]
+        return super()._maybe_initialize_trackable()
+
     @keras_integration.no_tracking
     def _detach(self, reason):
         """Give the model back Keras's train step; this KFAC steps no more (`reason`)."""
