@@ -10,7 +10,7 @@ variant), `normalize`. Per-batch: `mixup` (Zhang et al.) and `running_mixup`
 import tensorflow as tf
 
 from pipelines import seeds
-from pipelines.validation import check_number
+from tfkfac import validation
 
 # Osawa et al. (CVPR'19) §4.1: erase with probability 0.5 a rectangle of 2%-25% of the
 # image with aspect ratio in [0.3, 1], its sides swapped half of the time.
@@ -53,10 +53,10 @@ def random_erasing(image, key, probability=ERASING_PROBABILITY, area=ERASING_ARE
     ratio uniform in `aspect` (height <= width), with height and width swapped with
     probability 1/2, and a uniform position inside the image.
     """
-    check_number("probability", probability, 0, 1)
+    validation.finite_number("probability", probability, 0, 1)
     for name, pair in (("area", area), ("aspect", aspect)):
         for bound in pair:
-            check_number(name, bound, low=0, low_open=True)
+            validation.positive(name, bound)
     if not 0.0 < area[0] <= area[1] <= 1.0:
         raise ValueError(f"area must be (low, high) with 0 < low <= high <= 1, got {area!r}")
     if not 0.0 < aspect[0] <= aspect[1]:
@@ -83,7 +83,7 @@ def random_erasing(image, key, probability=ERASING_PROBABILITY, area=ERASING_ARE
 
 def sample_beta(shape, alpha, key):
     """Beta(alpha, alpha) draws, as G1 / (G1 + G2) of two Gamma(alpha) draws."""
-    check_number("alpha", alpha, low=0, low_open=True)
+    validation.positive("alpha", alpha)
     first_key, second_key = tf.unstack(seeds.split(key, 2))
     first = tf.random.stateless_gamma(shape, first_key, alpha)
     second = tf.random.stateless_gamma(shape, second_key, alpha)

@@ -17,9 +17,8 @@ import types
 import tensorflow as tf
 
 from pipelines import augment, counters, echoing, seeds, sources
-from pipelines.validation import (MAX_ECHO_FACTOR, MAX_READ_LATENCY, MAX_SEED,
-                                  MAX_SHUFFLE_BUFFER, check_bool, check_int, check_number,
-                                  check_one_of, check_path)
+from pipelines.limits import MAX_ECHO_FACTOR, MAX_READ_LATENCY, MAX_SEED, MAX_SHUFFLE_BUFFER
+from tfkfac import validation
 
 ECHO_MODES = ("none", "example_before_augment", "example_after_augment", "batch")
 _SHUFFLE_SALT, _ECHO_SALT, _AUGMENT_SALT, _MIXUP_SALT = range(4)
@@ -51,11 +50,11 @@ class Augmentation:
     running_mixup: bool = False
 
     def __post_init__(self):
-        check_int("crop_padding", self.crop_padding, low=0)
-        check_bool("flip", self.flip)
-        check_number("erasing_probability", self.erasing_probability, 0, 1)
-        check_number("mixup_alpha", self.mixup_alpha, low=0)
-        check_bool("running_mixup", self.running_mixup)
+        validation.integer("crop_padding", self.crop_padding, low=0)
+        validation.boolean("flip", self.flip)
+        validation.finite_number("erasing_probability", self.erasing_probability, 0, 1)
+        validation.finite_number("mixup_alpha", self.mixup_alpha, low=0)
+        validation.boolean("running_mixup", self.running_mixup)
         if self.running_mixup and not self.mixup_alpha > 0:
             raise ValueError("running_mixup needs mixup_alpha > 0, "
                              f"got mixup_alpha={self.mixup_alpha!r}")
@@ -167,31 +166,34 @@ def check_arguments(image_shape=None, **arguments):
     bound = inspect.signature(build).bind_partial(None, **arguments)
     bound.apply_defaults()
     args = types.SimpleNamespace(**bound.arguments)
-    check_int("batch_size", args.batch_size, low=1)
+    validation.positive_integer("batch_size", args.batch_size)
     if not isinstance(args.split, str) or not args.split:
         raise ValueError(f"`split` must be a split name such as 'train' or 'train[:10%]'; "
                          f"received {args.split!r}")
-    check_path("data_dir", args.data_dir)
-    check_path("idx_dir", args.idx_dir)
-    check_one_of("echo_mode", args.echo_mode, ECHO_MODES)
-    check_number("echo_factor", args.echo_factor, 1, MAX_ECHO_FACTOR)
+    validation.optional(validation.path, "reads TFDS's default data directory")(
+        "data_dir", args.data_dir)
+    validation.optional(validation.path, "reads the default IDX files")("idx_dir", args.idx_dir)
+    validation.one_of(ECHO_MODES)("echo_mode", args.echo_mode)
+    validation.finite_number("echo_factor", args.echo_factor, 1, MAX_ECHO_FACTOR)
     if args.echo_mode == "none" and args.echo_factor != 1:
         raise ValueError(f"echo_factor={args.echo_factor!r} needs an echo_mode other than "
                          "'none'")
-    check_int("shuffle_buffer", args.shuffle_buffer, 0, MAX_SHUFFLE_BUFFER)
+    validation.integer("shuffle_buffer", args.shuffle_buffer, 0, MAX_SHUFFLE_BUFFER)
     augmentation = args.augmentation
     if not isinstance(augmentation, Augmentation):
         raise ValueError(f"`augmentation` must be a pipelines.Augmentation; received "
                          f"{augmentation!r}")
-    check_int("num_classes", args.num_classes, low=1, allow_none=True)
+    validation.optional(validation.positive_integer, "keeps integer labels")(
+        "num_classes", args.num_classes)
     if augmentation.mixup_alpha > 0 and not args.num_classes:
         raise ValueError("mixup needs num_classes (labels become one-hot)")
     _check_moments(args.mean, args.stddev)
-    check_int("seed", args.seed, 0, MAX_SEED)
-    check_int("epoch", args.epoch, low=0)
-    check_int("num_epochs", args.num_epochs, low=1, allow_none=True)
-    check_int("num_shards", args.num_shards, low=1)
-    check_int("shard_index", args.shard_index, 0, args.num_shards - 1)
+    validation.integer("seed", args.seed, 0, MAX_SEED)
+    validation.integer("epoch", args.epoch, low=0)
+    validation.optional(validation.positive_integer, "repeats without end")(
+        "num_epochs", args.num_epochs)
+    validation.positive_integer("num_shards", args.num_shards)
+    validation.integer("shard_index", args.shard_index, 0, args.num_shards - 1)
     try:
         floating = tf.as_dtype(args.dtype).is_floating
     except TypeError:
@@ -199,13 +201,13 @@ def check_arguments(image_shape=None, **arguments):
     if not floating:
         raise ValueError(f"`dtype` must be a floating dtype such as tf.float32; received "
                          f"{args.dtype!r}")
-    check_bool("cache", args.cache)
-    check_number("read_latency", args.read_latency, 0, MAX_READ_LATENCY)
-    check_bool("drop_remainder", args.drop_remainder)
+    validation.boolean("cache", args.cache)
+    validation.finite_number("read_latency", args.read_latency, 0, MAX_READ_LATENCY)
+    validation.boolean("drop_remainder", args.drop_remainder)
     if augmentation.running_mixup and not args.drop_remainder:
         raise ValueError("running_mixup needs drop_remainder=True (batches of one size)")
-    check_int("skip_batches", args.skip_batches, low=0)
-    check_bool("fresh_flags", args.fresh_flags)
+    validation.integer("skip_batches", args.skip_batches, low=0)
+    validation.boolean("fresh_flags", args.fresh_flags)
     if image_shape is not None:
         check_fits_images(image_shape, augmentation.crop_padding, args.mean, args.stddev)
 
@@ -219,7 +221,7 @@ def check_fits_images(image_shape, crop_padding, mean=None, stddev=None):
     images = f"the {'x'.join(str(s) for s in shape)} images"
     sides = [side for side in shape[:2] if side is not None]
     if sides and crop_padding > min(sides):
-        raise ValueError(f"`crop_padding` must be an int in [0, {min(sides)}] (the shorter "
+        raise ValueError(f"`crop_padding` must be an integer in [0, {min(sides)}] (the shorter "
                          f"side of {images}); received {crop_padding!r}")
     channels = shape[-1] if len(shape) == 3 else None
     for name, value in (("mean", mean), ("stddev", stddev)):
@@ -237,7 +239,7 @@ def _check_moments(mean, stddev):
             continue
         values = value if isinstance(value, (list, tuple)) else [value]
         for item in values:
-            check_number(name, item, low=low, low_open=True)
+            validation.finite_number(name, item, low=low, low_open=True)
 
 
 def _decoder(num_classes, mean, stddev):

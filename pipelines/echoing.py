@@ -12,7 +12,8 @@ import math
 import tensorflow as tf
 
 from pipelines import counters, seeds
-from pipelines.validation import MAX_ECHO_FACTOR, MAX_SHUFFLE_BUFFER, check_int, check_number
+from pipelines.limits import MAX_ECHO_FACTOR, MAX_SHUFFLE_BUFFER
+from tfkfac import validation
 
 # Small elements (single examples) are echoed in chunks of consecutive elements: one
 # `batch`, one vectorized repeat per chunk and one `unbatch`, same output order. Per
@@ -54,7 +55,7 @@ def echo(factor, shuffle_buffer=0, seed=None):
       [0, 0, 1, 1, 2, 2]
     """
     factor = _check_factor(factor)
-    check_int("shuffle_buffer", shuffle_buffer, 0, MAX_SHUFFLE_BUFFER)
+    validation.integer("shuffle_buffer", shuffle_buffer, 0, MAX_SHUFFLE_BUFFER)
     whole = math.floor(factor)
     fraction = factor - whole
 
@@ -108,7 +109,7 @@ def _check_factor(factor):
         number = float(factor)
     except (TypeError, ValueError):
         number = factor  # not a number: refused below, naming the value received
-    return check_number("echo_factor", number, 1, MAX_ECHO_FACTOR)
+    return validation.finite_number("echo_factor", number, 1, MAX_ECHO_FACTOR)
 
 
 def _seed_or_draw(seed):

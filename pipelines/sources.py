@@ -9,7 +9,8 @@ import tensorflow_datasets as tfds
 from tensorflow.python.data.experimental.ops import testing as tf_data_testing
 
 from pipelines import idx_dataset
-from pipelines.validation import MAX_READ_LATENCY, check_int, check_number
+from pipelines.limits import MAX_READ_LATENCY
+from tfkfac import validation
 
 
 def load(source, split="train", data_dir=None, download=False, num_shards=1, shard_index=0,
@@ -65,8 +66,8 @@ def _as_dicts(dataset):
 def shard(dataset, num_shards, index):
     """Keeps every `num_shards`-th example starting at `index` (one Horovod rank's part:
     `num_shards=hvd.size(), index=hvd.rank()`); shards are disjoint and cover the data."""
-    check_int("num_shards", num_shards, low=1)
-    check_int("shard_index", index, 0, num_shards - 1)
+    validation.positive_integer("num_shards", num_shards)
+    validation.integer("shard_index", index, 0, num_shards - 1)
     return dataset if num_shards == 1 else dataset.shard(num_shards, index)
 
 
@@ -76,8 +77,8 @@ def simulate_read_latency(seconds_per_example, examples_per_read=32):
     `examples_per_read * seconds_per_example` before they flow on. Reading in blocks
     keeps the wait, not the scheduling of many short sleeps on a busy machine, the
     cost. It is the upstream-cost knob of `bench/echo_benchmark.py`."""
-    check_number("seconds_per_example", seconds_per_example, 0, MAX_READ_LATENCY)
-    check_int("examples_per_read", examples_per_read, low=1)
+    validation.finite_number("seconds_per_example", seconds_per_example, 0, MAX_READ_LATENCY)
+    validation.positive_integer("examples_per_read", examples_per_read)
     microseconds = int(round(seconds_per_example * examples_per_read * 1e6))
     if microseconds == 0:
         return lambda dataset: dataset

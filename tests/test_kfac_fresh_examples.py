@@ -213,7 +213,7 @@ class BadSettingsTest(absltest.TestCase):
 
     def test_unknown_choice_names_allowed_values(self):
         with self.assertRaisesRegex(ValueError, r"`factor_examples` must be one of "
-                                                r"\('all', 'fresh'\); received 'unique'"):
+                                                r"all, fresh; received 'unique'"):
             tfkfac.KFAC(factor_examples="unique")
         with self.assertRaisesRegex(ValueError, "`fresh_flags` must be True or False"):
             pipelines.build(tf.data.Dataset.range(1), batch_size=1, fresh_flags="yes")

@@ -717,11 +717,12 @@ class AbsurdSizeTest(parameterized.TestCase):
         (["--echo_mode=example_before_augment", "--echo_factor=1e9"],
          r"`echo_factor` must be a finite number in \[1, 100\]; received 1000000000.0"),
         (["--shuffle_buffer=1000000000000"],
-         r"`shuffle_buffer` must be an int in \[0, 10000000\]; received 1000000000000"),
-        (["--crop_padding=100000"], r"`crop_padding` must be an int in \[0, 28\] \(the shorter "
+         r"`shuffle_buffer` must be an integer in \[0, 10000000\]; received 1000000000000"),
+        (["--crop_padding=100000"],
+         r"`crop_padding` must be an integer in \[0, 28\] \(the shorter "
          r"side of the 28x28x1 images\); received 100000"),
-        (["--seed=-1"], r"`seed` must be an int in \[0, 4294967295\]; received -1"),
-        (["--seed=9223372036854775808"], r"`seed` must be an int in \[0, 4294967295\]"),
+        (["--seed=-1"], r"`seed` must be an integer in \[0, 4294967295\]; received -1"),
+        (["--seed=9223372036854775808"], r"`seed` must be an integer in \[0, 4294967295\]"),
         (["--read_latency=1e9"], r"`read_latency` must be a finite number in \[0, 1\]"),
     )
     def test_refused_with_the_allowed_range(self, argv, message):
@@ -742,33 +743,38 @@ class PipelineArgumentTest(parameterized.TestCase):
     refused in Python, naming the argument and what it must be, before any graph."""
 
     @parameterized.parameters(
-        (dict(batch_size="32"), "batch_size", "an int >= 1"),
-        (dict(batch_size=True), "batch_size", "an int >= 1"),
+        (dict(batch_size="32"), "batch_size",
+         r"an integer in \[1, 2\*\*63 - 1\]; received '32'"),
+        (dict(batch_size=True), "batch_size",
+         r"an integer in \[1, 2\*\*63 - 1\]; received True"),
         (dict(split=5), "split", "a split name"),
-        (dict(data_dir=5), "data_dir", "a path"),
-        (dict(idx_dir=["a"]), "idx_dir", "a path"),
+        (dict(data_dir=5), "data_dir", r"a path \(str or os.PathLike\); received 5 \(None "),
+        (dict(idx_dir=["a"]), "idx_dir",
+         r"a path \(str or os.PathLike\); received \['a'\] \(None "),
         (dict(echo_mode=None), "echo_mode", "one of none, example_before_augment"),
         (dict(echo_mode="batch", echo_factor="2"), "echo_factor", "a finite number in"),
         (dict(echo_mode="batch", echo_factor=101), "echo_factor", "a finite number in"),
-        (dict(shuffle_buffer=1e4), "shuffle_buffer", r"an int in \[0, 10000000\]"),
-        (dict(shuffle_buffer=10**12), "shuffle_buffer", r"an int in \[0, 10000000\]"),
+        (dict(shuffle_buffer=1e4), "shuffle_buffer", r"an integer in \[0, 10000000\]"),
+        (dict(shuffle_buffer=10**12), "shuffle_buffer", r"an integer in \[0, 10000000\]"),
         (dict(augmentation="flip"), "augmentation", "a pipelines.Augmentation"),
-        (dict(num_classes="10"), "num_classes", "an int >= 1 or None"),
+        (dict(num_classes="10"), "num_classes",
+         r"an integer in \[1, 2\*\*63 - 1\]; received '10' \(None "),
         (dict(mean="0.5"), "mean", "a finite number"),
         (dict(mean=[0.5, 0.5]), "mean", r"a number or a list of 1 \(one per channel of the "
          r"28x28x1 images\); received \[0.5, 0.5\]"),
         (dict(stddev=[]), "stddev", r"a number or a list of 1 \(one per channel"),
-        (dict(seed="1"), "seed", r"an int in \[0, 4294967295\]"),
-        (dict(seed=2**70), "seed", r"an int in \[0, 4294967295\]"),
-        (dict(epoch=1.5), "epoch", "an int >= 0"),
-        (dict(num_epochs="2"), "num_epochs", "an int >= 1 or None"),
-        (dict(num_shards=0), "num_shards", "an int >= 1"),
-        (dict(num_shards=2, shard_index=2), "shard_index", r"an int in \[0, 1\]"),
+        (dict(seed="1"), "seed", r"an integer in \[0, 4294967295\]"),
+        (dict(seed=2**70), "seed", r"an integer in \[0, 4294967295\]"),
+        (dict(epoch=1.5), "epoch", "an integer >= 0"),
+        (dict(num_epochs="2"), "num_epochs",
+         r"an integer in \[1, 2\*\*63 - 1\]; received '2' \(None "),
+        (dict(num_shards=0), "num_shards", r"an integer in \[1, 2\*\*63 - 1\]"),
+        (dict(num_shards=2, shard_index=2), "shard_index", r"an integer in \[0, 1\]"),
         (dict(dtype="no_such_dtype"), "dtype", "a floating dtype"),
         (dict(cache="yes"), "cache", "True or False"),
         (dict(read_latency=1e9), "read_latency", r"a finite number in \[0, 1\]"),
         (dict(drop_remainder=None), "drop_remainder", "True or False"),
-        (dict(skip_batches=-1), "skip_batches", "an int >= 0"),
+        (dict(skip_batches=-1), "skip_batches", "an integer >= 0"),
         (dict(fresh_flags=1), "fresh_flags", "True or False"),
     )
     def test_argument_named(self, arguments, name, allowed):
@@ -780,7 +786,7 @@ class PipelineArgumentTest(parameterized.TestCase):
                              (dict(running_mixup=1, mixup_alpha=0.2), "running_mixup")):
             with self.assertRaisesRegex(ValueError, f"^`{name}` must be"):
                 pipelines.Augmentation(**fields)
-        with self.assertRaisesRegex(ValueError, r"^`crop_padding` must be an int in \[0, 28\]"):
+        with self.assertRaisesRegex(ValueError, r"^`crop_padding` must be an integer in \[0, 28\]"):
             pipelines.build("fashion_mnist", batch_size=8,
                             augmentation=pipelines.Augmentation(crop_padding=29))
 

@@ -10,8 +10,7 @@ import os
 from typing import Optional, Tuple
 
 import pipelines
-from pipelines import validation as limits
-from pipelines.validation import check_int, check_number
+from pipelines import limits
 from tfkfac import config as kfac_config, validation
 from trainers import distribution, models
 
@@ -119,19 +118,16 @@ class _RunConfig:
         validation.fraction("momentum", self.momentum)
         if self.weight_decay is not None:
             validation.finite_number("weight_decay", self.weight_decay, low=0)
-        check_int("seed", self.seed, 0, limits.MAX_SEED)
-        check_number("preemption_grace_seconds", self.preemption_grace_seconds, low=0,
-                     low_open=True)
+        validation.integer("seed", self.seed, 0, limits.MAX_SEED)
+        validation.positive("preemption_grace_seconds", self.preemption_grace_seconds)
         validation.positive_integer("batch_size", self.batch_size)
         validation.positive_integer("epochs", self.epochs)
         if self.steps is not None:
             validation.positive_integer("steps", self.steps)
-        if self.eval_every_steps < 0:
-            raise ValueError(f"eval_every_steps must be >= 0 (0 = at epoch ends only), got "
-                             f"{self.eval_every_steps}")
+        validation.integer("eval_every_steps", self.eval_every_steps, 0, validation.INT64_MAX)
         self._validate_schedule()
         self._validate_kfac(explicitly_set)
-        check_number("echo_factor", self.echo_factor, 1, limits.MAX_ECHO_FACTOR)
+        validation.finite_number("echo_factor", self.echo_factor, 1, limits.MAX_ECHO_FACTOR)
         if self.echo_factor > 1.0 and self.echo_mode == "none":
             raise ValueError(
                 f"echo_factor={self.echo_factor} needs an echo_mode; choose one of "
@@ -142,7 +138,7 @@ class _RunConfig:
                 raise ValueError(
                     f"target_accuracy applies to classifiers ({', '.join(models.CLASSIFIERS)}),"
                     f" not to model={self.model}")
-            check_number("target_accuracy", self.target_accuracy, 0, 1, low_open=True)
+            validation.share("target_accuracy", self.target_accuracy)
         if self.stop_at_target and self.target_accuracy is None:
             raise ValueError("stop_at_target needs a target_accuracy")
         if self.resume and not self.model_dir:
@@ -159,24 +155,24 @@ class _RunConfig:
                              f"not dataset={self.dataset}")
 
     def _validate_augmentation(self):
-        check_int("shuffle_buffer", self.shuffle_buffer, 0, limits.MAX_SHUFFLE_BUFFER)
-        check_int("crop_padding", self.crop_padding, low=0)  # the image bounds it: runner
-        check_number("erasing_probability", self.erasing_probability, 0, 1)
-        check_number("mixup_alpha", self.mixup_alpha, low=0)
+        validation.integer("shuffle_buffer", self.shuffle_buffer, 0, limits.MAX_SHUFFLE_BUFFER)
+        validation.integer("crop_padding", self.crop_padding, low=0)  # the image bounds it: runner
+        validation.finite_number("erasing_probability", self.erasing_probability, 0, 1)
+        validation.finite_number("mixup_alpha", self.mixup_alpha, low=0)
         if self.running_mixup and self.mixup_alpha == 0:
             raise ValueError("running_mixup needs mixup_alpha > 0")
         if self.mixup_alpha > 0 and models.is_autoencoder(self.model):
             raise ValueError(f"mixup mixes class labels; model={self.model} has none")
-        check_number("read_latency", self.read_latency, 0, limits.MAX_READ_LATENCY)
+        validation.finite_number("read_latency", self.read_latency, 0, limits.MAX_READ_LATENCY)
 
     def _validate_schedule(self):
         # Every float of the schedule is checked, used by this schedule or not.
-        check_number("warmup_epochs", self.warmup_epochs, low=0)
+        validation.finite_number("warmup_epochs", self.warmup_epochs, low=0)
         for epoch in self.lr_decay_epochs:
-            check_number("lr_decay_epochs", epoch, low=0, low_open=True)
-        check_number("lr_decay_factor", self.lr_decay_factor, 0, 1, low_open=True,
-                     high_open=True)
-        check_number("lr_decay_power", self.lr_decay_power, low=0, low_open=True)
+            validation.positive("lr_decay_epochs", epoch)
+        validation.finite_number("lr_decay_factor", self.lr_decay_factor, 0, 1, low_open=True,
+                                 high_open=True)
+        validation.positive("lr_decay_power", self.lr_decay_power)
         if self.lr_schedule == "warmup" and self.warmup_epochs == 0:
             raise ValueError("lr_schedule=warmup needs warmup_epochs > 0")
         if self.lr_schedule == "step":

@@ -37,7 +37,6 @@ import sys
 import tensorflow as tf
 from tensorflow.python.eager import context as eager_context
 
-from pipelines.validation import check_number
 from tfkfac import distributed, validation
 from trainers import errors
 
@@ -94,8 +93,8 @@ def check(config, explicitly_set=()):
             f"under MultiWorkerMirroredStrategy (keras-team/keras#20585), which K-FAC's "
             f"train step works around; for optimizer={config.optimizer} use "
             "distribution=horovod, or a custom training loop")
-    check_number("startup_timeout_seconds", config.startup_timeout_seconds, 0,
-                 MAX_STARTUP_TIMEOUT_SECONDS, low_open=True)
+    validation.finite_number("startup_timeout_seconds", config.startup_timeout_seconds, 0,
+                             MAX_STARTUP_TIMEOUT_SECONDS, low_open=True)
     if _joins_workers(name):
         Cluster.from_environment()
     elif "startup_timeout_seconds" in explicitly_set:
