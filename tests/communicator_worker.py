@@ -68,6 +68,12 @@ def check_gradient_allreduce(comm, saved):
         saved[f"gradient_{i}"] = tf.cast(result, tf.float32).numpy()
     saved["gradient_bytes"] = comm.bytes_sent()["gradients"]
     saved["gradient_calls"] = comm.collective_calls()["gradients"]
+    # A bfloat16 mean (an allgather on Horovod) of a tensor whose shape is known only
+    # when it runs.
+    unknown_shape = tf.function(lambda x: comm.grouped_allreduce_mean([x])[0],
+                                input_signature=[tf.TensorSpec(None, tf.bfloat16)])
+    saved["gradient_unknown_shape_bfloat16"] = tf.cast(
+        unknown_shape(tf.cast(inputs["bfloat16"][0], tf.bfloat16)), tf.float32).numpy()
 
 
 def check_conditional_collectives(comm, saved):

@@ -149,6 +149,11 @@ class TwoRankJobTest(absltest.TestCase):
                     self.assertTrue(np.all(np.abs(got - (x0 + x1) / 2)
                                            <= wire_mean_bound(x0, x1, dtype)), dtype)
                 position += 1
+        x0, x1 = (inputs[rank]["bfloat16"][0] for rank in range(2))
+        got = self.both_ranks("gradient_unknown_shape_bfloat16")
+        self.assertEqual(got.shape, x0.shape)
+        self.assertTrue(np.all(np.abs(got - (x0 + x1) / 2)
+                               <= wire_mean_bound(x0, x1, "bfloat16")))
         bytes_per_call = sum(int(np.prod(shape)) * ITEMSIZE[dtype]
                              for dtype, shapes in worker.GRADIENT_SHAPES.items()
                              for shape in shapes)

@@ -19,18 +19,20 @@ inside a non-XLA `tf.function`. Two Horovod 0.28 facts shape this file:
   processed".
 """
 
-import collections
 import itertools
 import weakref
 
 import tensorflow as tf
 
-from tfkfac.distributed.base import Communicator
+from tfkfac.distributed import transport
+from tfkfac.distributed.base import COPY_DTYPES, Communicator
 
 
 # dtypes whose mean travels as an allgather of every rank's tensor (see above): a cost
 # model of this communicator counts their "allreduce" as an allgather.
 GATHERED_MEAN_DTYPES = ("bfloat16",)
+# Horovod's ops take every dtype a communicator carries but bfloat16.
+_HOROVOD_DTYPES = tuple(dtype for dtype in COPY_DTYPES if dtype != tf.bfloat16)
 
 
 class HorovodCommunicator(Communicator):
@@ -46,48 +48,35 @@ class HorovodCommunicator(Communicator):
         super().__init__()
 
     def _grouped_allreduce_mean(self, tensors):
-        positions_by_dtype = collections.defaultdict(list)
-        for position, tensor in enumerate(tensors):
-            positions_by_dtype[tensor.dtype].append(position)
-        results = [None] * len(tensors)
-        for dtype, positions in positions_by_dtype.items():
-            group = [tensors[p] for p in positions]
+        def mean(group):
+            dtype = group[0].dtype
             if dtype.name in GATHERED_MEAN_DTYPES:
-                reduced = self._bfloat16_mean(group)
-            else:
-                reduced = self._hvd.grouped_allreduce(
-                    group, op=self._hvd.Average,
-                    name=_collective_name(f"allreduce_{dtype.name}"), ignore_name_scope=True)
-            for position, tensor in zip(positions, reduced):
-                results[position] = tensor
-        return results
+                return transport.concatenated(group, self._bfloat16_mean)
+            return self._hvd.grouped_allreduce(
+                group, op=self._hvd.Average,
+                name=_collective_name(f"allreduce_{dtype.name}"), ignore_name_scope=True)
+        return transport.per_dtype(tensors, mean)
 
     def _broadcast(self, tensors, root_rank):
         return [
-            _from_wire(self._hvd.broadcast(_to_wire(t), root_rank,
-                                           name=_collective_name("broadcast"),
-                                           ignore_name_scope=True), t.dtype)
+            transport.from_wire(self._hvd.broadcast(_to_wire(t), root_rank,
+                                                    name=_collective_name("broadcast"),
+                                                    ignore_name_scope=True), t.dtype)
             for t in tensors
         ]
 
     def _allgather(self, tensor):
         gathered = self._hvd.allgather(_to_wire(tensor), name=_collective_name("allgather"),
                                        ignore_name_scope=True)
-        return _from_wire(gathered, tensor.dtype)
+        return transport.from_wire(gathered, tensor.dtype)
 
-    def _bfloat16_mean(self, group):
-        """Mean of bfloat16 tensors: gather every rank's bits, average in float32."""
-        if not all(t.shape.is_fully_defined() for t in group):
-            raise ValueError("bfloat16 tensors to allreduce must have static shapes, got "
-                             f"{[t.shape for t in group]}")
-        sizes = [t.shape.num_elements() for t in group]
-        flat = tf.concat([tf.reshape(t, [-1]) for t in group], axis=0)
+    def _bfloat16_mean(self, flat):
+        """Mean of a 1-D bfloat16 tensor: gather every rank's bits, average in float32."""
         gathered = self._hvd.allgather(_to_wire(flat),
                                        name=_collective_name("allreduce_bfloat16"),
                                        ignore_name_scope=True)
-        per_rank = tf.reshape(_from_wire(gathered, tf.bfloat16), [self.size, sum(sizes)])
-        mean = tf.cast(tf.reduce_mean(tf.cast(per_rank, tf.float32), axis=0), tf.bfloat16)
-        return [tf.reshape(part, t.shape) for part, t in zip(tf.split(mean, sizes), group)]
+        per_rank = tf.reshape(transport.from_wire(gathered, tf.bfloat16), [self.size, -1])
+        return tf.cast(tf.reduce_mean(tf.cast(per_rank, tf.float32), axis=0), tf.bfloat16)
 
 
 _GRAPH_NAMING = weakref.WeakKeyDictionary()  # graph -> (name prefix, collective counter)
@@ -120,8 +109,4 @@ def _graph_naming(graph):
 
 def _to_wire(tensor):
     """Horovod rejects bfloat16: send its bit pattern as int16."""
-    return tf.bitcast(tensor, tf.int16) if tensor.dtype == tf.bfloat16 else tensor
-
-
-def _from_wire(tensor, dtype):
-    return tf.bitcast(tensor, tf.bfloat16) if dtype == tf.bfloat16 else tensor
+    return transport.to_wire(tensor, _HOROVOD_DTYPES, bfloat16_bits=tf.int16)

@@ -19,8 +19,8 @@
   pad to the largest; the counters count the unpadded payload, like the transport's
   other overheads (base.py).
 - The ops take fewer dtypes than Horovod's (`_OP_DTYPES`); the others a communicator
-  carries (base.py) travel widened, exactly: bool and the small integers as int32, and
-  bfloat16, which only the reduction takes, as its bits in float16.
+  carries (base.py) travel widened, exactly (transport.py): bool and the small integers
+  as int32, and bfloat16, which only the reduction takes, as its bits in float16.
 With more than one replica per process (MirroredStrategy), one Python object serves all
 of them: `rank` is read from the replica context while tracing, and every variable is a
 mirrored one, so each replica updates its own copy. Rank-specific state (the "owner"
@@ -34,6 +34,7 @@ import itertools
 
 import tensorflow as tf
 
+from tfkfac.distributed import transport
 from tfkfac.distributed.base import Communicator
 
 SUPPORTED = "MirroredStrategy or MultiWorkerMirroredStrategy (one process: OneDeviceStrategy "\
@@ -161,7 +162,7 @@ class StrategyCommunicator(Communicator):
     # ------------------------------------------------------------ collectives
     def _grouped_allreduce_mean(self, tensors):
         def mean(flat, keys):
-            return _from_wire(tf.raw_ops.CollectiveReduceV2(
+            return transport.from_wire(tf.raw_ops.CollectiveReduceV2(
                 input=_to_wire(flat, "reduce"), merge_op="Add", final_op="Div", **keys),
                 flat.dtype)
         return self._per_dtype(tensors, mean)
@@ -174,7 +175,7 @@ class StrategyCommunicator(Communicator):
             else:
                 wire = tf.raw_ops.CollectiveBcastRecvV2(shape=tf.shape(wire), T=wire.dtype,
                                                         **_unordered(keys))
-            return _from_wire(wire, flat.dtype)
+            return transport.from_wire(wire, flat.dtype)
         return self._per_dtype(tensors, broadcast)
 
     def _allgather(self, tensor):
@@ -185,7 +186,7 @@ class StrategyCommunicator(Communicator):
         row = tensor.shape[1:].num_elements()  # elements per entry of axis 0
         sizes = tf.raw_ops.CollectiveGatherV2(input=size, **self._keys())
         padded = _to_wire(tf.pad(flat, [[0, (tf.reduce_max(sizes) - size[0]) * row]]), "gather")
-        gathered = tf.reshape(_from_wire(tf.raw_ops.CollectiveGatherV2(
+        gathered = tf.reshape(transport.from_wire(tf.raw_ops.CollectiveGatherV2(
             input=padded, **self._keys()), tensor.dtype), [self.size, -1])
         kept = tf.sequence_mask(sizes * row, tf.shape(gathered)[1])
         return tf.reshape(tf.boolean_mask(gathered, kept),
@@ -193,19 +194,8 @@ class StrategyCommunicator(Communicator):
 
     def _per_dtype(self, tensors, collective):
         """`collective(flat, keys)` once per dtype on the concatenation of its tensors."""
-        positions_by_dtype = collections.defaultdict(list)
-        for position, tensor in enumerate(tensors):
-            positions_by_dtype[tensor.dtype].append(position)
-        results = [None] * len(tensors)
-        for positions in positions_by_dtype.values():
-            group = [tensors[p] for p in positions]
-            sizes = [tf.size(t) for t in group]
-            flat = collective(tf.concat([tf.reshape(t, [-1]) for t in group], axis=0),
-                              self._keys())
-            for position, tensor, part in zip(positions, group, tf.split(flat, sizes)):
-                results[position] = tf.reshape(part, tf.shape(tensor))
-                results[position].set_shape(tensor.shape)
-        return results
+        return transport.per_dtype(tensors, lambda group: transport.concatenated(
+            group, lambda flat: collective(flat, self._keys())))
 
     def _in_replica(self):
         context = tf.distribute.get_replica_context()
@@ -224,19 +214,5 @@ def _unordered(keys):
 
 
 def _to_wire(tensor, op):
-    """`tensor` in a dtype the collective `op` takes: as it is, bfloat16 as its bits in
-    float16 (copied unchanged), bool and the small integers widened to int32 (exact)."""
-    if tensor.dtype in _OP_DTYPES[op]:
-        return tensor
-    if tensor.dtype == tf.bfloat16:
-        return tf.bitcast(tensor, tf.float16)
-    return tf.cast(tensor, tf.int32)
-
-
-def _from_wire(tensor, dtype):
-    """The `dtype` tensor `_to_wire` sent as `tensor`."""
-    if tensor.dtype == dtype:
-        return tensor
-    if dtype == tf.bfloat16:
-        return tf.bitcast(tensor, tf.bfloat16)
-    return tf.cast(tensor, dtype)
+    """`tensor` in a dtype the collective `op` takes (bfloat16 as its bits in float16)."""
+    return transport.to_wire(tensor, _OP_DTYPES[op], bfloat16_bits=tf.float16)
