@@ -123,8 +123,9 @@ def steps_per_epoch(config, train_examples, num_ranks):
 class TrainingData:
     """Training and evaluation streams of one rank for a `TrainConfig`."""
 
-    def __init__(self, config, rank, num_ranks, input_dtype):
-        info, self.train_examples, self.eval_examples = split_sizes(config)
+    def __init__(self, config, rank, num_ranks, input_dtype, sizes=None):
+        """`sizes`: `split_sizes(config)` when the caller has read them (None: read here)."""
+        info, self.train_examples, self.eval_examples = sizes or split_sizes(config)
         self._config = config
         self._rank = rank
         self._num_ranks = num_ranks

@@ -47,29 +47,44 @@ _PER_RANK_FIELDS = _INVOCATION_FIELDS + ("data_dir", "idx_dir", "preemption_grac
                                          "startup_timeout_seconds")
 
 
-def check(config, explicitly_set=None, num_ranks=1):
-    """Checks everything a user can get wrong before anything is built; returns the
-    config to run. Raises ValueError naming the problem.
+@dataclasses.dataclass(frozen=True)
+class CheckedRun:
+    """A run `prepare` accepted, with what it made and read to check it, so that the
+    `Trainer` builds no second communicator and reads no metadata twice."""
+
+    config: config_lib.TrainConfig  # the config to run (a resume's settings resolved)
+    engine: distribution.Engine  # the run's strategy and its one communicator
+    split_sizes: tuple  # `data.split_sizes(config)`: (info, train, eval examples)
+
+
+def prepare(config, explicitly_set=None):
+    """The one check of a run: everything a user can get wrong, found before anything is
+    built. Raises ValueError naming the problem; returns the `CheckedRun`.
 
     `explicitly_set` names the config fields the user gave (e.g. flags present on the
     command line); None means all of them (a config built in code). On resume, the
     fields not given are taken from the run in `model_dir`, and given ones that differ
     from the run must be in `config.RESUME_MAY_CHANGE_FIELDS`. The returned config has
     `resume` set exactly when a run is continued (`auto_resume` finds one or `resume`).
+    The run's engine is made once the settings it needs are checked (under multi_worker
+    it waits for every worker): the checks after it need its number of ranks.
     """
     given = set(explicitly_set) if explicitly_set is not None else None
     config.validate(given or ())
+    engine = distribution.Engine(config.distribution, config.startup_timeout_seconds)
     model_dir = config.resolved_model_dir()
     _check_model_dir_usable(model_dir)
     resuming = _resuming(config, model_dir)
     if resuming:
         config = _resumed_config(config, given, model_dir)
-        config.validate(given or ())
+        config.validate(given or ())  # the run's settings with the given ones: together
     else:
         _check_nothing_overwritten(model_dir)
-    info, train_examples, _ = data_lib.split_sizes(config)
+    split_sizes = data_lib.split_sizes(config)
+    info, train_examples, _ = split_sizes
     data_lib.check_pipeline(config, info)
-    steps_per_epoch = data_lib.steps_per_epoch(config, train_examples, num_ranks)
+    steps_per_epoch = data_lib.steps_per_epoch(config, train_examples,
+                                               engine.communicator.size)
     total = config.steps or config.epochs * steps_per_epoch
     # A schedule that cannot fit the run (a warmup as long as it) is a usage error too.
     lr_schedules.build_learning_rate(config, steps_per_epoch, total)
@@ -78,7 +93,12 @@ def check(config, explicitly_set=None, num_ranks=1):
         if state and state["counters"]["steps"] > total:
             raise ValueError(f"the run in {model_dir} has trained {state['counters']['steps']}"
                              f" steps already, more than the {total} asked (--steps/--epochs)")
-    return config
+    return CheckedRun(config, engine, split_sizes)
+
+
+def check(config, explicitly_set=None):
+    """`prepare` for a caller that wants only the checks: returns the config to run."""
+    return prepare(config, explicitly_set).config
 
 
 def _check_model_dir_usable(model_dir):
@@ -203,7 +223,8 @@ def _resumed_config(config, given, model_dir):
 
 
 def run(config, explicitly_set=None):
-    """Trains as `config` says and returns the run summary (also in `summary.json`).
+    """Trains as `config` (a `TrainConfig`, or `prepare`'s `CheckedRun`) says and returns
+    the run summary (also in `summary.json`).
 
     Distributed (`config.distribution`), every process calls this; only rank 0's writes
     files and prints logs. SIGTERM or SIGINT stop the run after the step in progress with
@@ -223,12 +244,15 @@ class Trainer:
     """
 
     def __init__(self, config, explicitly_set=None, preemption=None):
+        """`config`: a `TrainConfig`, checked here by `prepare`, or the `CheckedRun` of
+        a `prepare` already made (then nothing is checked or read again)."""
         self._preemption = preemption  # None: signals keep their usual effect
-        self.engine = distribution.Engine(config.distribution, config.startup_timeout_seconds)
+        checked = (config if isinstance(config, CheckedRun)
+                   else prepare(config, explicitly_set))
+        self.engine = checked.engine
         self.communicator = self.engine.communicator
         self.chief = self.communicator.rank == 0
-        config = check(config, explicitly_set, self.communicator.size)
-        self.config = config
+        config = self.config = checked.config
         self.model_dir = config.resolved_model_dir()
 
         input_dtype = pipelines.set_precision(config.precision)
@@ -236,7 +260,8 @@ class Trainer:
         self.data = data_lib.TrainingData(
             dataclasses.replace(config, batch_size=config.batch_size *
                                 self.engine.replicas_per_process),
-            self.engine.process_index, self.engine.processes, input_dtype)
+            self.engine.process_index, self.engine.processes, input_dtype,
+            sizes=checked.split_sizes)
         self.total_steps = config.steps or config.epochs * self.data.steps_per_epoch
         self.num_epochs = math.ceil(self.total_steps / self.data.steps_per_epoch)
         # Before anything (the model's broadcast) communicates: ranks launched with

@@ -188,14 +188,11 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
     # Every mistake a user can make is found here, before a model is built.
     try:
-        config, explicitly_set = config_from_flags(FLAGS)
-        config.validate(explicitly_set)
-        engine = distribution.Engine(config.distribution, config.startup_timeout_seconds)
-        config = runner.check(config, explicitly_set, engine.communicator.size)
+        checked = runner.prepare(*config_from_flags(FLAGS))
     except ValueError as error:
         usage_error(str(error))
     try:
-        runner.run(config, explicitly_set)
+        runner.run(checked)
     except errors.RunError as error:  # e.g. a full disk, ranks that disagree
         usage_error(str(error))
 
