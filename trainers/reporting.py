@@ -1,12 +1,15 @@
 """What a run measured, per step and per epoch, and the files that report it.
 
-`StepTimer` times steps by phase. `EpochRecorder` also keeps the training clock (paused
-while evaluating), evaluates mid-epoch on request, averages metrics over ranks, adds the
-learning rate, damping and fresh-example count to the epoch logs (so the progress bar, CSV
-and TensorBoard all show them) and notes when the target accuracy was first reached.
-`EpochWriter` turns that record into `metrics.csv` and TensorBoard scalars; only the chief
-rank uses it. Everything the recorder keeps lives in `RunCounters`, which the checkpoint
-stores, so a resumed run reports the same totals as an uninterrupted one.
+`StepTimer` times steps by phase, `TrainingClock` keeps the training time (paused while
+evaluating), `RankAggregator` combines what the ranks measured, `EvaluationLog` keeps every
+evaluation and notes when the target accuracy was first reached, and `running_metrics` /
+`add_running_metrics` carry an epoch's running metrics across a checkpoint. `EpochRecorder`
+drives them from `fit`'s callbacks, evaluates mid-epoch on request and adds the learning
+rate, damping and fresh-example count to the epoch logs (so the progress bar, CSV and
+TensorBoard all show them). `EpochWriter` turns that record into `metrics.csv` and
+TensorBoard scalars; only the chief rank uses it. Everything the recorder keeps lives in
+`RunCounters`, which the checkpoint stores, so a resumed run reports the same totals as an
+uninterrupted one.
 """
 
 import csv
@@ -101,11 +104,123 @@ class StepTimer(keras.callbacks.Callback):
         self.totals[phase] = [count + 1, total + elapsed]
 
 
-class EpochRecorder(StepTimer):
-    """Measures a run, evaluates it on schedule, and completes each epoch's logs.
+class TrainingClock:
+    """A run's training time, added up in `counters.train_time_s`: the clock runs from
+    `start` to `stop`, so the trainer stops it around evaluation and time to target is
+    training time."""
 
-    The training clock runs only while training: evaluation (at epoch ends and every
-    `eval_every_steps` steps) is paused out of it, so time to target is training time.
+    def __init__(self, counters):
+        self._counters = counters
+        self._started = None
+
+    def start(self):
+        self._started = time.perf_counter()
+
+    def stop(self):
+        if self._started is not None:
+            self._counters.train_time_s += time.perf_counter() - self._started
+            self._started = None
+
+
+class RankAggregator:
+    """What each rank measured, combined over the ranks (identity on one process)."""
+
+    def __init__(self, communicator):
+        self._communicator = communicator
+
+    def mean_metrics(self, metrics):
+        """The scalar entries of `metrics` as their mean over ranks."""
+        keys = sorted(key for key, value in metrics.items() if np.isscalar(value))
+        values = [tf.constant(float(metrics[key]), tf.float64) for key in keys]
+        averaged = self._communicator.grouped_allreduce_mean(values, category="metrics")
+        return {key: float(value) for key, value in zip(keys, averaged)}
+
+    def total_fresh_examples(self, count):
+        """`count` fresh examples read by this process, summed over processes (mean x
+        their count; a process feeds `len(local_ranks)` ranks from one stream)."""
+        local = tf.constant(float(count), tf.float64)
+        mean = self._communicator.grouped_allreduce_mean([local], category="metrics")[0]
+        processes = self._communicator.size // len(self._communicator.local_ranks)
+        return int(round(float(mean) * processes))
+
+
+class EvaluationLog:
+    """Every evaluation of a run, in `counters.evaluations` (the accuracy-vs-time curve),
+    and the first to reach `target_accuracy`, in `counters.to_target`."""
+
+    def __init__(self, counters, target_accuracy=None):
+        self._counters = counters
+        self._target_accuracy = target_accuracy
+
+    @property
+    def target_reached(self):
+        return self._counters.to_target is not None
+
+    def record(self, metrics, fresh_examples, epochs):
+        """Adds an evaluation at the counters' current totals; returns whether it is the
+        first to reach the target accuracy."""
+        counters = self._counters
+        point = {"steps": counters.steps, "epochs": epochs,
+                 "train_time_s": counters.train_time_s, "fresh_examples": fresh_examples}
+        point.update(metrics)
+        counters.evaluations.append(point)
+        accuracy = metrics.get(EVAL_ACCURACY_KEY)
+        if (self._target_accuracy is None or self.target_reached or accuracy is None
+                or accuracy < self._target_accuracy):
+            return False
+        counters.to_target = {"time_s": point["train_time_s"], "steps": point["steps"],
+                              "epochs": epochs, "fresh_examples": fresh_examples,
+                              "accuracy": float(accuracy)}
+        return True
+
+
+def running_metrics(model):
+    """The model's metric variables (the epoch's running sums and counts so far), as
+    lists a checkpoint can hold."""
+    return [variable.numpy().tolist() for variable in getattr(model, "metrics_variables", [])]
+
+
+def add_running_metrics(model, saved):
+    """Adds `saved` (`running_metrics` of an epoch a checkpoint cut) to the model's metric
+    variables, so a resumed run continues the epoch's means (every metric here is a mean
+    of sums and counts). `errors.RunError` if they do not fit the model's variables."""
+    variables = model.metrics_variables
+    saved_shapes = [np.shape(value) for value in saved]
+    shapes = [tuple(variable.shape) for variable in variables]
+    if saved_shapes != shapes:
+        raise errors.RunError(
+            "the checkpoint resumed from holds the epoch's running metrics (epoch_metrics) "
+            f"as {len(saved_shapes)} values of shapes {saved_shapes}, the model has "
+            f"{len(shapes)} metric variables of shapes {shapes}: the checkpoint is damaged "
+            "or was written for other metrics; delete it (the newest in checkpoints/) to "
+            "resume from the one before")
+    for variable, value in zip(variables, saved):
+        variable.assign_add(np.asarray(value, variable.dtype))
+
+
+def add_history_row(counters, logs):
+    """The epoch just ended as a row of `counters.history`: the run's totals and the
+    epoch's logs. It replaces the row of an epoch a checkpoint had cut (whose rest has
+    just run)."""
+    row = {"epoch": counters.epochs, "steps": counters.steps,
+           "train_time_s": counters.train_time_s}
+    row.update({key: float(value) for key, value in logs.items()})
+    if counters.history and counters.history[-1]["epoch"] == counters.epochs:
+        counters.history[-1] = row
+    else:
+        counters.history.append(row)
+
+
+class EpochRecorder(keras.callbacks.Callback):
+    """Keeps a run's `RunCounters` as `fit` calls back, and completes each epoch's logs.
+
+    It times steps (`StepTimer`), runs the training clock only while training
+    (`TrainingClock`), evaluates every `eval_every_steps` steps besides `fit`'s own
+    evaluation at each epoch's end and logs each one (`EvaluationLog`), averages metrics
+    over ranks (`RankAggregator`), and adds the learning rate, damping and
+    fresh-example count to the epoch logs, so the progress bar, CSV and TensorBoard all
+    show them. Each callback runs its collectives (metric means, fresh-example sums) in
+    the same order on every rank.
 
     Args:
       counters: the `RunCounters` to update (restored ones when resuming).
@@ -127,90 +242,61 @@ class EpochRecorder(StepTimer):
     def __init__(self, counters, communicator, scalars_fn, fresh_examples_fn, phase_fn,
                  evaluate_fn=None, eval_every_steps=0, target_accuracy=None,
                  stop_at_target=False, steps_per_epoch=None, epoch_metrics=None):
-        super().__init__(phase_fn, counters.step_time, first_step=counters.steps)
-        self._steps_per_epoch = steps_per_epoch
-        self._metrics_to_restore = epoch_metrics
-        self.epoch_metrics = None
+        super().__init__()
         self.counters = counters
-        self._communicator = communicator
+        self.epoch_metrics = None
+        self._metrics_to_restore = epoch_metrics
+        self._timer = StepTimer(phase_fn, counters.step_time, first_step=counters.steps)
+        self._clock = TrainingClock(counters)
+        self._ranks = RankAggregator(communicator)
+        self._evaluations = EvaluationLog(counters, target_accuracy)
         self._scalars_fn = scalars_fn
         self._fresh_examples_fn = fresh_examples_fn
         self._evaluate_fn = evaluate_fn
         self._eval_every_steps = eval_every_steps
-        self._target_accuracy = target_accuracy
         self._stop_at_target = stop_at_target
-        self._clock_start = None
+        self._steps_per_epoch = steps_per_epoch
         self._epoch_steps = 0
 
     @property
     def target_reached(self):
-        return self.counters.to_target is not None
+        return self._evaluations.target_reached
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_steps = 0
-        self._start_clock()
+        self._clock.start()
 
-    def _add_restored_metrics(self):
-        """Continuing an epoch a checkpoint cut: adds the epoch's running sums and counts
-        from before the cut (every metric here is a mean of sums and counts). Done after
-        the first step, when Keras has built all of the compiled metrics' variables."""
-        variables = self.model.metrics_variables
-        saved_shapes = [np.shape(value) for value in self._metrics_to_restore]
-        shapes = [tuple(variable.shape) for variable in variables]
-        if saved_shapes != shapes:
-            raise errors.RunError(
-                "the checkpoint resumed from holds the epoch's running metrics (epoch_metrics) "
-                f"as {len(saved_shapes)} values of shapes {saved_shapes}, the model has "
-                f"{len(shapes)} metric variables of shapes {shapes}: the checkpoint is damaged "
-                "or was written for other metrics; delete it (the newest in checkpoints/) to "
-                "resume from the one before")
-        for variable, value in zip(variables, self._metrics_to_restore):
-            variable.assign_add(np.asarray(value, variable.dtype))
-        self._metrics_to_restore = None
-
-    def _epochs_at(self, step_in_fit):
-        """Epochs done (fractional) after `step_in_fit` steps of the current fit."""
-        if self._steps_per_epoch:
-            return self.counters.steps / self._steps_per_epoch
-        return self.counters.epochs + step_in_fit / self.params["steps"]
+    def on_train_batch_begin(self, batch, logs=None):
+        self._timer.on_train_batch_begin(batch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._metrics_to_restore is not None:
-            self._add_restored_metrics()
-        super().on_train_batch_end(batch, logs)
-        self.counters.steps = self.step
+            # After the first step: Keras has built all of the compiled metrics' variables.
+            add_running_metrics(self.model, self._metrics_to_restore)
+            self._metrics_to_restore = None
+        self._timer.on_train_batch_end(batch, logs)
+        self.counters.steps = self._timer.step
         self._epoch_steps += 1
         last_of_epoch = self._epoch_steps == self.params.get("steps")
-        if (self._eval_every_steps and self.step % self._eval_every_steps == 0
+        if (self._eval_every_steps and self.counters.steps % self._eval_every_steps == 0
                 and not last_of_epoch):  # fit itself evaluates after the last step
-            self._stop_clock()
-            metrics = self._averaged(self._evaluate_fn())
-            fresh = self.counters.fresh_examples + self._global_fresh_examples()
-            self._record_evaluation(metrics, fresh, self._epochs_at(self._epoch_steps))
-            self._start_clock()
+            self._evaluate_mid_epoch()
 
     def on_test_begin(self, logs=None):
-        self._stop_clock()  # fit's own evaluation after the epoch's last step
+        self._clock.stop()  # fit's own evaluation after the epoch's last step
         # The epoch's running training metrics, before evaluation resets them: a
         # checkpoint taken mid-epoch stores them for the run that continues it.
-        self.epoch_metrics = [variable.numpy().tolist()
-                              for variable in getattr(self.model, "metrics_variables", [])]
+        self.epoch_metrics = running_metrics(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._stop_clock()
+        self._clock.stop()
         counters = self.counters
         counters.epochs = epoch + 1
-        logs.update(self._averaged(logs))
-        counters.fresh_examples += self._global_fresh_examples()
+        logs.update(self._ranks.mean_metrics(logs))
+        counters.fresh_examples += self._ranks.total_fresh_examples(self._fresh_examples_fn())
         logs.update(self._scalars_fn())
         logs["fresh_examples"] = counters.fresh_examples
-        row = {"epoch": counters.epochs, "steps": counters.steps,
-               "train_time_s": counters.train_time_s}
-        row.update({key: float(value) for key, value in logs.items()})
-        if counters.history and counters.history[-1]["epoch"] == counters.epochs:
-            counters.history[-1] = row  # the rest of an epoch a checkpoint had cut
-        else:
-            counters.history.append(row)
+        add_history_row(counters, logs)
         epochs = (counters.steps / self._steps_per_epoch if self._steps_per_epoch
                   else counters.epochs)
         self._record_evaluation({k: v for k, v in logs.items() if k.startswith("val_")},
@@ -221,48 +307,30 @@ class EpochRecorder(StepTimer):
         clock stops, the fresh examples read so far are counted and the epoch's running
         metrics kept in `epoch_metrics` for the checkpoint, as `on_test_begin` and
         `on_epoch_end` do; the epoch gets no history row, since it is not over."""
-        self._stop_clock()
-        self.counters.fresh_examples += self._global_fresh_examples()
-        self.epoch_metrics = [variable.numpy().tolist()
-                              for variable in getattr(self.model, "metrics_variables", [])]
+        self._clock.stop()
+        self.counters.fresh_examples += self._ranks.total_fresh_examples(
+            self._fresh_examples_fn())
+        self.epoch_metrics = running_metrics(self.model)
 
-    def _start_clock(self):
-        self._clock_start = time.perf_counter()
+    def _evaluate_mid_epoch(self):
+        """Evaluates with the training clock stopped."""
+        self._clock.stop()
+        metrics = self._ranks.mean_metrics(self._evaluate_fn())
+        fresh = self.counters.fresh_examples + self._ranks.total_fresh_examples(
+            self._fresh_examples_fn())
+        self._record_evaluation(metrics, fresh, self._epochs_at(self._epoch_steps))
+        self._clock.start()
 
-    def _stop_clock(self):
-        if self._clock_start is not None:
-            self.counters.train_time_s += time.perf_counter() - self._clock_start
-            self._clock_start = None
+    def _epochs_at(self, step_in_fit):
+        """Epochs done (fractional) after `step_in_fit` steps of the current fit."""
+        if self._steps_per_epoch:
+            return self.counters.steps / self._steps_per_epoch
+        return self.counters.epochs + step_in_fit / self.params["steps"]
 
     def _record_evaluation(self, metrics, fresh_examples, epochs):
-        counters = self.counters
-        point = {"steps": counters.steps, "epochs": epochs,
-                 "train_time_s": counters.train_time_s, "fresh_examples": fresh_examples}
-        point.update(metrics)
-        counters.evaluations.append(point)
-        accuracy = metrics.get(EVAL_ACCURACY_KEY)
-        if (self._target_accuracy is not None and counters.to_target is None
-                and accuracy is not None and accuracy >= self._target_accuracy):
-            counters.to_target = {"time_s": point["train_time_s"], "steps": point["steps"],
-                                  "epochs": epochs, "fresh_examples": fresh_examples,
-                                  "accuracy": float(accuracy)}
-            if self._stop_at_target:
-                self.model.stop_training = True
+        if self._evaluations.record(metrics, fresh_examples, epochs) and self._stop_at_target:
+            self.model.stop_training = True
 
-    def _averaged(self, metrics):
-        """Scalar metrics as their mean over ranks (identity on one process)."""
-        keys = sorted(key for key, value in metrics.items() if np.isscalar(value))
-        values = [tf.constant(float(metrics[key]), tf.float64) for key in keys]
-        averaged = self._communicator.grouped_allreduce_mean(values, category="metrics")
-        return {key: float(value) for key, value in zip(keys, averaged)}
-
-    def _global_fresh_examples(self):
-        """This epoch's fresh examples so far, summed over processes (mean x their count;
-        a process feeds `len(local_ranks)` ranks from one stream)."""
-        local = tf.constant(float(self._fresh_examples_fn()), tf.float64)
-        mean = self._communicator.grouped_allreduce_mean([local], category="metrics")[0]
-        processes = self._communicator.size // len(self._communicator.local_ranks)
-        return int(round(float(mean) * processes))
 
 class RunProgressBar(keras.callbacks.ProgbarLogger):
     """Keras's progress bar, counting the run's epochs: the trainer calls `fit` once per
