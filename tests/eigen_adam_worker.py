@@ -6,8 +6,8 @@ DTYPES) with `model.fit` and `tfkfac.KFAC` on the Horovod communicator, on this 
 half of every global batch of 2B examples, and saves what this rank holds to
 `$EIGEN_ADAM_OUT_DIR/<scenario>.rank<r>.npz`, one scenario per case of CASES
 (`<placement>_<method>[_grafting_<kind>]`): the trainable weights after STEPS steps
-(decompositions every DECOMPOSITION_FREQ steps), every saved optimizer variable (under
-"replicated" eigenbasis Adam's moments, under grafting Adam's v) and the counters.
+(decompositions every DECOMPOSITION_FREQ steps), every saved optimizer variable
+(eigenbasis Adam's moments, under grafting Adam's v) and the counters.
 RESTORE_CASE is also saved by rank 0 as a .keras file after RESTORE_AFTER steps, then
 loaded (`load_model` + `attach`) on every rank and trained to STEPS again. `run(comm,
 case)` with a single-process communicator is the test's reference with batch 2B.

@@ -18,7 +18,7 @@ with `model.fit`; each rank saves what it holds. The checks:
 - fit logs averaged over ranks inside Keras's `steps_per_execution` loop, with one rank's
   metric arriving late, finish on both ranks with identical values;
 - "owner" placement holds only the decompositions of the layers a rank owns, and a
-  checkpoint written by rank 0 restores on both ranks (decompositions recomputed);
+  checkpoint written by rank 0 restores on both ranks (decompositions rebuilt);
 - factor_examples="fresh" (data echoing): with fresh examples on one rank only, on both,
   or on none (batch-echo repeats), 2 ranks equal 1 process on the concatenated batches;
   the first factors equal plain K-FAC's on the fresh examples alone (the other rank has
@@ -168,21 +168,23 @@ class DistributedKfacTest(checks.ScenarioChecks, absltest.TestCase):
             replicated = factor_bytes + sum(per_block)
             self.assertEqual(self.held(f"equivalence_replicated_{method}", "state_bytes"),
                              replicated, method)
-            held = [int(saved["state_bytes"]) - factor_bytes
+            # Under "owner" every rank also holds a copy of the factors the
+            # decompositions came from, and their damping (saved in their place).
+            held = [int(saved["state_bytes"]) - 2 * factor_bytes - FLOAT32
                     for saved in self.saved[f"equivalence_owner_{method}"]]
             # Greedy LPT on dim^3 gives the hidden layer (145, 32) one rank, the conv and
             # logits layers the other: each rank holds its own layers' decompositions.
             self.assertCountEqual(held, [per_block[1], per_block[0] + per_block[2]], method)
             logging.info("%s: K-FAC state per rank %s bytes (owner) vs %d (replicated)",
-                         method, [h + factor_bytes for h in held], replicated)
+                         method, [h + 2 * factor_bytes + FLOAT32 for h in held], replicated)
 
     def test_owner_checkpoint_from_rank_0_restores_on_every_rank(self):
-        # Decompositions at steps 0 and 4, recomputed at 6 right after the restore (they
-        # are not in the checkpoint), then at the scheduled step 8.
+        # Decompositions at steps 0 and 4, rebuilt at 6 right after the restore from the
+        # saved factors they came from (uncounted), then at the scheduled step 8.
         steps = 2 * worker.RESTORE_STEPS
         self.assertEqual(worker.RESTORE_DECOMPOSITION_FREQ, 4)
         self.assert_weights_match("owner_restore", self.restore_reference,
-                                  [steps, steps, 4])
+                                  [steps, steps, 3])
 
     def test_steps_per_execution_runs_collectives_inside_while_loop(self):
         cases = [c for c in worker.EQUIVALENCE_CASES if c[2] > 1]

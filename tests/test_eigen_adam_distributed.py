@@ -6,9 +6,9 @@ its half of every global batch; the same function in this process with batch 2B 
 reference (with one process both placements run the same code: one reference per
 method). For `method="eigen_adam"` and for `grafting="adam"` under both placements:
 - 2 ranks end with the weights of one process on the double batch;
-- every saved optimizer variable is bit-identical on both ranks; under "replicated" the
-  eigenbasis moments s are among them (held and saved on every rank) and equal the one
-  process's, under "owner" they are not (rank-local on each block's owner, not saved);
+- every saved optimizer variable is bit-identical on both ranks; the eigenbasis moments
+  s are among them under both placements (held and saved on every rank; under "owner"
+  gathered from each block's owner) and equal the one process's;
   grafting's v (from the rank-averaged gradients) is saved under both and equals the
   one process's;
 - a .keras file saved by rank 0 mid-run (replicated eigen_adam) loads on both ranks with
@@ -104,7 +104,7 @@ class EigenAdamDistributedTest(absltest.TestCase):
                 moments = [k for k in keys if is_moment(k)]
                 graft_v = [k for k in keys if is_graft_v(k)]
                 reference = self.references[method, grafting]
-                if method == "eigen_adam" and placement == "replicated":
+                if method == "eigen_adam":
                     self.assertNotEmpty(moments)
                     self.assert_matches_reference(scenario, reference, is_moment, method)
                 else:

@@ -18,6 +18,10 @@ from tfkfac import distributed, linalg, state as state_lib
 from tfkfac.blocks.base import EigenbasisAdam, batch_size
 
 
+# `Curvature.decomposed_damping` before the first decomposition (dampings are > 0).
+NOT_DECOMPOSED = -1.0
+
+
 def warn_if(condition, *message):
     """Print `message` to stderr when the (graph-time) `condition` holds."""
     def warn():
@@ -50,6 +54,7 @@ class Curvature:
         self.factor_batch_fraction = config.factor_batch_fraction
         self.states = None
         self.counters = None
+        self.decomposed_damping = None
         self._frozen = set()
         xla = config.xla
         jit = bool(tf.config.list_physical_devices("GPU")) if xla == "auto" else xla
@@ -59,12 +64,12 @@ class Curvature:
 
     # ----------------------------------------------------------------- state
     def create_state(self, counters, add_variable):
-        """Create every block's factors, held decompositions and (method "eigen_adam")
-        the second moments of the blocks this rank preconditions, in a stable order.
+        """Create every block's factors, held decompositions and, under "replicated", its
+        eigenbasis moments (method "eigen_adam"), in a stable order.
 
-        `add_variable(shape, initializer, name, dtype)` makes a saved optimizer variable. An
-        owner's decompositions are rank-specific and not saved; after a restore they are
-        missing, so the first step recomputes them from the restored factors.
+        `add_variable(shape, initializer, name, dtype)` makes a saved optimizer variable.
+        An owner's decompositions are rank-specific and not saved; `create_rebuild_state`
+        makes the saved state it rebuilds them from after a restore.
         """
         self.counters = counters
         self.states = []
@@ -80,22 +85,43 @@ class Curvature:
                      for k, shape in enumerate(shapes)]
                     for j, shapes in enumerate(block.decomposition_shapes(self.method))]
             moments = None
-            if self.method == "eigen_adam" and b in self.placement.preconditioned_blocks():
-                moments = [self._decomposition_variable(
-                               add_variable, shape, f"{block.name}_moment{k}", self.dtype,
-                               "zeros")
-                           for k, shape in enumerate(block.moment_shapes())]
+            if self.method == "eigen_adam" and self.placement.saves_decompositions:
+                moments = self._moment_variables(add_variable, block)
             self.states.append(state_lib.BlockState(factors, decompositions, moments))
         with tf.init_scope():
             self.decompositions_current = tf.Variable(
                 self.placement.saves_decompositions, trainable=False,
                 name="decompositions_current")
 
-    def _decomposition_variable(self, add_variable, shape, name, dtype, initializer=None):
+    def create_rebuild_state(self, add_variable):
+        """Under "owner", on every rank, all a resumed owner needs to go on as the
+        uninterrupted run, whichever rank wrote the checkpoint: per block with
+        decompositions a copy of the factors they were last computed from (in host
+        memory), the eigenbasis moments of every block (method "eigen_adam"), and the
+        damping of the decompositions (`NOT_DECOMPOSED` until the first). Made after
+        grafting's state, last, so that saves from before it existed still line up."""
+        self.decomposed_damping = None
+        if self.placement.saves_decompositions:
+            return
+        for block, state in zip(self.blocks, self.states):
+            if block.symmetric_factors():
+                with tf.device("/CPU:0"):
+                    state.decomposed = [
+                        add_variable(shape, "zeros", f"{block.name}_decomposed{i}", self.dtype)
+                        for i, shape in enumerate(block.factor_shapes())]
+            if self.method == "eigen_adam":
+                state.moments = self._moment_variables(add_variable, block)
+        self.decomposed_damping = add_variable(
+            (), keras.initializers.Constant(NOT_DECOMPOSED), "decomposed_damping", self.dtype)
+
+    def _moment_variables(self, add_variable, block):
+        return [add_variable(shape, "zeros", f"{block.name}_moment{k}", self.dtype)
+                for k, shape in enumerate(block.moment_shapes())]
+
+    def _decomposition_variable(self, add_variable, shape, name, dtype):
         """A variable held where the placement holds decompositions: saved if they are."""
-        if initializer is None:  # a placeholder until step 0
-            square = len(shape) >= 2 and shape[-1] == shape[-2]
-            initializer = state_lib.identities if square else "zeros"
+        square = len(shape) >= 2 and shape[-1] == shape[-2]
+        initializer = state_lib.identities if square else "zeros"  # until step 0
         if self.placement.saves_decompositions:
             return add_variable(shape, initializer, name, dtype)
         # Not an optimizer variable: outside `variables`, so checkpoints skip it.
@@ -104,9 +130,31 @@ class Curvature:
                                   trainable=False, name=name)
 
     def variables(self, saved_only):
-        """Per-block factors and held decompositions (only saved ones if `saved_only`)."""
-        with_decompositions = self.placement.saves_decompositions or not saved_only
-        return [v for s in self.states for v in s.variables(with_decompositions)]
+        """Per block its factors, then the decompositions and moments saved with them
+        ("replicated"); an owner's held decompositions too unless `saved_only`."""
+        replicated = self.placement.saves_decompositions
+        return [v for s in self.states
+                for v in s.variables(decompositions=replicated or not saved_only,
+                                     moments=replicated)]
+
+    def rebuild_variables(self):
+        """`create_rebuild_state`'s variables, in save order (none under "replicated")."""
+        if self.decomposed_damping is None:
+            return []
+        return [v for s in self.states for v in s.rebuild_variables()] + [
+            self.decomposed_damping]
+
+    def restored(self, complete):
+        """After a save was loaded into the state: an owner's decompositions are stale
+        until rebuilt (the next training step). Without the rebuild state (`complete`
+        False: a save written before tfkfac saved it) the owner rebuilds from the
+        restored factors instead, with a warning, and the moments start from zero."""
+        self.decompositions_current.assign(self.placement.saves_decompositions)
+        if not complete:
+            self.decomposed_damping.assign(NOT_DECOMPOSED)
+            for state in self.states:
+                for moment in state.moments or []:
+                    moment.assign(tf.zeros_like(moment))
 
     def block_of(self, layer):
         """The block managing `layer`: a Keras layer, its path ("mha/query") or its name."""
@@ -197,8 +245,36 @@ class Curvature:
                 for b, j in items}
 
     def update_decompositions(self, damping):
-        """Recompute the decompositions this rank holds; returns how many failed."""
+        """Recompute the decompositions this rank holds; returns how many failed. Under
+        "owner" every rank also keeps the factors and damping they came from."""
         factors = [s.factor_values() for s in self.states]
+        failed = self._hold_decompositions(factors, damping)
+        for state, values in zip(self.states, factors):
+            for copy, value in zip(state.decomposed or [], values):
+                copy.assign(value)
+        if self.decomposed_damping is not None:
+            self.decomposed_damping.assign(damping)
+        self.counters.failed_decompositions.assign_add(failed)
+        self.counters.decomposition_updates.assign_add(1)
+        return failed
+
+    def rebuild_decompositions(self, damping):
+        """An owner's decompositions after a restore, as the run last computed them: from
+        the saved decomposed factors and their damping, the inputs of that computation.
+        From a save without them (an older tfkfac's), from the restored factors and
+        `damping`, with a warning. Counts nothing: the run's computation was counted."""
+        saved = self.decomposed_damping >= 0
+        warn_if(tf.logical_not(saved), "KFAC warning: the restored state holds no "
+                "decomposed factors (saved by an older tfkfac under placement \"owner\"); "
+                "decompositions recomputed from the restored factors")
+        factors = [[tf.where(saved, copy.value, value) for copy, value in
+                    zip(s.decomposed or s.factors, s.factor_values())] for s in self.states]
+        return self._hold_decompositions(
+            factors, tf.where(saved, self.decomposed_damping.value, damping))
+
+    def _hold_decompositions(self, factors, damping):
+        """This rank's decompositions of `factors` with `damping`, shared as the placement
+        says and assigned where finite; returns how many failed."""
         owned = self.placement.decomposed_items()
         results = self._decompose_fn(owned, factors, damping) if owned else {}
         results = self.placement.share_decompositions(results, self.decomposition_wire_dtype)
@@ -210,26 +286,29 @@ class Curvature:
                 variable.assign(tf.where(ok, tf.cast(value, variable.dtype), variable))
             failures.append(tf.logical_not(ok))
         failed = tf.reduce_sum(tf.cast(failures, tf.int64))
-        self.counters.failed_decompositions.assign_add(failed)
-        self.counters.decomposition_updates.assign_add(1)
         warn_if(failed > 0, "KFAC warning:", failed,
                 "decomposition(s) not finite; keeping the previous ones")
         self.decompositions_current.assign(True)
         return failed
 
     def update_decompositions_if_due(self, step, damping, interval, ready=True):
-        """`update_decompositions` at a due and `ready` step (as for factors), or when a
-        restore left none ("owner")."""
+        """`update_decompositions` at a due and `ready` step (as for factors). Under
+        "owner", at another step after a restore, `rebuild_decompositions` (the schedule
+        is the saved one); before the first decomposition there is nothing to rebuild."""
         def update():
             failed = self.update_decompositions(damping)
-            # A recomputation after a restore keeps the saved schedule.
-            self.counters.next_decomposition_step.assign(tf.where(
-                due, step + interval(step), self.counters.next_decomposition_step))
+            self.counters.next_decomposition_step.assign(step + interval(step))
             return failed
 
+        def rebuild_if_stale():
+            stale = tf.logical_and(tf.logical_not(self.decompositions_current),
+                                   self.counters.decomposition_updates > 0)
+            return tf.cond(stale, lambda: self.rebuild_decompositions(damping), none_failed)
+
+        none_failed = lambda: tf.constant(0, tf.int64)
         due = tf.logical_and(step >= self.counters.next_decomposition_step, ready)
-        needed = tf.logical_or(due, tf.logical_not(self.decompositions_current))
-        return tf.cond(needed, update, lambda: tf.constant(0, tf.int64))
+        return tf.cond(due, update, none_failed if self.decomposed_damping is None
+                       else rebuild_if_stale)
 
     # ------------------------------------------------------- preconditioning
     def _precondition(self, block_indices, block_grads, factors, decompositions, damping,
@@ -272,12 +351,14 @@ class Curvature:
             [s.factor_values() for s in states], [s.decomposition_values() for s in states],
             damping, [s.moment_values() for s in states],
             tf.cast(step, self.dtype) + 1) if indices else ({}, {})
-        if update_moments:
-            for b, values in moments.items():
-                for variable, value in zip(self.states[b].moments, values):
-                    variable.assign(value)
-        preconditioned = self.placement.share_preconditioned(
-            local, self.decomposition_wire_dtype)
+        # The updated moments to store: under "owner" they travel with the preconditioned
+        # gradients, so that every rank holds (and saves) every block's.
+        updating = self.method == "eigen_adam" and update_moments
+        preconditioned, moments = self.placement.share_preconditioned(
+            local, self.decomposition_wire_dtype, moments if updating else None)
+        for b, values in moments.items():
+            for variable, value in zip(self.states[b].moments, values):
+                variable.assign(value)
         if scale is not None:
             nu = scale(preconditioned, block_grads)
             preconditioned = [[p * nu for p in ps] for ps in preconditioned]
@@ -327,7 +408,7 @@ class Curvature:
                    for b in self.blocks]
         state_bytes = 0 if self.states is None else sum(
             int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
-            for v in self.variables(saved_only=False))
+            for v in self.variables(saved_only=False) + self.rebuild_variables())
         return {"managed": managed, "state_bytes": state_bytes}
 
 

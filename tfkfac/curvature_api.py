@@ -10,6 +10,13 @@ from tfkfac import state as state_lib
 from tfkfac.attachment import NOT_ATTACHED
 
 
+NO_DECOMPOSITIONS = ("it needs decompositions: train at least one step first (factors and "
+                     "decompositions are computed in the training step).")
+STALE = ("this rank's decompositions are not current: placement \"owner\" does not save "
+         "them, and the first training step after a restore rebuilds them from the saved "
+         "factors. Train one step first.")
+
+
 class CurvatureAPI:
     """Reads `_curvature`, `_counters`, `_skipped`, `_clocks` and `iterations` of KFAC."""
 
@@ -32,17 +39,32 @@ class CurvatureAPI:
 
         What the update receives, before the KL clip: managed variables' gradients become
         (curvature + λI)⁻¹ ∇ per docs/design.md; the others come back unchanged. Usable
-        eagerly or in a `tf.function`, after a training step has computed decompositions;
-        in a multi-process job every rank calls it (placement "owner" gathers).
+        eagerly or in a `tf.function` (under a tf.distribute strategy, inside
+        `strategy.run`), after a training step has computed decompositions, and after a
+        restore under placement "owner" once a training step has rebuilt this rank's;
+        before, it raises (in a `tf.function`, when it runs). In a multi-process job
+        every rank calls it (placement "owner" gathers).
         """
-        if self._counters is None or (
-                tf.executing_eagerly() and not int(self._counters.decomposition_updates)):
-            raise RuntimeError(
-                "KFAC.precondition needs decompositions: train at least one step first "
-                "(factors and decompositions are computed in the training step).")
+        if self._counters is None:
+            raise RuntimeError(f"KFAC.precondition: {NO_DECOMPOSITIONS}")
         damping = self._damping_at(self.iterations)
-        return self._curvature.precondition(list(gradients), list(variables), damping,
-                                            step=self.iterations, update_moments=False)
+        precondition = lambda: self._curvature.precondition(
+            list(gradients), list(variables), damping, step=self.iterations,
+            update_moments=False)
+        updates = self._counters.decomposition_updates
+        current = self._curvature.decompositions_current
+        if not tf.executing_eagerly():
+            with tf.control_dependencies([
+                    tf.debugging.Assert(updates > 0, [f"KFAC.precondition: {NO_DECOMPOSITIONS}"]),
+                    tf.debugging.Assert(current, [f"KFAC.precondition: {STALE}"])]):
+                return precondition()
+        # `.numpy()`: in cross-replica context a strategy's variable reads as its first
+        # replica's.
+        if not updates.numpy():
+            raise RuntimeError(f"KFAC.precondition: {NO_DECOMPOSITIONS}")
+        if not current.numpy():
+            raise RuntimeError(f"KFAC.precondition: {STALE}")
+        return precondition()
 
     def summary(self):
         """Managed and skipped layers, factor shapes, state size, counters, timings."""

@@ -72,20 +72,24 @@ class Placement:
         """Indices of the blocks this rank preconditions."""
         raise NotImplementedError
 
-    def share_preconditioned(self, local, wire_dtype):
-        """Every block's preconditioned gradients from this rank's {block: gradients}."""
+    def share_preconditioned(self, local, wire_dtype, moments=None):
+        """(every block's preconditioned gradients, {block: eigenbasis moments} to store)
+        from this rank's {block: gradients} and, if not None, {block: updated moments}."""
         raise NotImplementedError
 
-    def _gather(self, local, owners, shapes_of, keys, wire_dtype, category):
-        """{key: values} for all `keys`, each computed by its owner (one allgather)."""
-        values, shapes, item_owners = [], [], []
+    def _gather(self, local, owners, shapes_of, keys, wire_dtype, category, exact_from=None):
+        """{key: values} for all `keys`, each computed by its owner (one allgather).
+        Values from index `exact_from(key)` on travel bit-exactly, whatever the wire."""
+        values, shapes, item_owners, exact = [], [], [], []
         for key, owner in zip(keys, owners):
+            first_exact = len(shapes_of(key)) if exact_from is None else exact_from(key)
             for k, shape in enumerate(shapes_of(key)):
                 values.append(local[key][k] if key in local else None)
                 shapes.append(shape)
                 item_owners.append(owner)
+                exact.append(k >= first_exact)
         gathered = iter(distributed.gather_from_owners(
-            self.comm, values, shapes, item_owners, wire_dtype, category, self.dtype))
+            self.comm, values, shapes, item_owners, wire_dtype, category, self.dtype, exact))
         return {key: [next(gathered) for _ in shapes_of(key)] for key in keys}
 
 
@@ -115,15 +119,18 @@ class Replicated(Placement):
     def preconditioned_blocks(self):
         return list(range(len(self.blocks)))
 
-    def share_preconditioned(self, local, wire_dtype):
-        return [local[b] for b in range(len(self.blocks))]
+    def share_preconditioned(self, local, wire_dtype, moments=None):
+        return [local[b] for b in range(len(self.blocks))], moments or {}
 
 
 class Owner(Placement):
     """Each block's owner decomposes and preconditions it (Osawa et al.).
 
-    Preconditioned gradients are gathered every step; a rank holds only its own blocks'
-    decompositions, which are rank-specific and not saved (recomputed after a restore).
+    Preconditioned gradients are gathered every step, with the eigenbasis moments the
+    owners updated (method "eigen_adam"), so that every rank holds every block's. A rank
+    holds only its own blocks' decompositions, which are rank-specific and not saved: a
+    resumed owner rebuilds them from the decomposed factors every rank saves
+    (`Curvature.create_rebuild_state`).
     """
 
     name = "owner"
@@ -148,11 +155,17 @@ class Owner(Placement):
     def preconditioned_blocks(self):
         return [b for b in range(len(self.blocks)) if self._owns(b)]
 
-    def share_preconditioned(self, local, wire_dtype):
-        shapes_of = lambda b: [v.shape for v in self.blocks[b].variables]
-        gathered = self._gather(local, self.owners, shapes_of, range(len(self.blocks)),
-                                wire_dtype, "preconditioned")
-        return [gathered[b] for b in range(len(self.blocks))]
+    def share_preconditioned(self, local, wire_dtype, moments=None):
+        blocks = range(len(self.blocks))
+        grad_shapes = lambda b: [v.shape for v in self.blocks[b].variables]
+        moment_shapes = lambda b: [] if moments is None else self.blocks[b].moment_shapes()
+        gathered = self._gather(
+            {b: local[b] + (moments[b] if moments is not None else []) for b in local},
+            self.owners, lambda b: grad_shapes(b) + moment_shapes(b), blocks, wire_dtype,
+            "preconditioned", lambda b: len(grad_shapes(b)))
+        return ([gathered[b][:len(grad_shapes(b))] for b in blocks],
+                {} if moments is None else {b: gathered[b][len(grad_shapes(b)):]
+                                            for b in blocks})
 
 
 def make_placement(name, blocks, comm, method, dtype="float32"):

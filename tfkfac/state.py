@@ -2,7 +2,11 @@
 
 Checkpoints save optimizer variables by creation order, so the order here is part of the
 save format: counters first (in `Counters.NAMES` order), then per block its factors and,
-when saved, its decompositions (tests/test_saved_state_compat.py guards it).
+when saved ("replicated"), its decompositions and eigenbasis moments, then grafting's
+moments, then under "owner" the state a resumed owner rebuilds from (per block the
+decomposed factors and the eigenbasis moments, then the damping of the decompositions).
+That last group comes last so that saves written before it existed still line up
+(tests/test_saved_state_compat.py and tests/test_resume_matrix.py guard the order).
 """
 
 import dataclasses
@@ -16,12 +20,15 @@ class BlockState:
 
     `factors` follow `Block.factor_shapes()`; `decompositions` hold one list of variables
     per symmetric factor (`Block.symmetric_factors()` order), or None; `moments`, for
-    method "eigen_adam" where this rank preconditions the block, `Block.moment_shapes()`.
+    method "eigen_adam", `Block.moment_shapes()` (on every rank); `decomposed`, under
+    placement "owner" for a block with decompositions, a copy of `factors` as they were
+    when the decompositions were last computed (on every rank, in host memory).
     """
 
     factors: list
     decompositions: list = None
     moments: list = None
+    decomposed: list = None
 
     def factor_values(self):
         return [v.value for v in self.factors]
@@ -32,12 +39,15 @@ class BlockState:
     def moment_values(self):
         return [v.value for v in self.moments] if self.moments else []
 
-    def variables(self, with_decompositions=True):
-        """Factors, then (if `with_decompositions`: they are saved together, being held
-        on the same ranks) decompositions and moments."""
-        held = self.decompositions if with_decompositions and self.decompositions else []
-        moments = self.moments if with_decompositions and self.moments else []
+    def variables(self, decompositions=True, moments=True):
+        """Factors, then the held decompositions and the moments (each if asked)."""
+        held = self.decompositions if decompositions and self.decompositions else []
+        moments = self.moments if moments and self.moments else []
         return list(self.factors) + [v for d in held for v in d] + list(moments)
+
+    def rebuild_variables(self):
+        """The decomposed factors and moments ("owner": saved after everything else)."""
+        return list(self.decomposed or []) + list(self.moments or [])
 
 
 class Counters:
@@ -106,8 +116,9 @@ def _tensors(structure):
 
 class KFACState:
     """K-FAC's variables inside its optimizer, in the save format's order: counters, each
-    block's state (`Curvature`), grafting's moments. Values loaded before the state
-    exists (a save loaded before `attach`) wait here until it is created."""
+    block's state (`Curvature`), grafting's moments, an owner's rebuild state. Values
+    loaded before the state exists (a save loaded before `attach`) wait here until it is
+    created."""
 
     def __init__(self):
         self.counters, self._curvature, self._grafting, self._waiting = None, None, None, None
@@ -121,6 +132,7 @@ class KFACState:
         if grafting is not None:
             grafting.create_state(model_variables, lambda shape, name, dtype: add_variable(
                 shape, "zeros", name, dtype))
+        curvature.create_rebuild_state(add_variable)
         if self._waiting is not None:
             self.load(self._waiting)
 
@@ -128,15 +140,22 @@ class KFACState:
         if self.counters is None:
             return []
         return (self.counters.variables() + self._curvature.variables(saved_only=True)
-                + (self._grafting.variables() if self._grafting else []))
+                + (self._grafting.variables() if self._grafting else [])
+                + self._curvature.rebuild_variables())
 
     def load(self, values):
-        """Assign saved `values`, or keep them until `create`."""
+        """Assign saved `values`, or keep them until `create`. A save without an owner's
+        rebuild state (written before tfkfac saved it) loads the rest; the owner then
+        recomputes its decompositions from the restored factors (`Curvature.restored`)."""
         if self.counters is None:
             self._waiting = list(values) or None
-        else:
-            self._waiting = None
-            restore(self.variables(), values)
+            return
+        self._waiting = None
+        variables = self.variables()
+        rebuild = len(self._curvature.rebuild_variables())
+        complete = not rebuild or len(values) != len(variables) - rebuild
+        restore(variables if complete else variables[:-rebuild], values)
+        self._curvature.restored(complete)
 
 
 def restore(variables, values):
