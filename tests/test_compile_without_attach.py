@@ -146,6 +146,27 @@ class CompileWithoutAttachTest(parameterized.TestCase):
         for got, want in zip(weights, expected):
             np.testing.assert_array_equal(got, want)
 
+    def test_recompiled_with_a_new_kfac_after_freezing_it_takes_over(self):
+        model = sequential()
+        first = tfkfac.KFAC(**SETTINGS)
+        model.compile(optimizer=first, loss=LOSS)
+        fit(model, epochs=1)
+        model.get_layer("d1").trainable = False  # Keras asks for a new optimizer
+        frozen = tfkfac.KFAC(**SETTINGS)
+        model.compile(optimizer=frozen, loss=LOSS)
+        before = model.get_layer("d1").get_weights()
+        fit(model, epochs=1)
+        model.get_layer("d1").trainable = True
+        last = tfkfac.KFAC(**SETTINGS)
+        model.compile(optimizer=last, loss=LOSS)
+        fit(model, epochs=1)
+        for optimizer in (first, frozen, last):
+            self.assertEqual(optimizer.counters()["steps"], 4)
+            self.assertEqual(optimizer.counters()["factor_updates"], 2)
+        self.assertRaisesRegex(ValueError, "was detached", first.attach, model)
+        self.assertFalse(any(np.array_equal(a, b) for a, b in zip(
+            before, model.get_layer("d1").get_weights())))
+
     def test_unbuilt_model_outside_a_strategy_says_to_build_or_attach_and_why(self):
         model = Subclassed()
         optimizer = tfkfac.KFAC()

@@ -194,6 +194,10 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release,
 
     def make_train_function(force=False):
         if not still_owned():
+            # Recompiled with another KFAC (no `attach`): it takes the model over here.
+            take_over = getattr(compiled_optimizer(model), "_attach_compiled", None)
+            if take_over is not None and take_over(model):
+                return model.make_train_function(force)
             return keras_make_train_function(force)
         if multi_worker and model.steps_per_execution > 1:
             raise ValueError(

@@ -188,20 +188,31 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         return self
 
     def _maybe_initialize_trackable(self):
-        # `model.compile(optimizer=kfac)` tracks KFAC as the model's attribute, which calls
-        # this: the one call Keras makes on an optimizer before the first step outside a
-        # tf.distribute strategy. A built model compiled without `attach` is attached
-        # here, as if `attach` had come first (docs/usage.md).
-        if ("_attachment" in self.__dict__ and self._attachment is None
-                and self._detached is None and not self.__dict__.get("_attaching")):
+        # The first `model.compile(optimizer=kfac)` tracks KFAC as the model's attribute,
+        # which calls this: the one call Keras makes on an optimizer before the first step
+        # outside a tf.distribute strategy (docs/usage.md).
+        if "_attachment" in self.__dict__ and self._attachment is None:
             model = keras_integration.model_compiling(self)
-            if model is not None and model.built:
-                self.__dict__["_attaching"] = True  # attach tracks attributes too
-                try:
-                    self.attach(model)
-                finally:
-                    del self.__dict__["_attaching"]
+            if model is not None:
+                self._attach_compiled(model)
         return super()._maybe_initialize_trackable()
+
+    def _attach_compiled(self, model):
+        """Attach to `model`, compiled with this KFAC without `attach`, as if `attach` had
+        come first, if it is built and this KFAC is free; whether this KFAC drives it.
+
+        Called when `compile` takes this KFAC and, for a model recompiled from another
+        KFAC (whose train step then hands over), at the next `fit`.
+        """
+        free = (self._attachment is None and self._detached is None
+                and not self.__dict__.get("_attaching"))
+        if free and model.built:
+            self.__dict__["_attaching"] = True  # attach tracks attributes too
+            try:
+                self.attach(model)
+            finally:
+                del self.__dict__["_attaching"]
+        return self._attachment is not None and self._attachment.model is model
 
     @keras_integration.no_tracking
     def _detach(self, reason):
