@@ -39,7 +39,8 @@ def owners(name, blocks, size):
 
 
 class Placement:
-    """Shared bookkeeping; subclasses choose the owners and how results travel."""
+    """Shared bookkeeping and the owners of `name`'s units of work; subclasses choose
+    what a rank holds and how results travel."""
 
     name = None
     saves_decompositions = True
@@ -48,6 +49,7 @@ class Placement:
         self.blocks, self.comm, self.method = list(blocks), comm, method
         self.dtype = dtype  # of the decompositions and preconditioned gradients
         self.items = factor_items(self.blocks)
+        self.owners = owners(self.name, self.blocks, comm.size)
 
     def decomposition_shapes(self, item):
         """Shapes of the decomposition of `item`, known to every rank."""
@@ -102,10 +104,6 @@ class Replicated(Placement):
 
     name = "replicated"
 
-    def __init__(self, blocks, comm, method, dtype="float32"):
-        super().__init__(blocks, comm, method, dtype)
-        self.owners = owners(self.name, self.blocks, comm.size)
-
     def decomposed_items(self):
         return [item for item, owner in zip(self.items, self.owners) if owner == self.comm.rank]
 
@@ -135,10 +133,6 @@ class Owner(Placement):
 
     name = "owner"
     saves_decompositions = False
-
-    def __init__(self, blocks, comm, method, dtype="float32"):
-        super().__init__(blocks, comm, method, dtype)
-        self.owners = owners(self.name, self.blocks, comm.size)
 
     def decomposed_items(self):
         return [(b, j) for b, j in self.items if self._owns(b)]
