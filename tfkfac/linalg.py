@@ -107,8 +107,9 @@ def matmul(a, b, product_dtype=None, **kwargs):
     (None: as they are) and the product returned in the wider operand's dtype (an
     operand stored in `product_dtype`, a decomposition, is not cast).
 
-    With "bfloat16" oneDNN accumulates in float32 and rounds the product to bfloat16
-    (TensorFlow has no CPU kernel with a float32 result); docs/design.md §9.
+    With "bfloat16" the CPU kernel accumulates in float32 (oneDNN with AVX-512 BF16) or
+    partly in bfloat16 (AVX2) and rounds the product to bfloat16 (TensorFlow has no CPU
+    kernel with a float32 result); docs/design.md §9.
     """
     if product_dtype is None:
         return tf.linalg.matmul(a, b, **kwargs)
