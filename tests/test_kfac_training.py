@@ -284,8 +284,8 @@ class UpdateRuleTest(absltest.TestCase):
         for weight in model.get_weights():
             self.assertTrue(np.all(np.isfinite(weight)))
 
-    def test_optimizer_not_attached_to_the_compiled_model_says_how(self):
-        model = small_cnn()
+    def test_optimizer_not_attached_to_the_unbuilt_compiled_model_says_how(self):
+        model = keras.Sequential(small_cnn().layers)  # no Input: not built at compile
         model.compile(optimizer=tfkfac.KFAC(), loss=LOSS)
         with self.assertRaisesRegex(RuntimeError, r"optimizer\.attach\(model\)"):
             fit(model, steps=1)
