@@ -50,6 +50,7 @@ import tensorflow as tf  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
+from tfkfac import methods  # noqa: E402
 from kfac_reference import (DAMPING, LR, assert_close,  # noqa: E402
                             factored_inverse_precondition, kron_precondition, loop_step,
                             managed_factors)
@@ -299,9 +300,12 @@ def capture(block, x, y):
 def block_results(block, inputs, out_grads, grads, method):
     """(factors, preconditioned gradients) of the block on one call."""
     factors = block.batch_statistics([(inputs, out_grads)], N)
-    decomposition = [block.decompose(j, factors, method, DAMPING)
+    method = tfkfac.KFACConfig(method=method).preconditioning_method()
+    decomposition = [methods.decompose_factor(method, block, j, factors, DAMPING)
                      for j in block.symmetric_factors()]
-    return factors, block.precondition(grads, factors, decomposition, method, DAMPING)
+    preconditioned, _ = methods.precondition_block(method, block, grads, factors,
+                                                   decomposition, DAMPING)
+    return factors, preconditioned
 
 
 def check_against_reference(ref, factors, updates, results, scale, msg):

@@ -23,7 +23,7 @@ import tfkfac  # noqa: E402
 from modern_net import modern_net  # noqa: E402
 from test_factor_batch_fraction import split_by_kind  # noqa: E402
 from test_kfac_fresh_examples import all_factors, custom_step  # noqa: E402
-from tfkfac import linalg  # noqa: E402
+from tfkfac import linalg, methods  # noqa: E402
 from trainer_testing import SMALL_FLAGS, config_from_argv  # noqa: E402
 from trainers import runner  # noqa: E402
 
@@ -112,7 +112,8 @@ class ModelTest(absltest.TestCase):
             curvature, damping = optimizer._curvature, optimizer.current_damping()
             for block, state in zip(curvature.blocks, curvature.states):
                 for j, stored in zip(block.symmetric_factors(), state.decompositions):
-                    expected = block.decompose(j, state.factor_values(), method, damping)
+                    expected = methods.decompose_factor(curvature.method, block, j,
+                                                        state.factor_values(), damping)
                     for k, (variable, value) in enumerate(zip(stored, expected)):
                         name = f"{method} {block.path} factor {j} part {k}"
                         self.assertEqual(variable.dtype,  # the matrix, then eigenvalues

@@ -14,7 +14,9 @@ from tfkfac import _compat  # noqa: E402
 _compat.require_supported(__version__)
 
 from tfkfac.config import KFACConfig  # noqa: E402
+from tfkfac.methods import Eigen, EigenAdam, Inverse, Method  # noqa: E402
 from tfkfac.optimizer import KFAC  # noqa: E402
 from tfkfac.schedules import OsawaInterval, WarmupDamping  # noqa: E402
 
-__all__ = ["KFAC", "KFACConfig", "OsawaInterval", "WarmupDamping", "__version__"]
+__all__ = ["KFAC", "KFACConfig", "Eigen", "EigenAdam", "Inverse", "Method", "OsawaInterval",
+           "WarmupDamping", "__version__"]

@@ -11,11 +11,10 @@ import math
 import typing
 import warnings
 
-from tfkfac import grafting, schedules, validation
+from tfkfac import grafting, methods, schedules, validation
 from tfkfac.distributed.packing import WIRE_DTYPES
 from tfkfac.placement import PLACEMENTS
 
-METHODS = ("eigen", "inverse", "eigen_adam")
 GRAFTING = (None,) + grafting.KINDS
 WEIGHT_SHARING = ("expand", "reduce")
 PRODUCT_DTYPES = (None, "bfloat16")
@@ -64,11 +63,12 @@ class KFACConfig:
         100, validation.interval,
         "Steps between decompositions (eigenbases or inverses): an int, a multiple of "
         "factor_update_freq, or a callable of the step.")
-    method: str = _setting(
-        "inverse", validation.one_of(METHODS),
+    method: typing.Any = _setting(
+        "inverse", methods.check,
         "eigen: exact (A⊗G + λI)⁻¹ by eigendecompositions; inverse: π-corrected "
         "factored Tikhonov damping; eigen_adam: Adam's second moments in the factors' "
-        "eigenbases (no damping; docs/design.md §11).", flag="kfac_method")
+        "eigenbases (no damping; docs/design.md §11); or a `tfkfac.Method` object "
+        "(docs/usage.md).", flag="kfac_method")
     grafting: typing.Optional[str] = _setting(
         None, validation.one_of(GRAFTING),
         "Each layer's step length from another optimizer, its direction from K-FAC: sgd "
@@ -163,11 +163,18 @@ class KFACConfig:
         config = {field.name: schedules.serialize(getattr(self, field.name))
                   for field in dataclasses.fields(self)}
         config["skip_layers"] = list(self.skip_layers)
+        config["method"] = methods.serialize(self.method)
         return config
+
+    def preconditioning_method(self):
+        """The `tfkfac.Method` that `method` names (`eigen_adam` with `adam_beta_2` and
+        `adam_epsilon`) or is."""
+        return methods.resolve(self.method, self.adam_beta_2, self.adam_epsilon)
 
     @classmethod
     def from_config(cls, config):
-        """The inverse of `to_config`; a save's renamed keys are read silently."""
+        """The inverse of `to_config` (a Keras-serialized method or schedule is
+        deserialized); a save's renamed keys are read silently."""
         config = {RENAMED.get(name, name): value for name, value in config.items()}
         return cls(**{name: schedules.deserialize(value) for name, value in config.items()})
 

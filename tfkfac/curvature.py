@@ -14,8 +14,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfkfac import distributed, linalg, state as state_lib
-from tfkfac.blocks.base import EigenbasisAdam, batch_size
+from tfkfac import distributed, linalg, methods, state as state_lib
+from tfkfac.blocks.base import batch_size
 
 
 # `Curvature.decomposed_damping` before the first decomposition (dampings are > 0).
@@ -34,7 +34,9 @@ def warn_if(condition, *message):
 class Curvature:
     """Blocks, their state (`state.BlockState` each) and the phases that update it.
 
-    `config` (a `tfkfac.KFACConfig`) gives the method, the factors' decay, the wire
+    `config` (a `tfkfac.KFACConfig`) gives the method (`tfkfac.methods`: what a
+    decomposition holds, how pieces are preconditioned, the state it keeps per block),
+    the factors' decay, the wire
     dtypes, the share of each batch the factors use and the state dtype (float32, or
     float64 for checks against a float64 reference) that factors, decompositions and
     preconditioning run in. `config.xla` (True, False or "auto": when a GPU is visible)
@@ -45,12 +47,11 @@ class Curvature:
 
     def __init__(self, blocks, placement, comm, config):
         self.blocks, self.placement, self.comm = blocks, placement, comm
-        self.method = config.method
+        self.method = config.preconditioning_method()
         self.factor_decay = config.factor_decay
         self.factor_wire_dtype = config.factor_wire_dtype
         self.decomposition_wire_dtype = config.decomposition_wire_dtype
         self.dtype = tf.as_dtype(config.state_dtype)
-        self.adam_beta_2, self.adam_epsilon = config.adam_beta_2, config.adam_epsilon
         self.factor_batch_fraction = config.factor_batch_fraction
         self.states = None
         self.counters = None
@@ -64,8 +65,8 @@ class Curvature:
 
     # ----------------------------------------------------------------- state
     def create_state(self, counters, add_variable):
-        """Create every block's factors, held decompositions and, under "replicated", its
-        eigenbasis moments (method "eigen_adam"), in a stable order.
+        """Create every block's factors, held decompositions and, under "replicated", the
+        method's state (the eigenbasis moments of `EigenAdam`), in a stable order.
 
         `add_variable(shape, initializer, name, dtype)` makes a saved optimizer variable.
         An owner's decompositions are rank-specific and not saved; `create_rebuild_state`
@@ -79,15 +80,14 @@ class Curvature:
             decompositions = None
             if self.placement.holds_decompositions(b):
                 decompositions = [
-                    [self._decomposition_variable(
-                        add_variable, shape, f"{block.name}_decomp{j}_{k}",
-                        block.decomposition_dtype(k, self.dtype))
-                     for k, shape in enumerate(shapes)]
-                    for j, shapes in enumerate(block.decomposition_shapes(self.method))]
-            moments = None
-            if self.method == "eigen_adam" and self.placement.saves_decompositions:
-                moments = self._moment_variables(add_variable, block)
-            self.states.append(state_lib.BlockState(factors, decompositions, moments))
+                    [self._decomposition_variable(add_variable, part,
+                                                  f"{block.name}_decomp{j}_{k}", block)
+                     for k, part in enumerate(self.method.decomposition_parts(shape))]
+                    for j, shape in enumerate(self._full_factor_shapes(block))]
+            method_state = None
+            if self.placement.saves_decompositions:
+                method_state = self._method_state_variables(add_variable, block)
+            self.states.append(state_lib.BlockState(factors, decompositions, method_state))
         with tf.init_scope():
             self.decompositions_current = tf.Variable(
                 self.placement.saves_decompositions, trainable=False,
@@ -97,7 +97,7 @@ class Curvature:
         """Under "owner", on every rank, all a resumed owner needs to go on as the
         uninterrupted run, whichever rank wrote the checkpoint: per block with
         decompositions a copy of the factors they were last computed from (in host
-        memory), the eigenbasis moments of every block (method "eigen_adam"), and the
+        memory), the method's state of every block (`EigenAdam`'s moments), and the
         damping of the decompositions (`NOT_DECOMPOSED` until the first). Made after
         grafting's state, last, so that saves from before it existed still line up."""
         self.decomposed_damping = None
@@ -109,19 +109,29 @@ class Curvature:
                     state.decomposed = [
                         add_variable(shape, "zeros", f"{block.name}_decomposed{i}", self.dtype)
                         for i, shape in enumerate(block.factor_shapes())]
-            if self.method == "eigen_adam":
-                state.moments = self._moment_variables(add_variable, block)
+            state.method_state = self._method_state_variables(add_variable, block)
         self.decomposed_damping = add_variable(
             (), keras.initializers.Constant(NOT_DECOMPOSED), "decomposed_damping", self.dtype)
 
-    def _moment_variables(self, add_variable, block):
-        return [add_variable(shape, "zeros", f"{block.name}_moment{k}", self.dtype)
-                for k, shape in enumerate(block.moment_shapes())]
+    def _method_state_variables(self, add_variable, block):
+        """The method's state of `block` (none for a method without), from zero."""
+        return [add_variable(shape, "zeros", f"{block.name}_{self.method.state_name}{k}",
+                             self.dtype)
+                for k, shape in enumerate(methods.state_shapes(self.method, block))]
 
-    def _decomposition_variable(self, add_variable, shape, name, dtype):
-        """A variable held where the placement holds decompositions: saved if they are."""
-        square = len(shape) >= 2 and shape[-1] == shape[-2]
-        initializer = state_lib.identities if square else "zeros"  # until step 0
+    @staticmethod
+    def _full_factor_shapes(block):
+        shapes = block.factor_shapes()
+        return [shapes[j] for j in block.symmetric_factors()]
+
+    def _decomposition_variable(self, add_variable, part, name, block):
+        """A variable for `part` (a `methods.Part`) of a decomposition of `block`, held
+        where the placement holds decompositions: saved if they are. A matrix part is
+        stored in the block's `product_dtype` when set (docs/design.md §9): cast once
+        when computed rather than at every preconditioning product."""
+        shape = part.shape
+        dtype = block.product_dtype if part.matrix and block.product_dtype else self.dtype
+        initializer = state_lib.identities if part.matrix else "zeros"  # until step 0
         if self.placement.saves_decompositions:
             return add_variable(shape, initializer, name, dtype)
         # Not an optimizer variable: outside `variables`, so checkpoints skip it.
@@ -130,12 +140,12 @@ class Curvature:
                                   trainable=False, name=name)
 
     def variables(self, saved_only):
-        """Per block its factors, then the decompositions and moments saved with them
-        ("replicated"); an owner's held decompositions too unless `saved_only`."""
+        """Per block its factors, then the decompositions and method state saved with
+        them ("replicated"); an owner's held decompositions too unless `saved_only`."""
         replicated = self.placement.saves_decompositions
         return [v for s in self.states
                 for v in s.variables(decompositions=replicated or not saved_only,
-                                     moments=replicated)]
+                                     method_state=replicated)]
 
     def rebuild_variables(self):
         """`create_rebuild_state`'s variables, in save order (none under "replicated")."""
@@ -148,13 +158,14 @@ class Curvature:
         """After a save was loaded into the state: an owner's decompositions are stale
         until rebuilt (the next training step). Without the rebuild state (`complete`
         False: a save written before tfkfac saved it) the owner rebuilds from the
-        restored factors instead, with a warning, and the moments start from zero."""
+        restored factors instead, with a warning, and the method's state starts from
+        zero."""
         self.decompositions_current.assign(self.placement.saves_decompositions)
         if not complete:
             self.decomposed_damping.assign(NOT_DECOMPOSED)
             for state in self.states:
-                for moment in state.moments or []:
-                    moment.assign(tf.zeros_like(moment))
+                for variable in state.method_state or []:
+                    variable.assign(tf.zeros_like(variable))
 
     def block_of(self, layer):
         """The block managing `layer`: a Keras layer, its path ("mha/query") or its name."""
@@ -241,7 +252,8 @@ class Curvature:
 
     # -------------------------------------------------------- decompositions
     def _decompose(self, items, factors, damping):
-        return {(b, j): self.blocks[b].decompose(j, factors[b], self.method, damping)
+        return {(b, j): methods.decompose_factor(self.method, self.blocks[b], j, factors[b],
+                                                 damping)
                 for b, j in items}
 
     def update_decompositions(self, damping):
@@ -281,7 +293,8 @@ class Curvature:
         failures = [tf.constant(False)]
         for (b, j), result in results.items():
             targets = self.states[b].decompositions[self.blocks[b].symmetric_factors().index(j)]
-            ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r)) for r in result])
+            ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r)) for r in result]
+                               or [True])  # a method may keep no decomposition
             for variable, value in zip(targets, result):
                 variable.assign(tf.where(ok, tf.cast(value, variable.dtype), variable))
             failures.append(tf.logical_not(ok))
@@ -312,27 +325,23 @@ class Curvature:
 
     # ------------------------------------------------------- preconditioning
     def _precondition(self, block_indices, block_grads, factors, decompositions, damping,
-                      moments, step):
-        """({block: preconditioned gradients}, {block: updated moments ("eigen_adam")})."""
+                      method_state, step):
+        """({block: preconditioned gradients}, {block: the method's updated state})."""
         preconditioned, updated = {}, {}
-        for b, grads, block_factors, decomposition, block_moments in zip(
-                block_indices, block_grads, factors, decompositions, moments):
-            adam = None
-            if self.method == "eigen_adam":
-                adam = EigenbasisAdam(block_moments, self.adam_beta_2, self.adam_epsilon, step)
-            preconditioned[b] = self.blocks[b].precondition(
-                grads, block_factors, decomposition, self.method, damping, adam)
-            if adam is not None:
-                updated[b] = adam.updated
+        for b, grads, block_factors, decomposition, state in zip(
+                block_indices, block_grads, factors, decompositions, method_state):
+            preconditioned[b], updated[b] = methods.precondition_block(
+                self.method, self.blocks[b], grads, block_factors, decomposition, damping,
+                state, step)
         return preconditioned, updated
 
-    def precondition(self, grads, variables, damping, scale=None, step=0, update_moments=True):
+    def precondition(self, grads, variables, damping, scale=None, step=0, update_state=True):
         """`grads` with every managed variable's gradient preconditioned.
 
         `scale(preconditioned, raw)` (per block lists) may return a factor applied to
         every preconditioned gradient (the KL clip). Other gradients pass unchanged.
-        Method "eigen_adam" updates its moments with these gradients at `step` (0-based)
-        when `update_moments` (a training step), else only reads them.
+        A method with state (`EigenAdam`'s moments) updates it with these gradients at
+        `step` (0-based) when `update_state` (a training step), else only reads it.
         """
         if not self.blocks:
             return list(grads)
@@ -346,18 +355,18 @@ class Curvature:
                         for i in block_slots] for block, block_slots in zip(self.blocks, slots)]
         indices = self.placement.preconditioned_blocks()
         states = [self.states[b] for b in indices]
-        local, moments = self._precondition_fn(
+        local, updated = self._precondition_fn(
             tuple(indices), [block_grads[b] for b in indices],
             [s.factor_values() for s in states], [s.decomposition_values() for s in states],
-            damping, [s.moment_values() for s in states],
+            damping, [s.method_state_values() for s in states],
             tf.cast(step, self.dtype) + 1) if indices else ({}, {})
-        # The updated moments to store: under "owner" they travel with the preconditioned
+        # The updated state to store: under "owner" it travels with the preconditioned
         # gradients, so that every rank holds (and saves) every block's.
-        updating = self.method == "eigen_adam" and update_moments
-        preconditioned, moments = self.placement.share_preconditioned(
-            local, self.decomposition_wire_dtype, moments if updating else None)
-        for b, values in moments.items():
-            for variable, value in zip(self.states[b].moments, values):
+        updating = update_state and self.placement.method_keeps_state
+        preconditioned, updated = self.placement.share_preconditioned(
+            local, self.decomposition_wire_dtype, updated if updating else None)
+        for b, values in updated.items():
+            for variable, value in zip(self.states[b].method_state, values):
                 variable.assign(value)
         if scale is not None:
             nu = scale(preconditioned, block_grads)

@@ -119,17 +119,21 @@ def matmul(a, b, product_dtype=None, **kwargs):
 
 
 def to_eigenbasis(grad, q_a, q_g, product_dtype=None):
-    """`Q_Aᵀ ∇ Q_G`: the gradient in the factors' eigenbases."""
-    return matmul(matmul(q_a, grad, product_dtype, transpose_a=True), q_g, product_dtype)
+    """`Q_Aᵀ ∇ Q_G`: the gradient in the factors' eigenbases. A basis None is the
+    identity (a diagonal factor's): its product is skipped."""
+    rotated = grad if q_a is None else matmul(q_a, grad, product_dtype, transpose_a=True)
+    return rotated if q_g is None else matmul(rotated, q_g, product_dtype)
 
 
 def from_eigenbasis(rotated, q_a, q_g, product_dtype=None):
     """`Q_A X Q_Gᵀ`, the inverse of `to_eigenbasis`."""
-    return matmul(matmul(q_a, rotated, product_dtype), q_g, product_dtype, transpose_b=True)
+    grad = rotated if q_a is None else matmul(q_a, rotated, product_dtype)
+    return grad if q_g is None else matmul(grad, q_g, product_dtype, transpose_b=True)
 
 
 def eigen_precondition(grad, q_a, v_a, q_g, v_g, damping, product_dtype=None):
-    """`Q_A [(Q_Aᵀ ∇ Q_G) / (v_A v_Gᵀ + λ)] Q_Gᵀ`, i.e. `(A ⊗ G + λI)⁻¹ vec(∇)`."""
+    """`Q_A [(Q_Aᵀ ∇ Q_G) / (v_A v_Gᵀ + λ)] Q_Gᵀ`, i.e. `(A ⊗ G + λI)⁻¹ vec(∇)`; a
+    diagonal factor has basis None and its diagonal as eigenvalues."""
     rotated = to_eigenbasis(grad, q_a, q_g, product_dtype)
     scaled = rotated / (v_a[..., :, None] * v_g[..., None, :] + damping)
     return from_eigenbasis(scaled, q_a, q_g, product_dtype)
@@ -178,11 +182,6 @@ def damped_inverse(matrix, shift, backend="auto"):
         return inverse
     (inverse,) = _finite_or_nan(lambda m: [tf.linalg.inv(m)], damped)
     return inverse
-
-
-def inverse_precondition(grad, a_inv, g_inv, product_dtype=None):
-    """`A_inv ∇ G_inv`."""
-    return matmul(matmul(a_inv, grad, product_dtype), g_inv, product_dtype)
 
 
 def kl_clip_scale(preconditioned, grads, learning_rate, kl_clip):

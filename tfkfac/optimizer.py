@@ -168,7 +168,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         blocks, self._skipped = blocks_lib.discover(layers, self.config)
         self._curvature = curvature_lib.Curvature(
             blocks, placement_lib.make_placement(self.config.placement, blocks, self._comm,
-                                                 self.config.method,
+                                                 self.config.preconditioning_method(),
                                                  self.config.state_dtype),
             self._comm, self.config)
         distributed.check_model_strategy(self._comm, model.distribute_strategy)

@@ -9,7 +9,7 @@ talking. With one process both placements do everything locally and send nothing
 
 import numpy as np
 
-from tfkfac import distributed
+from tfkfac import distributed, methods
 
 PLACEMENTS = ("replicated", "owner")
 
@@ -46,16 +46,19 @@ class Placement:
     saves_decompositions = True
 
     def __init__(self, blocks, comm, method, dtype="float32"):
+        """`method`: the `tfkfac.Method`, which says what results hold."""
         self.blocks, self.comm, self.method = list(blocks), comm, method
         self.dtype = dtype  # of the decompositions and preconditioned gradients
         self.items = factor_items(self.blocks)
         self.owners = owners(self.name, self.blocks, comm.size)
+        self.state_shapes = [methods.state_shapes(method, block) for block in self.blocks]
+        self.method_keeps_state = any(self.state_shapes)
 
     def decomposition_shapes(self, item):
         """Shapes of the decomposition of `item`, known to every rank."""
         b, j = item
-        block = self.blocks[b]
-        return block.decomposition_shapes(self.method)[block.symmetric_factors().index(j)]
+        return [part.shape for part in
+                self.method.decomposition_parts(self.blocks[b].factor_shapes()[j])]
 
     def decomposed_items(self):
         """The (block, factor) items whose decomposition this rank computes."""
@@ -74,9 +77,9 @@ class Placement:
         """Indices of the blocks this rank preconditions."""
         raise NotImplementedError
 
-    def share_preconditioned(self, local, wire_dtype, moments=None):
-        """(every block's preconditioned gradients, {block: eigenbasis moments} to store)
-        from this rank's {block: gradients} and, if not None, {block: updated moments}."""
+    def share_preconditioned(self, local, wire_dtype, method_state=None):
+        """(every block's preconditioned gradients, {block: the method's state} to store)
+        from this rank's {block: gradients} and, if not None, {block: updated state}."""
         raise NotImplementedError
 
     def _gather(self, local, owners, shapes_of, keys, wire_dtype, category, exact_from=None):
@@ -117,15 +120,15 @@ class Replicated(Placement):
     def preconditioned_blocks(self):
         return list(range(len(self.blocks)))
 
-    def share_preconditioned(self, local, wire_dtype, moments=None):
-        return [local[b] for b in range(len(self.blocks))], moments or {}
+    def share_preconditioned(self, local, wire_dtype, method_state=None):
+        return [local[b] for b in range(len(self.blocks))], method_state or {}
 
 
 class Owner(Placement):
     """Each block's owner decomposes and preconditions it (Osawa et al.).
 
-    Preconditioned gradients are gathered every step, with the eigenbasis moments the
-    owners updated (method "eigen_adam"), so that every rank holds every block's. A rank
+    Preconditioned gradients are gathered every step, with the method's state the
+    owners updated (`EigenAdam`'s moments), so that every rank holds every block's. A rank
     holds only its own blocks' decompositions, which are rank-specific and not saved: a
     resumed owner rebuilds them from the decomposed factors every rank saves
     (`Curvature.create_rebuild_state`).
@@ -149,21 +152,23 @@ class Owner(Placement):
     def preconditioned_blocks(self):
         return [b for b in range(len(self.blocks)) if self._owns(b)]
 
-    def share_preconditioned(self, local, wire_dtype, moments=None):
+    def share_preconditioned(self, local, wire_dtype, method_state=None):
         blocks = range(len(self.blocks))
         grad_shapes = lambda b: [v.shape for v in self.blocks[b].variables]
-        moment_shapes = lambda b: [] if moments is None else self.blocks[b].moment_shapes()
+        state_shapes = lambda b: [] if method_state is None else self.state_shapes[b]
         gathered = self._gather(
-            {b: local[b] + (moments[b] if moments is not None else []) for b in local},
-            self.owners, lambda b: grad_shapes(b) + moment_shapes(b), blocks, wire_dtype,
+            {b: local[b] + (method_state[b] if method_state is not None else [])
+             for b in local},
+            self.owners, lambda b: grad_shapes(b) + state_shapes(b), blocks, wire_dtype,
             "preconditioned", lambda b: len(grad_shapes(b)))
         return ([gathered[b][:len(grad_shapes(b))] for b in blocks],
-                {} if moments is None else {b: gathered[b][len(grad_shapes(b)):]
-                                            for b in blocks})
+                {} if method_state is None else {b: gathered[b][len(grad_shapes(b)):]
+                                                 for b in blocks})
 
 
 def make_placement(name, blocks, comm, method, dtype="float32"):
-    """The placement called `name` ("replicated" or "owner")."""
+    """The placement called `name` ("replicated" or "owner") for `method` (a
+    `tfkfac.Method`)."""
     _check_name(name)
     return {kind.name: kind for kind in (Replicated, Owner)}[name](blocks, comm, method, dtype)
 

@@ -2,9 +2,10 @@
 
 Checkpoints save optimizer variables by creation order, so the order here is part of the
 save format: counters first (in `Counters.NAMES` order), then per block its factors and,
-when saved ("replicated"), its decompositions and eigenbasis moments, then grafting's
-moments, then under "owner" the state a resumed owner rebuilds from (per block the
-decomposed factors and the eigenbasis moments, then the damping of the decompositions).
+when saved ("replicated"), its decompositions and the method's state (`EigenAdam`'s
+eigenbasis moments), then grafting's moments, then under "owner" the state a resumed
+owner rebuilds from (per block the decomposed factors and the method's state, then the
+damping of the decompositions).
 That last group comes last so that saves written before it existed still line up
 (tests/test_saved_state_compat.py and tests/test_resume_matrix.py guard the order).
 """
@@ -19,15 +20,16 @@ class BlockState:
     """One block's running factors and, where this rank holds them, its decompositions.
 
     `factors` follow `Block.factor_shapes()`; `decompositions` hold one list of variables
-    per symmetric factor (`Block.symmetric_factors()` order), or None; `moments`, for
-    method "eigen_adam", `Block.moment_shapes()` (on every rank); `decomposed`, under
+    per symmetric factor (`Block.symmetric_factors()` order), or None; `method_state`,
+    the method's state of the block (`tfkfac.methods.state_shapes`, on every rank;
+    `EigenAdam`'s moments); `decomposed`, under
     placement "owner" for a block with decompositions, a copy of `factors` as they were
     when the decompositions were last computed (on every rank, in host memory).
     """
 
     factors: list
     decompositions: list = None
-    moments: list = None
+    method_state: list = None
     decomposed: list = None
 
     def factor_values(self):
@@ -36,18 +38,19 @@ class BlockState:
     def decomposition_values(self):
         return [[v.value for v in d] for d in self.decompositions]
 
-    def moment_values(self):
-        return [v.value for v in self.moments] if self.moments else []
+    def method_state_values(self):
+        return [v.value for v in self.method_state or []]
 
-    def variables(self, decompositions=True, moments=True):
-        """Factors, then the held decompositions and the moments (each if asked)."""
+    def variables(self, decompositions=True, method_state=True):
+        """Factors, then the held decompositions and the method's state (each if asked)."""
         held = self.decompositions if decompositions and self.decompositions else []
-        moments = self.moments if moments and self.moments else []
-        return list(self.factors) + [v for d in held for v in d] + list(moments)
+        state = self.method_state if method_state and self.method_state else []
+        return list(self.factors) + [v for d in held for v in d] + list(state)
 
     def rebuild_variables(self):
-        """The decomposed factors and moments ("owner": saved after everything else)."""
-        return list(self.decomposed or []) + list(self.moments or [])
+        """The decomposed factors and the method's state ("owner": saved after everything
+        else)."""
+        return list(self.decomposed or []) + list(self.method_state or [])
 
 
 class Counters:

@@ -1,42 +1,19 @@
 """What every K-FAC block provides to the optimizer.
 
-A block owns the curvature of one Keras layer: it turns that layer's captured inputs
-and pre-activation output gradients into factor statistics, and preconditions the
-layer's gradients with those statistics. Blocks never communicate across processes.
+A block owns the geometry of one Keras layer's curvature: it turns that layer's captured
+inputs and pre-activation output gradients into factor statistics, and says which
+pieces its curvature is made of and how the layer's gradients become one matrix per
+piece and back. How a piece is preconditioned is the method's (`tfkfac.methods`).
+Blocks never communicate across processes.
 """
 
 import tensorflow as tf
 
-from tfkfac import linalg
+from tfkfac.methods import Piece
 
 
 class Unsupported(Exception):
     """Raised by a block's builder: this layer's configuration has no block (the reason)."""
-
-
-def eigenbasis(method):
-    """Whether `method` ("eigen", "inverse", "eigen_adam") keeps the factors' eigenbases."""
-    return method != "inverse"
-
-
-class EigenbasisAdam:
-    """Adam's second moments of one block's gradient in its eigenbasis (docs/design.md
-    §11), handed to `Block.precondition` for method "eigen_adam".
-
-    A block calls `scale(rotated)` once per moment, in `moment_shapes()` order; the
-    updated moments are then in `updated`, for the caller to store.
-    """
-
-    def __init__(self, moments, beta_2, epsilon, step):
-        self.moments, self.beta_2, self.epsilon, self.step = list(moments), beta_2, epsilon, step
-        self.updated = []
-
-    def scale(self, rotated):
-        moment = tf.cast(self.moments[len(self.updated)], rotated.dtype)
-        scaled, moment = linalg.adam_scale(rotated, moment, self.beta_2, self.epsilon,
-                                           self.step)
-        self.updated.append(moment)
-        return scaled
 
 
 class Block:
@@ -94,13 +71,6 @@ class Block:
         `product_dtype` (None: the state dtype); docs/design.md §9."""
         self.product_dtype = product_dtype
 
-    def decomposition_dtype(self, part, state_dtype):
-        """dtype of `part` of a stored decomposition: part 0, the matrix (eigenbasis or
-        inverse, or a batch of them), in `product_dtype` when set, so that it is cast once
-        when computed rather than at every preconditioning product; the eigenvalues (part
-        1) in `state_dtype`."""
-        return self.product_dtype if self.product_dtype and part == 0 else state_dtype
-
     def take_examples(self, calls, weights, keep, batch):
         """`calls` and `weights` of the examples `keep` (of `batch`) only, for factor
         statistics from part of the batch (docs/design.md §8).
@@ -119,29 +89,20 @@ class Block:
                  for inputs, grads in calls]
         return calls, None if weights is None else tf.gather(weights, keep)
 
-    # --- decomposition and preconditioning ------------------------------------
-    def decomposition_shapes(self, method):
-        """Per symmetric factor (in `symmetric_factors()` order), its decomposition's shapes."""
+    # --- what the method preconditions ----------------------------------------
+    def pieces(self):
+        """The independent pieces of this block's curvature (`tfkfac.methods.Piece`):
+        by default one, over all its factors, a 1-D factor being a diagonal."""
+        shapes = self.factor_shapes()
+        return [Piece(tuple(range(len(shapes))), tuple(len(s) == 1 for s in shapes))]
+
+    def gradient_matrices(self, grads):
+        """The layer's gradients (aligned with `variables`) as one matrix per piece, in
+        the state dtype they arrive in (float64) or float32."""
         raise NotImplementedError
 
-    def moment_shapes(self):
-        """Shapes of the second moments method "eigen_adam" keeps (docs/design.md §11):
-        the block's gradient in its eigenbasis (one per Kronecker pair's gradient matrix,
-        or the diagonal block's flat gradient)."""
-        raise NotImplementedError
-
-    def decompose(self, index, factors, method, damping):
-        """The stored decomposition of symmetric factor `index`, as a list of tensors:
-        [eigenbasis, eigenvalues] ("eigen", "eigen_adam") or [damped inverse] ("inverse").
-
-        Each symmetric factor is decomposed on its own so that the work can be spread
-        over processes one factor at a time.
-        """
-        raise NotImplementedError
-
-    def precondition(self, grads, factors, decomposition, method, damping, adam=None):
-        """Preconditioned gradients, aligned with `self.variables`; `adam`, an
-        `EigenbasisAdam`, for method "eigen_adam"."""
+    def split_matrices(self, matrices):
+        """The inverse of `gradient_matrices`: per variable its preconditioned gradient."""
         raise NotImplementedError
 
 

@@ -31,6 +31,7 @@ faster than `tf.image.extract_patches` for 2-D (`bench/linalg_benchmark.py`).
   G is over c_out; T is the number of output positions.
 """
 
+import dataclasses
 import itertools
 import math
 import types
@@ -171,8 +172,8 @@ class ConvTransposeBlock(ConvBlock):
 class SeparableConvBlock(Block):
     """SeparableConv1D/2D: a depthwise part and a pointwise (1x1) part, each a pair.
 
-    Factors [A_dw, G_dw, A_pw, G_pw]: each part keeps, decomposes and applies its own
-    pair (the inverse method's π pairs each A with its own G).
+    Factors [A_dw, G_dw, A_pw, G_pw]: two pieces, each part's own pair (the inverse
+    method's π pairs each A with its own G).
     """
 
     kind = "separable_conv"
@@ -221,23 +222,19 @@ class SeparableConvBlock(Block):
                     [(inputs[i], out_grads[i]) for inputs, out_grads in calls], batch_size,
                     weights)]
 
-    def decomposition_shapes(self, method):
-        return [shapes for part in self.parts for shapes in part.decomposition_shapes(method)]
+    def pieces(self):
+        """The two parts' pairs, each part's factor indices shifted past the earlier's."""
+        return [dataclasses.replace(piece, factors=tuple(2 * p + i for i in piece.factors))
+                for p, part in enumerate(self.parts) for piece in part.pieces()]
 
-    def moment_shapes(self):
-        return [shape for part in self.parts for shape in part.moment_shapes()]
+    def gradient_matrices(self, grads):
+        split = len(self.parts[0].variables)
+        return (self.parts[0].gradient_matrices(grads[:split])
+                + self.parts[1].gradient_matrices(grads[split:]))
 
-    def decompose(self, index, factors, method, damping):
-        part, own = divmod(index, 2)
-        return self.parts[part].decompose(own, factors[2 * part: 2 * part + 2], method, damping)
-
-    def precondition(self, grads, factors, decomposition, method, damping, adam=None):
-        depthwise, pointwise = self.parts  # `adam` serves the two in this order
-        split = len(depthwise.variables)
-        return (depthwise.precondition(grads[:split], factors[:2], decomposition[:2], method,
-                                       damping, adam)
-                + pointwise.precondition(grads[split:], factors[2:], decomposition[2:], method,
-                                         damping, adam))
+    def split_matrices(self, matrices):
+        return [g for part, matrix in zip(self.parts, matrices)
+                for g in part.split_matrices([matrix])]
 
 
 def _require_supported(layer):

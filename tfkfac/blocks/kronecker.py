@@ -22,7 +22,7 @@ pairs (a block-diagonal layer such as a grouped convolution), all computed batch
 import tensorflow as tf
 
 from tfkfac import linalg
-from tfkfac.blocks.base import Block, as_float, eigenbasis, layer_input, per_row
+from tfkfac.blocks.base import Block, as_float, layer_input, per_row
 
 
 class KroneckerBlock(Block):
@@ -104,37 +104,11 @@ class KroneckerBlock(Block):
             return [kernel, matrix[self.in_dim]]
         return [kernel]
 
-    def decomposition_shapes(self, method):
-        shapes = [[self._batched((n, n)), self._batched((n,))]
-                  for n in (self.a_dim, self.out_dim)]
-        return shapes if eigenbasis(method) else [[matrix] for matrix, _ in shapes]
+    def gradient_matrices(self, grads):
+        return [self.grad_matrix([as_float(g) for g in grads])]
 
-    def moment_shapes(self):
-        return [self._batched((self.a_dim, self.out_dim))]
-
-    def decompose(self, index, factors, method, damping):
-        if eigenbasis(method):
-            values, vectors = linalg.symmetric_eigh(factors[index])
-            return [vectors, values]
-        # (A + π√λ I)⁻¹ and (G + (√λ/π) I)⁻¹
-        pi = linalg.pi_correction(*factors)
-        root = tf.sqrt(damping)
-        shift = pi * root if index == 0 else root / pi
-        return [linalg.damped_inverse(factors[index], shift)]
-
-    def precondition(self, grads, factors, decomposition, method, damping, adam=None):
-        grad = self.grad_matrix([as_float(g) for g in grads])
-        if method == "eigen_adam":
-            (q_a, _), (q_g, _) = decomposition
-            rotated = linalg.to_eigenbasis(grad, q_a, q_g, self.product_dtype)
-            matrix = linalg.from_eigenbasis(adam.scale(rotated), q_a, q_g, self.product_dtype)
-        elif method == "eigen":
-            (q_a, v_a), (q_g, v_g) = decomposition
-            matrix = linalg.eigen_precondition(grad, q_a, v_a, q_g, v_g, damping,
-                                               self.product_dtype)
-        else:
-            (a_inv,), (g_inv,) = decomposition
-            matrix = linalg.inverse_precondition(grad, a_inv, g_inv, self.product_dtype)
+    def split_matrices(self, matrices):
+        (matrix,) = matrices
         return self.split_matrix(matrix)
 
 

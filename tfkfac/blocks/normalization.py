@@ -4,7 +4,7 @@ BatchNormalization (Osawa et al. 2019), LayerNormalization, GroupNormalization a
 RMSNormalization all compute y = γ ⊙ x̂ + β, with γ and β laid along some axes of the
 input. The per-example gradients follow from x̂ and the output gradient, summed over the
 other non-batch axes: dl_i/dγ = Σ_pos (N dL/dy_i) ⊙ x̂_i, dl_i/dβ = Σ_pos N dL/dy_i;
-then F = (1/N) Σ_i (dl_i/dθ)², and the gradient is preconditioned as ∇ / (F + ρ λ).
+then F = (1/N) Σ_i (dl_i/dθ)², one diagonal piece damped with ρλ.
 
 These are the exact per-example gradients for LayerNorm, GroupNorm and RMSNorm, which
 normalize each example on its own. A BatchNorm couples the examples: as for
@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfkfac.blocks.base import Block, Unsupported, as_float
+from tfkfac.methods import Piece
 
 
 def _input_axes(layer, axes):
@@ -93,21 +94,17 @@ class NormalizationBlock(Block):
             squares = squares * weights[:, None]
         return [tf.reduce_mean(squares, axis=0)]
 
-    def decomposition_shapes(self, method):
-        return []
+    def pieces(self):
+        """One diagonal F, damped with ρλ (docs/design.md §3)."""
+        return [Piece((0,), (True,), self.damping_multiplier)]
 
-    def moment_shapes(self):
-        return self.factor_shapes()
+    def gradient_matrices(self, grads):
+        return [tf.concat([tf.reshape(as_float(g), (-1,)) for g in grads], axis=0)]
 
-    def precondition(self, grads, factors, decomposition, method, damping, adam=None):
-        (fisher,) = factors
-        flat = tf.concat([tf.reshape(as_float(g), (-1,)) for g in grads], axis=0)
-        if method == "eigen_adam":  # a diagonal block's eigenbasis is the identity
-            scaled = adam.scale(flat)
-        else:
-            scaled = flat / (fisher + self.damping_multiplier * damping)
+    def split_matrices(self, matrices):
+        (flat,) = matrices
         return [tf.reshape(p, v.shape)
-                for p, v in zip(tf.split(scaled, len(grads)), self.variables)]
+                for p, v in zip(tf.split(flat, len(self.variables)), self.variables)]
 
 
 class BatchNormBlock(NormalizationBlock):
