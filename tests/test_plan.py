@@ -263,7 +263,7 @@ class BinaryTest(parameterized.TestCase):
 
     def test_gpu_profiles_achieve_less_than_their_floor(self):
         """Calibrated on NVIDIA's ResNet-50 throughput: a real step is slower than its floor."""
-        for name in ("v100", "a100"):
+        for name in hardware.GPUS:
             device = hardware.device(name)
             for precision, fraction in device.fractions["forward_backward"].items():
                 self.assertTrue(0.05 < fraction < 1.0, (name, precision, fraction))

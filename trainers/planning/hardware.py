@@ -11,14 +11,18 @@ benchmarks or published, and each profile names its sources (docs/planner.md):
   planned model's own row when step_floor measured it, else the median of its models);
   ranks on this machine share its cores. Collectives: bench/results/loopback.json
   (2-rank Gloo allreduce timed by bench/plan_validation.py).
-- "v100", "a100", "h100": NVIDIA datasheet peaks; the forward/backward fraction from
-  NVIDIA's published single-GPU ResNet-50 training throughput (DeepLearningExamples);
-  K-FAC's own phases (a few large float32 GEMMs, streaming updates) at their roofline,
-  a lower bound that the validation measures; decomposition rates from the papers' own
+- GPUs ("v100", "a100-40gb", "a100-80gb", "h100", "h200"): the peaks, memory and
+  NVLink of NVIDIA's datasheets (`GpuSpec`). A forward/backward takes the device's own
+  floor (its Tensor Core rate and memory bandwidth) divided by the fraction of the floor
+  NVIDIA's published single-GPU ResNet-50 training throughput achieves
+  (DeepLearningExamples): measured on V100 and A100 40 GB; A100 80 GB, H100 and H200,
+  absent from that README, take A100 40 GB's fraction (an estimate). K-FAC's own
+  phases (a few large float32 GEMMs, streaming updates) run at their roofline, a lower
+  bound that the validation measures. Decomposition rates come from the papers' own
   measurements on V100 (Pauloski et al. 2020 Table V for eigh, Ueno et al. 2020 §3.3.1
-  for the Cholesky inverse), scaled to A100/H100 by memory bandwidth (eigh) and FP32 peak
-  (Cholesky). H100 takes A100's fractions: no published TensorFlow ResNet-50 figure was
-  at hand. These assumptions are listed in every output.
+  for the Cholesky inverse), scaled to the other GPUs by memory bandwidth (eigh) and
+  FP32 peak (Cholesky), with V100's per-call latencies (an estimate). Every output lists
+  the sources and, separately, the estimates.
 """
 
 import dataclasses
@@ -47,7 +51,9 @@ STEP_FLOOR_PHASES = {"forward_backward": "forward_backward", "factor_statistics"
 class Device:
     """A worker's rates (FLOP/s per precision of the forward/backward, bytes/s, LAPACK-
     style decomposition FLOP/s at the floor's nominal counts) and the fraction of its floor
-    each phase achieves. `cores`: ranks on this machine share it (the local profile)."""
+    each phase achieves. `cores`: ranks on this machine share it and its `memory` (bytes;
+    the local profile). `estimates`: the figures that are not published for this device
+    and how they were derived (every output lists them)."""
 
     name: str
     matmul: dict
@@ -59,6 +65,8 @@ class Device:
     sources: tuple
     cores: int = 0
     decomposition_latency: dict = dataclasses.field(default_factory=dict)
+    memory: float = None
+    estimates: tuple = ()
 
     def seconds(self, kernels, phase, precision="float32", ranks=1):
         """Time of `kernels` in `phase` on one of `ranks` workers; a decomposition call
@@ -72,6 +80,12 @@ class Device:
 
     def max_ranks(self):
         return self.cores or None
+
+    def memory_per_worker(self, ranks):
+        """Bytes one of `ranks` workers may use (None: not known)."""
+        if self.memory is None:
+            return None
+        return self.memory / ranks if self.cores else self.memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +125,13 @@ NETWORKS = {net.name: net for net in (
 
 
 def network(name):
+    """The network profile `name` (any case)."""
+    name = name.lower()
     if name == "loopback":
         return Network("loopback", loopback_link(), (f"measured: {LOOPBACK_JSON}",))
     if name not in NETWORKS:
-        raise ValueError(f"network must be one of {', '.join(network_names())}; got {name!r}")
+        raise ValueError(f"--network must be one of {', '.join(network_names())}; "
+                         f"got {name!r}")
     return NETWORKS[name]
 
 
@@ -125,15 +142,35 @@ def network_names():
 # --------------------------------------------------------------------------- GPUs
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
-    """Datasheet peaks; `reference`: {precision: (batch, images/s)} of ResNet-50 training
-    on one GPU, from which the achieved fraction of the floor is taken."""
+    """One GPU's published figures, from `datasheet`: dense peaks in FLOP/s (None where
+    the GPU has no such Tensor Core mode), memory in bytes and bytes/s, NVLink in bytes/s
+    one way. `reference`: {precision: (batch, images/s)} of ResNet-50 training on one such
+    GPU, from which its forward/backward's achieved fraction of the floor is taken; without
+    one, `calibrated_on` names the profile whose fraction it takes (an estimate)."""
 
-    matmul: dict
+    datasheet: str
+    fp16: float
+    bf16: float
+    tf32: float
     fp32: float
+    memory: float
     bandwidth: float
     nvlink: float
-    reference: dict
-    sources: tuple
+    reference: dict = None
+    calibrated_on: str = None
+
+    @property
+    def matmul(self):
+        """Rates of the forward/backward's products: float32 on TF32 Tensor Cores where
+        the GPU has them (TensorFlow's default), mixed precision in float16."""
+        return {"float32": self.tf32 or self.fp32, "mixed": self.fp16}
+
+    def figures(self):
+        tera = lambda rate: "-" if rate is None else f"{rate / 1e12:g}"
+        return (f"{self.datasheet}: dense FP16 {tera(self.fp16)}, BF16 {tera(self.bf16)}, "
+                f"TF32 {tera(self.tf32)}, FP32 {tera(self.fp32)} TFLOP/s; "
+                f"{self.memory / 1e9:g} GB at {self.bandwidth / 1e9:g} GB/s; NVLink "
+                f"{2 * self.nvlink / 1e9:g} GB/s both directions")
 
 
 V100_EIGH_SOURCE = (
@@ -150,32 +187,28 @@ NVIDIA_RESNET50 = ("forward/backward fraction: NVIDIA DeepLearningExamples Tenso
 # bench/plan_validation.py derives these four from the papers' figures and prints them.
 V100_EIGH, V100_EIGH_LATENCY = 0.688e12, 99.4e-3
 V100_CHOLESKY, V100_CHOLESKY_LATENCY = 3.14e12, 2.38e-3
+# Dense peaks: the H100 and H200 datasheets give Tensor Core rates with sparsity, twice
+# the dense ones (their footnote); the figures below are half of theirs.
 V100 = GpuSpec(
-    matmul={"float32": 15.7e12, "mixed": 125e12}, fp32=15.7e12, bandwidth=900e9, nvlink=150e9,
-    reference={"float32": (128, 412.0), "mixed": (256, 1270.0)},
-    sources=("NVIDIA Tesla V100 SXM2 datasheet: FP32 15.7 TFLOP/s, tensor 125 TFLOP/s, "
-             "HBM2 900 GB/s, NVLink 300 GB/s both directions",
-             NVIDIA_RESNET50 + ": V100 16 GB FP32 412 img/s at batch 128, AMP 1270 img/s at "
-             "batch 256", V100_EIGH_SOURCE, V100_CHOLESKY_SOURCE))
-A100 = GpuSpec(
-    matmul={"float32": 156e12, "mixed": 312e12}, fp32=19.5e12, bandwidth=1555e9, nvlink=300e9,
-    reference={"float32": (256, 909.0), "mixed": (256, 2375.0)},
-    sources=("NVIDIA A100 SXM4 40 GB datasheet: TF32 156 TFLOP/s (TensorFlow's float32 "
-             "matmuls), FP32 19.5, FP16/BF16 312, HBM2 1555 GB/s, NVLink 600 GB/s",
-             NVIDIA_RESNET50 + ": A100 40 GB TF32 909 img/s, AMP 2375 img/s at batch 256",
-             "decompositions: V100's rates scaled by memory bandwidth (eigh) and FP32 peak "
-             "(Cholesky), V100's latencies per call: an assumption, no A100 measurement at "
-             "hand"))
+    "NVIDIA Tesla V100 GPU Accelerator datasheet (SXM2 16 GB)", fp16=125e12, bf16=None,
+    tf32=None, fp32=15.7e12, memory=16e9, bandwidth=900e9, nvlink=150e9,
+    reference={"float32": (128, 412.0), "mixed": (256, 1270.0)})
+A100_40GB = GpuSpec(
+    "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40 GB)", fp16=312e12, bf16=312e12,
+    tf32=156e12, fp32=19.5e12, memory=40e9, bandwidth=1555e9, nvlink=300e9,
+    reference={"float32": (256, 909.0), "mixed": (256, 2375.0)})
+A100_80GB = dataclasses.replace(
+    A100_40GB, datasheet="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80 GB)", memory=80e9,
+    bandwidth=2039e9, reference=None, calibrated_on="a100-40gb")
 H100 = GpuSpec(
-    matmul={"float32": 494.7e12, "mixed": 989.4e12}, fp32=66.9e12, bandwidth=3350e9,
-    nvlink=450e9, reference=A100.reference,
-    sources=("NVIDIA H100 SXM5 datasheet: TF32 989 and BF16 1979 TFLOP/s with sparsity "
-             "(half dense), FP32 67 TFLOP/s, HBM3 3.35 TB/s, NVLink 900 GB/s",
-             "forward/backward fraction: A100's (an assumption: no published TensorFlow "
-             "ResNet-50 figure for H100 at hand)",
-             "decompositions: V100's rates scaled by memory bandwidth (eigh) and FP32 peak "
-             "(Cholesky), V100's latencies per call: an assumption"))
-GPUS = {"v100": V100, "a100": A100, "h100": H100}
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM5 80 GB)", fp16=989.5e12, bf16=989.5e12,
+    tf32=494.5e12, fp32=67e12, memory=80e9, bandwidth=3350e9, nvlink=450e9,
+    calibrated_on="a100-40gb")
+H200 = dataclasses.replace(
+    H100, datasheet="NVIDIA H200 Tensor Core GPU datasheet (SXM 141 GB)", memory=141e9,
+    bandwidth=4800e9)
+GPUS = {"v100": V100, "a100-40gb": A100_40GB, "a100-80gb": A100_80GB, "h100": H100,
+        "h200": H200}
 
 
 def device_names():
@@ -183,23 +216,43 @@ def device_names():
 
 
 def device(name, model_name=None):
-    """The profile `name`; the local one is calibrated on `model_name` when step_floor
-    measured it."""
+    """The profile `name` (any case); the local one is calibrated on `model_name` when
+    step_floor measured it."""
+    name = name.lower()
     if name == "local":
         return _local(model_name)
     if name not in GPUS:
-        raise ValueError(f"device must be one of {', '.join(device_names())}; got {name!r}")
+        raise ValueError(f"--device must be one of {', '.join(device_names())}; got {name!r}")
     spec = GPUS[name]
-    fractions = _gpu_fractions(spec.matmul["float32"], spec.matmul["mixed"], spec.bandwidth,
-                               tuple(sorted((p, r) for p, r in spec.reference.items())))
+    measured = GPUS[spec.calibrated_on] if spec.calibrated_on else spec
+    fractions = _gpu_fractions(measured.matmul["float32"], measured.matmul["mixed"],
+                               measured.bandwidth,
+                               tuple(sorted((p, r) for p, r in measured.reference.items())))
+    sources = [spec.figures(), NVIDIA_RESNET50 + ": " + ", ".join(
+        f"{spec.calibrated_on or name} {p} {images:g} img/s at batch {batch}"
+        for p, (batch, images) in sorted(measured.reference.items())),
+        V100_EIGH_SOURCE, V100_CHOLESKY_SOURCE, NCCL_SOURCE]
+    estimates = []
+    if spec.calibrated_on:
+        estimates.append(
+            f"forward/backward on {name}: {spec.calibrated_on}'s achieved fraction of its "
+            f"floor ({fractions['float32']:.2f} float32, {fractions['mixed']:.2f} mixed) "
+            f"applied to {name}'s own floor; that README has no {name} figure")
+    if spec is not V100:
+        estimates.append(
+            f"decompositions on {name}: V100's eigh rate scaled by memory bandwidth "
+            f"({spec.bandwidth / V100.bandwidth:.2f}x) and its Cholesky-inverse rate by FP32 "
+            f"peak ({spec.fp32 / V100.fp32:.2f}x), V100's per-call latencies kept "
+            f"({V100_EIGH_LATENCY * 1e3:g} and {V100_CHOLESKY_LATENCY * 1e3:g} ms); no "
+            f"published decomposition timing for {name}")
     return Device(
-        name=name, matmul=dict(spec.matmul), bandwidth=spec.bandwidth,
+        name=name, matmul=spec.matmul, bandwidth=spec.bandwidth,
         eigh=V100_EIGH * spec.bandwidth / V100.bandwidth,
         cholesky_inverse=V100_CHOLESKY * spec.fp32 / V100.fp32,
         fractions={phase: (dict(fractions) if phase in ("sgd", "forward_backward")
                            else {"float32": 1.0, "mixed": 1.0}) for phase in PHASES},
         intra_node=collectives.Link(spec.nvlink, NVLINK_RING_STEP, NVLINK_TREE_LEVEL),
-        sources=spec.sources + (NCCL_SOURCE,),
+        sources=tuple(sources), memory=spec.memory, estimates=tuple(estimates),
         decomposition_latency={"eigh": V100_EIGH_LATENCY,
                                "cholesky_inverse": V100_CHOLESKY_LATENCY})
 
@@ -253,5 +306,7 @@ def _local(model_name):
         intra_node=loopback_link() if os.path.isfile(LOOPBACK_JSON) else None,
         sources=(f"rates and phase fractions: {STEP_FLOOR_JSON} (library "
                  f"{report.get('library_commit')}, fractions of {calibrated_on})",
-                 f"collectives: {LOOPBACK_JSON}"),
-        cores=report["machine"]["cpus"])
+                 f"collectives: {LOOPBACK_JSON}",
+                 "memory: this machine's physical memory (sysconf), shared by its ranks"),
+        cores=report["machine"]["cpus"],
+        memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
