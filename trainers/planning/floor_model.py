@@ -148,8 +148,9 @@ class KroneckerGeometry:
                                                                           self.out_dim)]
 
     def decomposition_elements(self, method):
-        """Elements of each factor's stored decomposition (eigen: Q and v; inverse: M⁻¹)."""
-        return [self.groups * (n * n + (n if method == "eigen" else 0))
+        """Elements of each factor's stored decomposition (eigen, eigen_adam: Q and v;
+        inverse: M⁻¹)."""
+        return [self.groups * (n * n + (n if method != "inverse" else 0))
                 for n in (self.a_dim, self.out_dim)]
 
     def precondition_kernels(self, method, itemsize=4):
@@ -189,7 +190,7 @@ class EmbeddingGeometry:
 
     def decomposition_elements(self, method):
         d = self.width
-        return [d * d + (d if method == "eigen" else 0)]
+        return [d * d + (d if method != "inverse" else 0)]
 
     def precondition_kernels(self, method, itemsize=4):
         v, d = self.vocabulary, self.width

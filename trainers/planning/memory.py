@@ -1,0 +1,71 @@
+"""What one worker holds in memory for SGD and K-FAC, counted from the model's blocks.
+
+Per worker, in bytes (float32 state):
+- model: the weights, their gradients and the inner optimizer's momentum (SGD's too);
+- factors: K-FAC's running factors, on every worker;
+- decompositions: per symmetric factor its eigenbasis and eigenvalues (eigen,
+  eigen_adam) or its inverse (inverse); every worker holds all of them under
+  "replicated", a block's owner only its blocks' under "owner" (the worker holding most
+  is counted), which also keeps the damping they were computed at;
+- method_state: eigen_adam's second moments, one per managed parameter, on every worker
+  under both placements;
+- host: under "owner", the copy of the factors last decomposed that a resumed owner
+  rebuilds from, which tfkfac keeps in host memory, not on the device.
+
+tests/test_plan_memory.py checks the K-FAC part against a real tfkfac.KFAC's
+`summary()["state_bytes"]`. Not counted: activations and the framework's workspace, which
+SGD needs as well and which depend on the batch and TensorFlow's memory planner.
+"""
+
+import math
+
+from tfkfac import config as config_lib, placement as placement_lib
+from trainers.planning import step_model
+
+COMPONENTS = ("model", "factors", "decompositions", "method_state", "host")
+DEVICE_COMPONENTS = COMPONENTS[:-1]
+# Weights, gradients and momentum, each a float32 per trainable parameter.
+MODEL_COPIES = 3
+
+
+def library_methods():
+    """The method names `tfkfac.KFACConfig` accepts."""
+    field = next(f for f in config_lib.settings() if f.name == "method")
+    return tuple(field.metadata["check"].choices)
+
+
+def per_worker(work, placements, workers, methods=None):
+    """[{workers, placement, method, component: bytes..., device: their device sum}] of
+    every placement and method (default: every method of the library) at every worker
+    count."""
+    rows = []
+    for ranks in workers:
+        for placement in placements:
+            for method in methods or library_methods():
+                needs = worker_bytes(work, placement, method, ranks)
+                rows.append({"workers": ranks, "placement": placement, "method": method,
+                             **needs,
+                             "device": sum(needs[c] for c in DEVICE_COMPONENTS)})
+    return rows
+
+
+def worker_bytes(work, placement, method, ranks):
+    """{component: bytes} on the worker of `ranks` that holds the most."""
+    itemsize = step_model.STATE_ITEMSIZE
+    geometries = list(work.geometries["expand"].values())
+    factors = [sum(math.prod(s) for s in g.factor_shapes()) for g in geometries]
+    decompositions = [sum(g.decomposition_elements(method)) for g in geometries]
+    if placement == "replicated":
+        held, rebuild = sum(decompositions), 0
+    else:
+        owners = placement_lib.owners(placement, work.blocks["expand"], ranks)
+        held = max(sum(e for e, owner in zip(decompositions, owners) if owner == rank)
+                   for rank in range(ranks)) + 1  # and the damping they were computed at
+        rebuild = sum(f for f, g in zip(factors, geometries)
+                      if any(len(s) >= 2 for s in g.factor_shapes()))
+    return {"model": MODEL_COPIES * itemsize * work.trainable_parameters,
+            "factors": itemsize * sum(factors),
+            "decompositions": itemsize * held,
+            "method_state": itemsize * (sum(g.parameters for g in geometries)
+                                        if method == "eigen_adam" else 0),
+            "host": itemsize * rebuild}
