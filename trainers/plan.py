@@ -4,33 +4,41 @@
       --network=ib-edr
 
 --model: a trainer model, a keras.applications name or a saved .keras file. Prints the
-per-phase table and the recommendation; writes plan.json and plan.png to --output_dir.
-How the model works and what it was validated against: docs/planner.md.
+per-phase table, the memory per worker and the recommendation; writes plan.json and
+plan.png to --output_dir. A bad value ends it with one line naming the flag and what it
+allows (exit code 2). How the model works and what it was validated against:
+docs/planner.md.
 """
 
+import math
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
-from trainers.planning import (hardware, recommend, report, step_model,  # noqa: E402
-                               workloads)
+from trainers.planning import (hardware, memory, recommend, report,  # noqa: E402
+                               step_model, workloads)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Trainer model, keras.applications name or .keras path.")
 flags.DEFINE_integer("batch", 32, "Examples per worker per step.", lower_bound=1)
 flags.DEFINE_list("workers", ["1", "8", "64", "128", "1024"], "Worker counts (1 to 1024).")
-flags.DEFINE_string("device", "v100", f"One of {', '.join(hardware.device_names())}.")
-flags.DEFINE_string("network", "ib-edr", f"One of {', '.join(hardware.network_names())}.")
+flags.DEFINE_string("device", "v100",
+                    f"One of {', '.join(hardware.device_names())} (any case).")
+flags.DEFINE_string("network", "ib-edr",
+                    f"One of {', '.join(hardware.network_names())} (any case).")
 flags.DEFINE_integer("workers_per_node", 1, "Workers sharing a node (NVLink between them).",
                      lower_bound=1)
 flags.DEFINE_integer("links_per_node", 1, "Network links of a node.", lower_bound=1)
 flags.DEFINE_enum("precision", "mixed", list(workloads.PRECISIONS),
-                  "Forward/backward precision (K-FAC's factors stay float32).")
+                  "Forward/backward precision (K-FAC's factors stay float32).",
+                  case_sensitive=False)
 flags.DEFINE_list("input_shape", None, "H,W,C of the model's input; default 28,28,1 for "
                   "the trainer's models, 224,224,3 for keras.applications.")
-flags.DEFINE_integer("classes", None, "Classes of the head (default 10 / 1000).")
+flags.DEFINE_integer("classes", None, "Classes of the head (default 10 / 1000).",
+                     lower_bound=1)
 flags.DEFINE_list("placements", list(step_model.PLACEMENTS), "Placements compared.")
 flags.DEFINE_list("factor_wires", list(step_model.WIRE_DTYPES), "Factor wire dtypes compared.")
 flags.DEFINE_list("decomposition_wires", list(step_model.WIRE_DTYPES),
@@ -41,19 +49,39 @@ flags.DEFINE_list("decomposition_intervals", ["10", "100"],
 flags.DEFINE_list("weight_sharing", list(workloads.WEIGHT_SHARING), "Weight-sharing rules.")
 flags.DEFINE_list("methods", list(step_model.METHODS), "Decomposition methods compared.")
 flags.DEFINE_float("forward_backward_ms", None, "Measured forward/backward of one worker "
-                   "at --batch (replaces the device model's).")
+                   "at --batch (replaces the device model's; required for a model with "
+                   "weight products the planner cannot count, e.g. an LSTM).")
+flags.register_validator("forward_backward_ms",
+                         lambda ms: ms is None or (math.isfinite(ms) and ms > 0),
+                         "must be a finite number of milliseconds > 0")
 flags.DEFINE_list("sgd_steps", None, "Steps to target for SGD: one value, or one per worker "
                   "count (global batch changes with it).")
 flags.DEFINE_list("kfac_steps", None, "Steps to target for K-FAC, as --sgd_steps.")
 flags.DEFINE_string("output_dir", "runs/plan", "Where plan.json and plan.png go.")
 
 
+def usage_error(message):
+    """Ends the process with exit code 2 and `message` as one line (no help, no
+    traceback)."""
+    sys.stderr.write(f"trainers.plan: error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+def parse_flags(argv):
+    """absl's parsing, a bad flag value reported by `usage_error`."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:
+        usage_error(str(error))
+
+
 def _choices(name, values, allowed):
-    bad = [v for v in values if v not in allowed]
-    if bad or not values:
+    chosen = [v.lower() for v in values]
+    if not chosen or any(v not in allowed for v in chosen):
         raise ValueError(f"--{name} must be a list of {', '.join(map(str, allowed))}; "
                          f"got {','.join(map(str, values))}")
-    return list(values)
+    return chosen
 
 
 def _integers(name, values, low=1, high=None):
@@ -89,32 +117,64 @@ def _settings():
     if device.max_ranks() and max(workers) > device.max_ranks():
         raise ValueError(f"--workers: device local runs at most {device.max_ranks()} ranks "
                          f"(its cores); got {max(workers)}")
-    configs = recommend.grid(
-        _choices("placements", FLAGS.placements, step_model.PLACEMENTS),
+    placements = _choices("placements", FLAGS.placements, step_model.PLACEMENTS)
+    configs, refused = recommend.grid(
+        placements,
         _choices("factor_wires", FLAGS.factor_wires, step_model.WIRE_DTYPES),
         _choices("decomposition_wires", FLAGS.decomposition_wires, step_model.WIRE_DTYPES),
         _integers("factor_intervals", FLAGS.factor_intervals),
         _integers("decomposition_intervals", FLAGS.decomposition_intervals),
         _choices("weight_sharing", FLAGS.weight_sharing, workloads.WEIGHT_SHARING),
         _choices("methods", FLAGS.methods, step_model.METHODS))
+    if not configs:
+        config, why = refused[0]
+        raise ValueError(f"tfkfac refuses every configuration compared, e.g. "
+                         f"{config.label()}: {why}")
     input_shape = (None if FLAGS.input_shape is None
                    else tuple(_integers("input_shape", FLAGS.input_shape)))
     return dict(workers=workers, device=device, network=hardware.network(FLAGS.network),
-                configs=configs, input_shape=input_shape,
+                placements=placements, configs=configs, refused=refused,
+                input_shape=input_shape, output_dir=_output_dir(FLAGS.output_dir),
                 sgd_steps=_steps("sgd_steps", FLAGS.sgd_steps, len(workers)),
                 kfac_steps=_steps("kfac_steps", FLAGS.kfac_steps, len(workers)))
 
 
+def _output_dir(path):
+    """`path`, created if missing; refused when it cannot be written (before the plan's
+    work)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--output_dir: {path} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--output_dir: cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--output_dir: {path} is not writable")
+    return path
+
+
+def _check_countable(work):
+    """A model whose weight products the planner cannot count needs a measured
+    forward/backward (an LSTM's would otherwise be 0 ms)."""
+    if work.uncounted_products and FLAGS.forward_backward_ms is None:
+        raise ValueError(
+            f"--forward_backward_ms is required for {FLAGS.model}: layer(s) "
+            f"{', '.join(work.uncounted_products[:3])} multiply by weight matrices without "
+            "a K-FAC block, which the planner cannot count; measure one worker's "
+            "forward/backward at --batch and pass it")
+
+
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
     try:
         settings = _settings()
         work = workloads.named(FLAGS.model, settings["input_shape"],
                                FLAGS.classes).at_batch(FLAGS.batch)
+        _check_countable(work)
     except ValueError as error:
-        raise app.UsageError(str(error)) from None
+        usage_error(str(error))
     device, network, workers = settings["device"], settings["network"], settings["workers"]
     fabric = step_model.fabric(device, network, FLAGS.workers_per_node, FLAGS.links_per_node)
     forward_backward_s = (None if FLAGS.forward_backward_ms is None
@@ -128,22 +188,37 @@ def main(argv):
     bounded = min(exact, key=results[-1]["times"].get) if exact else results[-1]["best"]
     bound = dict(recommend.one_factor_bound(work, bounded, workers, device),
                  configuration=bounded)
+    needs = memory.per_worker(work, settings["placements"], workers)
     setting = {"model": FLAGS.model, "batch": FLAGS.batch, "device": device.name,
                "network": network.name, "precision": FLAGS.precision,
                "ranks_per_node": FLAGS.workers_per_node, "links_per_node": FLAGS.links_per_node,
                "trainable_parameters": work.trainable_parameters,
                "configurations": len(settings["configs"]),
+               "refused_configurations": len(settings["refused"]),
+               "forward_backward": "measured (--forward_backward_ms)" if forward_backward_s
+               else f"from the {device.name} profile",
                "layers_without_block": [s["layer"] for s in work.skipped]}
-    print(report.table(setting, results, bound))
-    if work.skipped:
+    if settings["refused"]:
+        config, why = settings["refused"][0]
+        print(f"Left out {len(settings['refused'])} configuration(s) tfkfac refuses, e.g. "
+              f"{config.label()}: {why}")
+    print(report.table(setting, results, bound, needs, device))
+    if work.skipped and forward_backward_s is None:
         print(f"Not counted in forward/backward: {len(work.skipped)} layer(s) without a "
-              f"K-FAC block ({', '.join(setting['layers_without_block'][:5])}...)")
+              f"K-FAC block and with elementwise weights only "
+              f"({', '.join(setting['layers_without_block'][:5])}...)")
     sources = tuple(dict.fromkeys(device.sources + network.sources))
-    document = report.to_json(setting, results, bound, sources)
-    paths = report.write(document, results, bound, FLAGS.output_dir)
+    document = report.to_json(setting, results, bound, sources, device.estimates, needs,
+                              device)
+    try:
+        paths = report.write(document, results, bound, settings["output_dir"])
+    except OSError as error:
+        usage_error(f"--output_dir: cannot write {error.filename}: {error.strerror}")
     print("Sources: " + "; ".join(sources))
+    if device.estimates:
+        print("Estimated (no published figure): " + "; ".join(device.estimates))
     print(f"Wrote {paths[0]} and {paths[1]}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -22,9 +22,21 @@ SPLIT_RANKS, SPLIT_EFFICIENCY, REFRESH_EVERY = 4, 0.5, 4
 
 def grid(placements, factor_wires, decomposition_wires, factor_intervals,
          decomposition_intervals, weight_sharing, methods):
-    return [step_model.Configuration(*values) for values in itertools.product(
-        placements, factor_wires, decomposition_wires, factor_intervals,
-        decomposition_intervals, weight_sharing, methods)]
+    """(every combination the library accepts, [(combination, why)] of those
+    `tfkfac.KFACConfig` refuses): the planner never ranks a configuration tfkfac would
+    not run."""
+    accepted, refused = [], []
+    for values in itertools.product(placements, factor_wires, decomposition_wires,
+                                    factor_intervals, decomposition_intervals,
+                                    weight_sharing, methods):
+        config = step_model.Configuration(*values)
+        try:
+            config.library_config()
+        except ValueError as error:
+            refused.append((config, str(error)))
+        else:
+            accepted.append(config)
+    return accepted, refused
 
 
 def same_approximation(config, method=step_model.LIBRARY_DEFAULTS.method):
@@ -57,16 +69,19 @@ def evaluate(work, configs, workers, device, fabric, precision, forward_backward
         if step_model.LIBRARY_DEFAULTS in steps:
             entry["library_defaults_phases"] = steps[step_model.LIBRARY_DEFAULTS]
         if sgd_steps and kfac_steps:
-            entry["sgd_time_to_target_s"] = sgd_steps[i] * entry["sgd_step_s"]
-            entry["kfac_time_to_target_s"] = kfac_steps[i] * times[best]
+            for name, steps, step_s in (("sgd", sgd_steps[i], entry["sgd_step_s"]),
+                                        ("kfac", kfac_steps[i], times[best])):
+                entry[f"{name}_time_to_target_s"] = steps * step_s
+                entry[f"{name}_gpu_hours"] = steps * step_s * ranks / 3600
         results.append(entry)
     return results
 
 
-def fastest_to_target(results):
-    """(workers, optimizer, seconds) with the lowest time to target, or None."""
-    options = [(entry["workers"], name, entry[f"{name}_time_to_target_s"])
-               for entry in results if "sgd_time_to_target_s" in entry
+def best_to_target(results, measure):
+    """(workers, optimizer, value) with the lowest `measure` to target ("time_to_target_s"
+    or "gpu_hours": steps x step time x workers), or None without steps."""
+    options = [(entry["workers"], name, entry[f"{name}_{measure}"])
+               for entry in results if f"sgd_{measure}" in entry
                for name in ("sgd", "kfac")]
     return min(options, key=lambda option: option[2]) if options else None
 

@@ -25,14 +25,16 @@ def _columns(entry):
     return columns
 
 
-def table(setting, results, bound):
-    """The per-phase table of every worker count and the recommendation, as text."""
+def table(setting, results, bound, needs, device):
+    """The per-phase table of every worker count, the memory per worker (`needs`:
+    `memory.per_worker`'s rows), the recommendation and the bound, as text."""
     lines = [f"{setting['model']}: {setting['batch']} examples per worker, "
              f"{setting['trainable_parameters']:,} parameters; device {setting['device']} "
              f"({setting['precision']}), network {setting['network']}, "
              f"{setting['ranks_per_node']} worker(s) and {setting['links_per_node']} "
              f"link(s) per node; {setting['configurations']} K-FAC configurations",
-             "Times are per step, amortized over each configuration's intervals."]
+             f"Times are per step, amortized over each configuration's intervals; "
+             f"forward/backward: {setting['forward_backward']}."]
     for entry in results:
         columns = _columns(entry)
         lines.append("")
@@ -50,13 +52,62 @@ def table(setting, results, bound):
         for heading, config, _ in columns[1:]:
             lines.append(f"  {heading}: {config.label()}")
         if "sgd_time_to_target_s" in entry:
-            lines.append(f"  time to target: SGD {entry['sgd_time_to_target_s']:.0f} s, "
-                         f"K-FAC fastest {entry['kfac_time_to_target_s']:.0f} s")
-    lines += ["", recommendation(results), bound_text(bound)]
+            hours = _worker_hours(device)
+            lines.append(f"  to target: SGD {entry['sgd_time_to_target_s']:.0f} s, "
+                         f"{entry['sgd_gpu_hours']:.3g} {hours}; K-FAC fastest "
+                         f"{entry['kfac_time_to_target_s']:.0f} s, "
+                         f"{entry['kfac_gpu_hours']:.3g} {hours}")
+    lines += ["", memory_text(needs, device), "",
+              recommendation(results, needs, device), bound_text(bound)]
     return "\n".join(lines)
 
 
-def recommendation(results):
+def _worker_hours(device):
+    """What a worker-hour is on `device`: a GPU's, or a rank's on this machine."""
+    return "rank-hours" if device.cores else "GPU-hours"
+
+
+def _over_memory(needs, device):
+    """{(workers, placement, method): device bytes} of the rows that exceed what a worker
+    of `device` has."""
+    return {(row["workers"], row["placement"], row["method"]): row["device"] for row in needs
+            if device.memory_per_worker(row["workers"]) is not None
+            and row["device"] > device.memory_per_worker(row["workers"])}
+
+
+def memory_text(needs, device):
+    """Per placement and method, the device memory of the worker holding most at each
+    worker count, what it is made of, and a warning for each that exceeds the device."""
+    workers = list(dict.fromkeys(row["workers"] for row in needs))
+    unit, scale = ("GB", 1e9) if max(row["device"] for row in needs) >= 1e8 else ("MB", 1e6)
+    first = needs[0]
+    lines = [f"Memory per worker, {unit} (the worker holding most; activations and "
+             "workspace not counted):",
+             f"  {'placement, method':32s}" + "".join(f"{f'{p} worker(s)':>16s}" for p in workers)]
+    for placement, method in dict.fromkeys((row["placement"], row["method"]) for row in needs):
+        values = [row["device"] for row in needs
+                  if (row["placement"], row["method"]) == (placement, method)]
+        lines.append(f"  {placement + ' ' + method:32s}"
+                     + "".join(f"{v / scale:16.2f}" for v in values))
+    host = max(row["host"] for row in needs)
+    lines.append(f"  of which weights, gradients and momentum {first['model'] / scale:.2f} "
+                 f"(SGD's too), factors {first['factors'] / scale:.2f}, eigen_adam's moments "
+                 f"{max(row['method_state'] for row in needs) / scale:.2f}; the rest is "
+                 "decompositions (all under replicated, the worker's own blocks' under owner)"
+                 + (f"; owner also keeps {host / scale:.2f} {unit} in host memory (the factors "
+                    "last decomposed)" if host else ""))
+    over = _over_memory(needs, device)
+    if over:
+        lines.append(f"  WARNING: more than {device.name}'s memory per worker "
+                     f"({device.memory / 1e9:.0f} GB"
+                     f"{', shared by its ranks' if device.cores else ''}): "
+                     + "; ".join(f"{p} {m} at {w} worker(s) ({b / 1e9:.1f} GB)"
+                                 for (w, p, m), b in over.items()))
+    return "\n".join(lines)
+
+
+def recommendation(results, needs, device):
+    over = _over_memory(needs, device)
     lines = ["Recommendation (lowest predicted time per step; the approximation's effect on "
              "steps to target is not modelled):"]
     for entry in results:
@@ -68,13 +119,24 @@ def recommendation(results):
             text += (f"; default approximation: {exact.label()}: "
                      f"{entry['times'][exact] * 1e3:.1f} ms, "
                      f"{entry['times'][exact] / entry['sgd_step_s']:.2f}x")
+        need = over.get((entry["workers"], best.placement, best.method))
+        if need is not None:
+            text += (f"; WARNING: needs {need / 1e9:.1f} GB per worker, more than "
+                     f"{device.name} has")
         lines.append(text)
-    fastest = recommend.fastest_to_target(results)
+    fastest = recommend.best_to_target(results, "time_to_target_s")
     if fastest is not None:
         workers, name, seconds = fastest
-        lines.append(f"  fastest to target: {'K-FAC' if name == 'kfac' else 'SGD'} on "
-                     f"{workers} workers, {seconds:.0f} s")
+        lines.append(f"  fastest to target: {_optimizer(name)} on {workers} workers, "
+                     f"{seconds:.0f} s")
+        workers, name, hours = recommend.best_to_target(results, "gpu_hours")
+        lines.append(f"  cheapest to target: {_optimizer(name)} on {workers} workers, "
+                     f"{hours:.3g} {_worker_hours(device)} (steps x step time x workers)")
     return "\n".join(lines)
+
+
+def _optimizer(name):
+    return "K-FAC" if name == "kfac" else "SGD"
 
 
 def bound_text(bound):
@@ -105,7 +167,8 @@ def _phases_json(phases):
             for name, phase in phases.items()}
 
 
-def to_json(setting, results, bound, sources):
+def to_json(setting, results, bound, sources, estimates, needs, device):
+    over = _over_memory(needs, device)
     entries = []
     for entry in results:
         item = {"workers": entry["workers"], "global_batch": entry["global_batch"],
@@ -114,11 +177,16 @@ def to_json(setting, results, bound, sources):
                 "kfac_ms": {c.label(): t * 1e3 for c, t in entry["times"].items()}}
         if entry["best_default_approximation"] is not None:
             item["best_default_approximation"] = entry["best_default_approximation"].label()
-        for key in ("sgd_time_to_target_s", "kfac_time_to_target_s"):
+        for key in ("sgd_time_to_target_s", "kfac_time_to_target_s", "sgd_gpu_hours",
+                    "kfac_gpu_hours"):
             if key in entry:
                 item[key] = entry[key]
         entries.append(item)
-    return {"setting": setting, "sources": list(sources), "results": entries,
+    return {"setting": setting, "sources": list(sources), "estimates": list(estimates),
+            "results": entries,
+            "memory": {"device_bytes": device.memory, "per_worker_bytes": [
+                dict(row, exceeds_device=(row["workers"], row["placement"], row["method"])
+                     in over) for row in needs]},
             "one_factor_bound": {**{k: v for k, v in bound.items() if k != "configuration"},
                                  "configuration": bound["configuration"].label()}}
 

@@ -47,6 +47,15 @@ class Configuration:
     weight_sharing: str = _LIBRARY.weight_sharing
     method: str = _LIBRARY.method
 
+    def library_config(self):
+        """The `tfkfac.KFACConfig` of these settings; a ValueError when the library
+        refuses them (e.g. a decomposition interval not a multiple of the factor one)."""
+        return KFACConfig(placement=self.placement, factor_wire_dtype=self.factor_wire,
+                          decomposition_wire_dtype=self.decomposition_wire,
+                          factor_update_freq=self.factor_interval,
+                          decomposition_update_freq=self.decomposition_interval,
+                          weight_sharing=self.weight_sharing, method=self.method)
+
     def label(self):
         return (f"{self.placement} {self.factor_wire}/{self.decomposition_wire} "
                 f"f={self.factor_interval} d={self.decomposition_interval} "

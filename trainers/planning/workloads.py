@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import os
+import zipfile
 
 import keras
 
@@ -43,12 +44,11 @@ def load_model(name, input_shape=None, classes=None):
     """The Keras model `name`: a trainer model, a `keras.applications` name (untrained)
     or the path of a saved `.keras` file. Raises ValueError naming the allowed values."""
     if name.endswith(".keras"):
-        if not os.path.isfile(name):
-            raise ValueError(f"model: no saved model at {name!r}")
+        _check_keras_file(name)
         try:
             return keras.saving.load_model(name, compile=False)
-        except (TypeError, ValueError) as error:  # e.g. a custom layer not registered
-            raise ValueError(f"model: cannot load {name}: {error}") from error
+        except (TypeError, ValueError, KeyError, OSError) as error:  # e.g. a custom layer
+            raise ValueError(f"--model: cannot load {name}: {error}") from None
     if name in models.MODEL_NAMES:
         return models.build_model(name, input_shape or TRAINER_INPUT, classes or TRAINER_CLASSES)
     applications = application_names()
@@ -56,8 +56,24 @@ def load_model(name, input_shape=None, classes=None):
         return applications[name.lower()](weights=None,
                                           input_shape=input_shape or APPLICATION_INPUT,
                                           classes=classes or APPLICATION_CLASSES)
-    raise ValueError(f"model must be a path ending in .keras or one of {', '.join(model_names())}; "
-                     f"got {name!r}")
+    raise ValueError(f"--model must be a path ending in .keras or one of "
+                     f"{', '.join(model_names())}; got {name!r}")
+
+
+def _check_keras_file(path):
+    """Refuses `path` unless it is a zip archive holding config.json (what a `.keras`
+    file is), naming it: Keras says "File not found" for a damaged one."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--model: no saved model at {path}")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as error:
+        raise ValueError(f"--model: {path} is not a .keras file (not a zip archive: "
+                         f"{error})") from None
+    if "config.json" not in names:
+        raise ValueError(f"--model: {path} is not a .keras file (no config.json in the "
+                         "archive)")
 
 
 @dataclasses.dataclass
@@ -67,7 +83,10 @@ class Workload:
     geometries[rule]: {block path: floor_model geometry} under weight-sharing `rule`;
     blocks[rule]: the library's blocks in the same order; attention: MultiHeadAttention's
     weightless products; skipped: layers on the plain gradient (their forward products are
-    not counted); running_statistics: elements averaged with the gradients by K-FAC.
+    not counted); uncounted_products: those of them with a weight matrix (a weight with
+    two or more dimensions above 1: an LSTM's kernels), whose products the forward/backward
+    would miss, unlike elementwise weights (a scale, a bias); running_statistics: elements
+    averaged with the gradients by K-FAC.
     """
 
     name: str
@@ -78,6 +97,7 @@ class Workload:
     trainable_parameters: int
     running_statistics: int
     skipped: list
+    uncounted_products: list
 
     def at_batch(self, batch):
         """This workload at `batch` examples per worker (a multiple of this one's)."""
@@ -139,13 +159,19 @@ def workload(model, batch, name):
             geometries[rule], attention, skipped = floor_model.record_geometries(
                 model, RECORDING_BATCH, rule)
         except NotImplementedError as error:
-            raise ValueError(f"model {name}: the planner has no count for a layer: {error}") \
-                from error
+            raise ValueError(f"--model {name}: the planner has no count for a layer: "
+                             f"{error}") from None
         blocks[rule], _ = blocks_lib.discover(layers, KFACConfig(weight_sharing=rule))
     unit = Workload(
         name=name, batch=RECORDING_BATCH, geometries=geometries, blocks=blocks,
         attention=attention,
         trainable_parameters=sum(math.prod(v.shape) for v in model.trainable_variables),
         running_statistics=sum(math.prod(v.shape) for v in running_statistics(layers.values())),
-        skipped=skipped)
+        skipped=skipped,
+        uncounted_products=[s["layer"] for s in skipped
+                            if _has_weight_matrix(layers[s["layer"]])])
     return unit.at_batch(batch)
+
+
+def _has_weight_matrix(layer):
+    return any(sum(int(d) > 1 for d in weight.shape) >= 2 for weight in layer.trainable_weights)
