@@ -75,6 +75,13 @@ class CosineDecay(keras.optimizers.schedules.LearningRateSchedule):
                 "end_step": self.end_step}
 
 
+def warmup_length(config, steps_per_epoch):
+    """The warm-up's steps: `warmup_epochs` in steps, at least 1 when it is on, else 0."""
+    if config.warmup_epochs <= 0:
+        return 0
+    return max(1, int(round(config.warmup_epochs * steps_per_epoch)))
+
+
 def build_learning_rate(config, steps_per_epoch, total_steps):
     """Returns a float or a `LearningRateSchedule` for `config.lr_schedule`.
 
@@ -91,8 +98,7 @@ def build_learning_rate(config, steps_per_epoch, total_steps):
         raise ValueError(f"steps_per_epoch and total_steps must be >= 1, got "
                          f"{steps_per_epoch} and {total_steps}")
     lr = float(config.learning_rate)
-    warmup_steps = (max(1, int(round(config.warmup_epochs * steps_per_epoch)))
-                    if config.warmup_epochs > 0 else 0)
+    warmup_steps = warmup_length(config, steps_per_epoch)
     if warmup_steps >= total_steps:
         raise ValueError(f"lr_schedule={config.lr_schedule} reaches learning_rate only after the "
                          f"warmup, which must end before the run: warmup_epochs="

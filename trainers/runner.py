@@ -20,6 +20,7 @@ import datetime
 import json
 import math
 import os
+import re
 import tempfile
 import typing
 
@@ -32,7 +33,7 @@ import tfkfac
 from tfkfac import distributed
 from trainers import agreement, checkpoints, config as config_lib, data as data_lib, errors
 from trainers import data_parallel, distribution, lr_schedules, models
-from trainers import preemption as preemption_lib, reporting, run_lock
+from trainers import preemption as preemption_lib, reporting, run_lock, schedule_free
 
 SUMMARY_FILE = "summary.json"
 # What a run writes in its model_dir: name -> whether it is a directory.
@@ -257,11 +258,10 @@ class Trainer:
 
         input_dtype = pipelines.set_precision(config.precision)
         # Each process reads its shard, a batch per replica it runs (one per rank).
-        self.data = data_lib.TrainingData(
-            dataclasses.replace(config, batch_size=config.batch_size *
-                                self.engine.replicas_per_process),
-            self.engine.process_index, self.engine.processes, input_dtype,
-            sizes=checked.split_sizes)
+        data_settings = (dataclasses.replace(config, batch_size=config.batch_size *
+                                             self.engine.replicas_per_process),
+                         self.engine.process_index, self.engine.processes, input_dtype)
+        self.data = data_lib.TrainingData(*data_settings, sizes=checked.split_sizes)
         self.total_steps = config.steps or config.epochs * self.data.steps_per_epoch
         self.num_epochs = math.ceil(self.total_steps / self.data.steps_per_epoch)
         # Before anything (the model's broadcast) communicates: ranks launched with
@@ -273,13 +273,20 @@ class Trainer:
             self.model = models.build_model(config.model, self.data.input_shape,
                                             self.data.num_classes, config.seed)
             self.optimizer = _build_optimizer(config, self.data.steps_per_epoch,
-                                              self.total_steps, self.communicator)
+                                              self.total_steps, self.communicator,
+                                              self.model.output_names[0])
             if config.optimizer == "kfac":
                 self.optimizer.attach(self.model)
             self.model.compile(optimizer=self.optimizer, jit_compile=config.xla,
                                **_loss_and_metrics(config))
             # Create every optimizer variable now: the checkpoint and the broadcast need them.
             self.model.optimizer.build(self.model.trainable_variables)
+        averaged = schedule_free.update_rule(self.optimizer)
+        # Callbacks of every evaluation: ScheduleFreeAdamW's runs at its averaged weights,
+        # with BatchNormalization statistics from a training stream of its own.
+        self._evaluation_callbacks = [] if averaged is None else [
+            schedule_free.AveragedWeights(averaged, lambda: data_lib.TrainingData(
+                *data_settings, sizes=checked.split_sizes).train(0))]
 
         self._store = checkpoints.CheckpointStore(self.model_dir, self.model,
                                                   self.model.optimizer)
@@ -361,7 +368,7 @@ class Trainer:
             target_accuracy=config.target_accuracy,
             stop_at_target=config.stop_at_target,
             steps_per_epoch=steps_per_epoch, epoch_metrics=self._epoch_metrics)
-        callbacks = [recorder]
+        callbacks = [recorder] + self._evaluation_callbacks  # evaluated with the clock stopped
         if self.chief:
             callbacks.append(reporting.EpochWriter(self.model_dir, recorder,
                                                    self._store.space_advice))
@@ -440,7 +447,8 @@ class Trainer:
         of the epoch as they were (`evaluate` resets the metrics it shares with fit)."""
         metric_variables = self.model.metrics_variables
         saved = [variable.numpy() for variable in metric_variables]
-        results = self.model.evaluate(eval_data, verbose=0, return_dict=True)
+        results = self.model.evaluate(eval_data, verbose=0, return_dict=True,
+                                      callbacks=self._evaluation_callbacks)
         for variable, value in zip(metric_variables, saved):
             variable.assign(value)
         return {f"val_{name}": value for name, value in results.items()}
@@ -479,31 +487,58 @@ def _jsonable(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-# The plain optimizers of config.OPTIMIZERS (all but kfac).
+# Keras's optimizers of config.FIRST_ORDER_OPTIMIZERS (ScheduleFreeAdamW: its averaging
+# step corrected, trainers/schedule_free.py).
 _KERAS_OPTIMIZERS = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam,
-                     "adamw": keras.optimizers.AdamW}
+                     "adamw": keras.optimizers.AdamW, "muon": keras.optimizers.Muon,
+                     "schedule_free_adamw": schedule_free.ScheduleFreeAdamW,
+                     "lamb": keras.optimizers.Lamb}
 
 
-def _build_optimizer(config, steps_per_epoch, total_steps, communicator):
-    learning_rate = lr_schedules.build_learning_rate(config, steps_per_epoch, total_steps)
+def _build_optimizer(config, steps_per_epoch, total_steps, communicator, output_layer=None):
+    """The run's optimizer. `output_layer`: the name of the model's output layer, which
+    Muon leaves to its AdamW step (needed for optimizer=muon)."""
+    rule = config.update_rule()
+    if rule in config_lib.SCHEDULE_FREE_OPTIMIZERS:  # its own warm-up (`_options`) only
+        learning_rate = float(config.learning_rate)
+    else:
+        learning_rate = lr_schedules.build_learning_rate(config, steps_per_epoch, total_steps)
+    options = _options(rule, config, steps_per_epoch, output_layer)
     if config.optimizer == "kfac":
         # K-FAC averages gradients (and factors) over ranks itself, before its inner
         # optimizer sees them.
-        inner = config.kfac_inner_optimizer
-        return tfkfac.KFAC(
-            inner_optimizer=_KERAS_OPTIMIZERS[inner](learning_rate, **_options(inner, config)),
-            config=config.kfac_config(), communicator=communicator)
-    return data_parallel.averaging(_KERAS_OPTIMIZERS[config.optimizer], communicator)(
-        learning_rate, **_options(config.optimizer, config))
+        return tfkfac.KFAC(inner_optimizer=_KERAS_OPTIMIZERS[rule](learning_rate, **options),
+                           config=config.kfac_config(), communicator=communicator)
+    return data_parallel.averaging(_KERAS_OPTIMIZERS[rule], communicator)(learning_rate,
+                                                                          **options)
 
 
-def _options(name, config):
-    """Keyword arguments of Keras's optimizer `name`: --momentum for SGD, and
-    --weight_decay when set (unset, each keeps its own default)."""
+def _options(name, config, steps_per_epoch, output_layer):
+    """Keyword arguments of Keras's optimizer `name`: --momentum for SGD; --weight_decay
+    when set (unset, each keeps its own default), for Muon on both of its steps; Muon's
+    exclusions (`muon_exclusions`); ScheduleFreeAdamW's warm-up of --warmup_epochs."""
     options = {} if config.weight_decay is None else {"weight_decay": config.weight_decay}
     if name == "sgd":
         options["momentum"] = config.momentum
+    elif name == "muon":
+        if config.weight_decay is not None:
+            options["adam_weight_decay"] = config.weight_decay
+        options["exclude_layers"] = muon_exclusions(output_layer)
+    elif name == "schedule_free_adamw":
+        options["warmup_steps"] = lr_schedules.warmup_length(config, steps_per_epoch)
     return options
+
+
+def muon_exclusions(output_layer):
+    """Muon's `exclude_layers`: patterns of the variables it gives its AdamW step besides
+    those it always does (not 2-D; embeddings, by its default). As its docstring asks, the
+    output layer; and every bias, which Keras's rule "2-D" would otherwise orthogonalize
+    where a layer keeps one per head (MultiHeadAttention's (heads, head size)), though the
+    docstring leaves vectors to AdamW."""
+    if not output_layer:
+        raise ValueError("optimizer=muon needs the name of the model's output layer, which it "
+                         "leaves to its AdamW step")
+    return [f"^{re.escape(output_layer)}/", "(^|/)bias$"]
 
 
 def _loss_and_metrics(config):

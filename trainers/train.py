@@ -1,4 +1,5 @@
-"""Trains a model with K-FAC, SGD, Adam or AdamW: `python -m trainers.train [--flags]`.
+"""Trains a model with K-FAC or one of Keras's optimizers (SGD, Adam, AdamW, Muon,
+ScheduleFreeAdamW, Lamb): `python -m trainers.train [--flags]`.
 
 With no flags it is the `make train` job: the small CNN on real Fashion-MNIST with K-FAC,
 printing the test accuracy and where the logs went. Under
@@ -35,30 +36,42 @@ flags.DEFINE_string("train_split", _DEFAULTS.train_split,
 flags.DEFINE_string("eval_split", _DEFAULTS.eval_split,
                     "TFDS split evaluated after every epoch, e.g. test or train[54000:].")
 flags.DEFINE_enum("optimizer", _DEFAULTS.optimizer, config_lib.OPTIMIZERS,
-                  "kfac: K-FAC preconditioning momentum SGD; sgd: SGD with --momentum; "
-                  "adam: Adam; adamw: Adam with decoupled weight decay (--weight_decay).")
+                  "kfac: K-FAC preconditioning momentum SGD (--kfac_inner_optimizer); sgd: "
+                  "SGD with --momentum; adam: Adam; adamw: Adam with decoupled weight decay "
+                  "(--weight_decay); muon: Keras's Muon (orthogonalized momentum for Dense "
+                  "kernels, AdamW's step for the output layer and other weights, on AdamW's "
+                  "learning-rate scale); schedule_free_adamw: Keras's ScheduleFreeAdamW "
+                  "(its averaging step corrected to the published one), with its own "
+                  "warm-up (--warmup_epochs) and no schedule, evaluated at its averaged "
+                  "weights; lamb: Keras's Lamb (layer-wise trust ratio).")
 flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Base learning rate.")
-flags.DEFINE_float("momentum", _DEFAULTS.momentum, "Momentum of SGD and of K-FAC's update.")
+flags.DEFINE_float("momentum", _DEFAULTS.momentum,
+                   "Momentum of SGD (also as K-FAC's inner optimizer); the other optimizers "
+                   "keep their own.")
 flags.DEFINE_float("weight_decay", _DEFAULTS.weight_decay,
                    "Decoupled weight decay of any optimizer: each step also subtracts "
-                   "learning_rate x weight_decay x w. Unset: AdamW's default 0.004, no decay "
-                   "for the others.")
+                   "learning_rate x weight_decay x w. Unset: AdamW's and Muon's default "
+                   "0.004, no decay for the others.")
 flags.DEFINE_enum("lr_schedule", _DEFAULTS.lr_schedule, config_lib.LR_SCHEDULES,
                   "constant; warmup (linear over --warmup_epochs, then constant); step "
                   "(x --lr_decay_factor at each of --lr_decay_epochs); polynomial (to 0 at "
                   "the last step with power --lr_decay_power); cosine (after the warmup, "
-                  "half a cosine to 0 at the last step).")
+                  "half a cosine to 0 at the last step). schedule_free_adamw takes "
+                  "constant or warmup only.")
 flags.DEFINE_float("warmup_epochs", _DEFAULTS.warmup_epochs,
-                   "Linear learning-rate warmup length in epochs, for any schedule.")
+                   "Linear learning-rate warmup length in epochs, for any schedule "
+                   "(schedule_free_adamw: its own warmup_steps).")
 flags.DEFINE_list("lr_decay_epochs", [], "Epochs at which lr_schedule=step decays, e.g. 10,20.")
 flags.DEFINE_float("lr_decay_factor", _DEFAULTS.lr_decay_factor,
                    "Factor of each lr_schedule=step decay.")
 flags.DEFINE_float("lr_decay_power", _DEFAULTS.lr_decay_power,
                    "Power of lr_schedule=polynomial.")
 flags.DEFINE_enum("kfac_inner_optimizer", _DEFAULTS.kfac_inner_optimizer,
-                  config_lib.KFAC_INNER_OPTIMIZERS,
-                  "K-FAC: the update rule it preconditions for (sgd with --momentum, adam, or "
-                  "adamw with --weight_decay), at --learning_rate and --lr_schedule.")
+                  config_lib.FIRST_ORDER_OPTIMIZERS,
+                  "K-FAC: the update rule it preconditions for (sgd with --momentum, adam, "
+                  "adamw, schedule_free_adamw or lamb, with --weight_decay), at "
+                  "--learning_rate and --lr_schedule; muon is refused (its orthogonalization "
+                  "discards K-FAC's scaling).")
 
 
 def _define_kfac_flags():
