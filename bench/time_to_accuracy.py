@@ -1,17 +1,22 @@
 """Wall time and steps to a target test accuracy on real Fashion-MNIST, K-FAC against
-AdamW and SGD with momentum, each trained the way it trains best today; plus the deep
-autoencoder's training error against time.
+Keras's first-order optimizers (SGD with momentum, AdamW, Muon, ScheduleFreeAdamW, Lamb),
+each trained the way it trains best today; plus the deep autoencoder's training error
+against time.
 
 Every trial is one run of the trainer (`trainers.runner.run`, what
 `python -m trainers.train` runs), so the numbers are what a user gets from the flags
-recorded beside them. Entries (bench/trials.py OPTIMIZERS): `adamw`, `sgd` (momentum
-0.9), K-FAC `kfac_inverse` and `kfac_eigen` (KL clip on), `kfac_constant` (the earlier
+recorded beside them. Entries (bench/trials.py OPTIMIZERS): first-order `adamw`, `sgd`
+(momentum 0.9), `muon` (Keras's Muon; output layer and biases on its AdamW step; not on
+ResNet-20, whose only 2-D kernel is the output layer's), `schedule_free_adamw` and
+`lamb`; K-FAC `kfac_inverse` and `kfac_eigen` (KL clip on), `kfac_constant` (the earlier
 constant-learning-rate protocol, for reference), `kfac_adamw` (K-FAC in front of AdamW),
 `kfac_graft_adam` (layer-wise grafting of Adam's step length) and `kfac_eigen_adam`
 (Adam in the Kronecker eigenbasis).
 Protocol, identical for every entry but `kfac_constant`:
 1. Schedule: linear warm-up over the first 5% of the run's budget, then half a cosine
-   to 0 at the budget's last step (`--lr_schedule=cosine`); decoupled weight decay of
+   to 0 at the budget's last step (`--lr_schedule=cosine`); `schedule_free_adamw` warms
+   up over the same 5% with its own `warmup_steps` and has no schedule after it (as its
+   authors run it), and is evaluated at its averaged weights. Decoupled weight decay of
    the same λ per step for every entry (BUDGETS' `weight_decay`; `trials.protocol`
    sets Keras's `weight_decay` to λ / learning_rate). `kfac_constant` keeps a constant
    learning rate 0.05, KL clip 1e-3 and no weight decay.
@@ -29,7 +34,8 @@ Protocol, identical for every entry but `kfac_constant`:
    faster for the model (`first_order_xla`). Reported for each target: median training
    wall time (evaluation excluded) and steps to it over the seeds (a seed that never
    reaches it counts as infinite); the best test accuracy of each seed within the budget; the
-   accuracy-vs-time curves; the ratios of each K-FAC entry to each first-order one.
+   accuracy-vs-time curves; the ratios of each K-FAC entry to each first-order one and,
+   per target, to the best first-order entry measured (`<entry>_over_best_first_order`).
    `--fixed_entries` adds entries measured the same way at a stated, untuned setting.
 4. Autoencoder (Martens & Grosse 784-1000-500-250-30-250-500-1000-784): four optimizers
    at a stated setting each, constant learning rate, for `--autoencoder_epochs`;
@@ -72,7 +78,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["cnn", "resnet20"], "Classifiers to measure.")
 flags.DEFINE_list("optimizers", ["adamw", "sgd", "kfac_inverse", "kfac_eigen",
                                    "kfac_constant"],
-                  "Entries to compare (keys of OPTIMIZERS).")
+                  f"Entries to compare, among {', '.join(OPTIMIZERS)}.")
 flags.DEFINE_list("target_accuracies", [],
                   "Test accuracies to report time to, for every model measured. Empty: each "
                   "model's own (BUDGETS).")
@@ -95,7 +101,7 @@ flags.DEFINE_bool("keep_other_results", True,
 flags.DEFINE_string("work_dir", "/tmp/tfkfac_time_to_accuracy",
                     "Where the trials' runs (checkpoints, logs) go.")
 
-FIRST_ORDER = ("sgd", "adamw")
+FIRST_ORDER = ("sgd", "adamw", "muon", "schedule_free_adamw", "lamb")
 # The ViT's targets, from a probe of AdamW at its tuned learning rate (1e-3), seed 0, on
 # the full train split: test accuracy 0.838 / 0.845 / 0.852 / 0.867 after 3 / 4 / 5 / 9
 # epochs (0.866 after 10), so the first-order optimizers reach them within 10 epochs.
@@ -252,6 +258,34 @@ def fixed_entry(text):
     return optimizer, {key: number}
 
 
+def baselines(results):
+    """The first-order entries in `results`; fixed entries count when their optimizer is
+    first-order."""
+    return [name for name in results if name.split("@")[0] in FIRST_ORDER]
+
+
+def best_baseline(results, target):
+    """The best first-order entry at `target`: the one with the least median time to it,
+    or, when none reached it, the one whose bound (`median_above`) is least, so that a
+    ratio's bound against it holds against each of them. None when there is none."""
+    def time_to(baseline):
+        reached = results[baseline]["to_target"][target]
+        return ((0, reached["median_time_s"]) if reached["median_time_s"] is not None
+                else (1, reached["median_above"]["time_s"]))
+    return min(baselines(results), key=time_to, default=None)
+
+
+def ratios_over_best(results, entry):
+    """`ratios` of `entry` per target against the best first-order entry there, named."""
+    out = {}
+    for target in results[entry]["to_target"]:
+        best = best_baseline(results, target)
+        ratio = ratios(results, entry, best).get(target) if best else None
+        if ratio is not None:
+            out[target] = dict(ratio, baseline=best)
+    return out
+
+
 def ratios(results, entry, baseline="sgd"):
     """`entry` / `baseline` of the median time and steps to each target `entry` reached:
     the ratio where `baseline` reached it too, else the bound it is below."""
@@ -270,6 +304,16 @@ def ratios(results, entry, baseline="sgd"):
             out[target] = {"time_below": mine["median_time_s"] / above["time_s"],
                            "steps_below": mine["median_steps"] / above["steps"]}
     return out
+
+
+# Matplotlib's cycle has 10 colours ("C0".."C9"); entries past them take these.
+EXTRA_COLORS = ("black", "darkkhaki", "lightcoral", "teal", "indigo")
+
+
+def entry_color(entry):
+    """One colour per entry of OPTIMIZERS, the same in every panel."""
+    index = list(OPTIMIZERS).index(entry)
+    return f"C{index}" if index < 10 else EXTRA_COLORS[(index - 10) % len(EXTRA_COLORS)]
 
 
 def plot(report):
@@ -294,7 +338,7 @@ def plot(report):
                 base = optimizer.split("@")[0]  # fixed entries: dashed, in their base's colour
                 for run in result["runs"]:
                     times, _, accuracies = zip(*run["curve"])
-                    axis.plot(times, accuracies, color=f"C{list(OPTIMIZERS).index(base)}",
+                    axis.plot(times, accuracies, color=entry_color(base),
                               linestyle="--" if "@" in optimizer else "-", alpha=0.8,
                               label=optimizer if run["seed"] == 0 else None)
             model_targets = report["target_accuracies"][panel]
@@ -326,7 +370,7 @@ def plot_tuning(axis, model, report):
     entries = sorted(best, key=best.get)
     tuned_only = report["models"][model].get("tuned_only", {})
     bars = axis.barh(entries, [best[o] for o in entries],
-                     color=[f"C{list(OPTIMIZERS).index(o)}" for o in entries],
+                     color=[entry_color(o) for o in entries],
                      hatch=["//" if o in tuned_only else "" for o in entries])
     axis.bar_label(bars, fmt="%.4f", padding=2, fontsize=8)
     axis.set_xlim(min(best.values()) - 0.02, max(best.values()) + 0.015)
@@ -338,10 +382,13 @@ def plot_tuning(axis, model, report):
 def comparisons(results):
     """(K-FAC entry, first-order baseline) pairs present in `results`; fixed entries count
     as baselines when their optimizer is first-order."""
-    entries = [name for name in results if name.split("@")[0].startswith("kfac")
-               and "@" not in name]
-    baselines = [name for name in results if name.split("@")[0] in FIRST_ORDER]
-    return [(entry, baseline) for entry in entries for baseline in baselines]
+    entries = kfac_entries(results)
+    return [(entry, baseline) for entry in entries for baseline in baselines(results)]
+
+
+def kfac_entries(results):
+    """The tuned K-FAC entries in `results`."""
+    return [name for name in results if name.startswith("kfac") and "@" not in name]
 
 
 def carry_over(report):
@@ -389,6 +436,8 @@ def main():
     entries = FLAGS.optimizers + [o for o in FLAGS.tuned_only if o not in FLAGS.optimizers]
     for model in FLAGS.models:
         ungridded = [o for o in entries if o not in GRIDS[model]]
+        for optimizer in ungridded:  # the trainer's reason, where it refuses the entry here
+            trials.check_entry(optimizer, dict(OPTIMIZERS[optimizer], model=model))
         if ungridded:
             raise ValueError(f"{model} has no tuning grid for {ungridded}; its entries are "
                              f"{', '.join(GRIDS[model])}")
@@ -472,6 +521,12 @@ def save(report, print_ratios=False):
             if print_ratios:
                 print(f"{model} {entry}/{baseline} by target: "
                       f"{model_result[f'{entry}_over_{baseline}']}", flush=True)
+        for entry in kfac_entries(model_result["optimizers"]):
+            model_result[f"{entry}_over_best_first_order"] = ratios_over_best(
+                model_result["optimizers"], entry)
+            if print_ratios:
+                print(f"{model} {entry}/best first-order by target: "
+                      f"{model_result[f'{entry}_over_best_first_order']}", flush=True)
     harness.write(report, "time_to_accuracy", plot)
 
 

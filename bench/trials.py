@@ -39,11 +39,20 @@ OPTIMIZERS = {
                        kl_clip=None),
     "kfac_graft_adam": dict(_KFAC, kfac_method="inverse", grafting="adam", kl_clip=None),
     "kfac_eigen_adam": dict(_KFAC, kfac_method="eigen_adam", kl_clip=None),
+    # Keras's strongest first-order optimizers, as the trainer builds them: Muon (its
+    # output layer and biases on its AdamW step), ScheduleFreeAdamW (its own warm-up, no
+    # schedule, evaluated at its averaged weights) and Lamb (the large-batch baseline).
+    "muon": dict(optimizer="muon"),
+    "schedule_free_adamw": dict(optimizer="schedule_free_adamw"),
+    "lamb": dict(optimizer="lamb"),
 }
 CONSTANT_LEARNING_RATE = ("kfac_constant",)
 # The schedule of every other entry: linear warm-up over this share of the run's budget
 # (AlgoPerf's baselines warm up over 5% of theirs), then half a cosine to 0 at the
-# budget's end; tuning trials and timed runs alike, each over its own budget.
+# budget's end; tuning trials and timed runs alike, each over its own budget. Entries
+# whose update rule runs without a schedule (config.SCHEDULE_FREE_OPTIMIZERS) take the
+# same warm-up as their own and a constant learning rate after it, as their authors run
+# them.
 WARMUP_FRACTION = 0.05
 # Every entry tunes on the same number of trials.
 TUNING_TRIALS = 8
@@ -70,8 +79,9 @@ def points(**axes):
         *(axes[name] for name in names))]
 
 
-def grids(sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4, eigen_adam_from=1e-5):
-    """The tuning points of every entry for one model: 8 each. First-order entries and
+def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
+          eigen_adam_from=1e-5):
+    """The tuning points of every entry `model` runs: 8 each. First-order entries and
     Adam-length K-FAC (eigen_adam, whose damping does not enter) tune the learning rate
     over the 1-2-5 series (AdamW from 1e-4, SGD from `sgd_from`); K-FAC with the KL
     clip tunes learning rate x damping x KL clip jointly (2 x 2 x 2; once the clip binds,
@@ -82,18 +92,36 @@ def grids(sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4, eigen_adam
     Grafted and eigen_adam K-FAC hand Adam-scaled steps to the default inner SGD with
     momentum 0.9, whose steady step is 10x its learning rate: their rates are AdamW's
     divided by 10 (from `grafted_from` and `eigen_adam_from`; the inner AdamW's from
-    `adam_like_from`)."""
+    `adam_like_from`).
+
+    Keras's Muon tunes on AdamW's grid: its `rms_rate` scales the orthogonalized step to
+    AdamW's update size, so AdamW's learning rates apply. ScheduleFreeAdamW's authors
+    find its best learning rate 1-10x that of AdamW with a schedule: AdamW's series moved
+    up two steps, 5e-4 to 0.1, holds 1-10x AdamW's best on every model (2e-3 on the ViT,
+    1e-2 on the CNN and ResNet-20). Lamb's step is the learning rate times each layer's
+    weight norm (its trust ratio), a relative step of the size AdamW's best rates make,
+    and it is tuned at Adam-like rates that grow with the batch (ResNet strikes back:
+    5e-3 at batch 2048); on the MLP (one epoch) 5e-3 beat 2e-2 and 5e-2 diverged, so its
+    series is AdamW's moved up one step, 2e-4 to 5e-2. A model with no weight Muon
+    orthogonalizes (config.MODELS_WITHOUT_MUON_WEIGHTS) has no Muon entry: Muon would
+    train it as AdamW, and the trainer refuses it."""
     adam_like = points(learning_rate=series(adam_like_from, 4), damping=dampings)
     grafted = points(learning_rate=series(grafted_from, 4), damping=dampings)
     clipped = points(learning_rate=(0.05, 0.2), damping=dampings, kl_clip=(1e-3, 1e-2))
-    return {
+    entries = {
         "adamw": points(learning_rate=series(1e-4)),
         "sgd": points(learning_rate=series(sgd_from)),
         "kfac_inverse": clipped, "kfac_eigen": clipped,
         "kfac_constant": points(damping=series(2e-3)),
         "kfac_adamw": adam_like, "kfac_graft_adam": grafted,
         "kfac_eigen_adam": points(learning_rate=series(eigen_adam_from)),
+        "muon": points(learning_rate=series(1e-4)),
+        "schedule_free_adamw": points(learning_rate=series(5e-4)),
+        "lamb": points(learning_rate=series(2e-4)),
     }
+    if model in config_lib.MODELS_WITHOUT_MUON_WEIGHTS:
+        del entries["muon"]
+    return entries
 
 
 # Dampings from the constant-rate tuning (docs/benchmarks.md): the CNN picked 0.1 (both
@@ -106,9 +134,10 @@ def grids(sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4, eigen_adam
 # one step too: 1e-4 to 1e-3, and 1e-3 to 1e-2. On ResNet-20 eigen_adam's best was its
 # top rate (2e-3: 0.9108 against 1e-3's 0.9107), so its series moved one step up.
 GRIDS = {
-    "cnn": grids(sgd_from=1e-3, dampings=(3e-2, 0.1)),
-    "resnet20": grids(sgd_from=5e-4, dampings=(3e-3, 1e-2), eigen_adam_from=2e-5),
-    "vit": grids(sgd_from=1e-3, dampings=(3e-2, 0.1), grafted_from=1e-4, adam_like_from=1e-3),
+    "cnn": grids("cnn", sgd_from=1e-3, dampings=(3e-2, 0.1)),
+    "resnet20": grids("resnet20", sgd_from=5e-4, dampings=(3e-3, 1e-2), eigen_adam_from=2e-5),
+    "vit": grids("vit", sgd_from=1e-3, dampings=(3e-2, 0.1), grafted_from=1e-4,
+                 adam_like_from=1e-3),
 }
 assert all(len(grid) == TUNING_TRIALS for model in GRIDS.values() for grid in model.values())
 
@@ -120,14 +149,17 @@ def protocol(entry, setting, epochs, weight_decay):
 
     `weight_decay` is decoupled weight decay per step at the peak learning rate, as
     Loshchilov & Hutter define it: w <- w - s(t) λ w, s(t) the schedule's multiplier
-    (warm-up, cosine). Keras's `weight_decay` is multiplied by the learning rate, so
-    it is set to λ / learning_rate: every optimizer then shrinks the weights by the
-    same amount per step whatever learning rate it tunes to.
+    (warm-up, cosine; 1 throughout for a schedule-free entry, which decays its weights
+    at its constant learning rate). Keras's `weight_decay` is multiplied by the learning
+    rate, so it is set to λ / learning_rate: every optimizer then shrinks the weights by
+    the same amount per step whatever learning rate it tunes to.
     """
     settings = dict(OPTIMIZERS[entry], **setting, epochs=epochs)
     if entry in CONSTANT_LEARNING_RATE:
         return settings
-    return dict(settings, lr_schedule="cosine", warmup_epochs=WARMUP_FRACTION * epochs,
+    schedule_free = settings["optimizer"] in config_lib.SCHEDULE_FREE_OPTIMIZERS
+    return dict(settings, lr_schedule="constant" if schedule_free else "cosine",
+                warmup_epochs=WARMUP_FRACTION * epochs,
                 weight_decay=weight_decay / settings["learning_rate"])
 
 
