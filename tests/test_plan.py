@@ -242,7 +242,7 @@ class BinaryTest(parameterized.TestCase):
                          [4 * parameters] * 2)
         self.assertAlmostEqual(two["kfac_time_to_target_s"] / 700,
                                two["kfac_ms"][two["best"]] / 1e3)
-        self.assertLen(one["kfac_ms"], 2 * 3 * 3 * 2 * 2 * 2 * 2)
+        self.assertLen(one["kfac_ms"], 2 * 4 * 4 * 2 * 2 * 2 * 2)
 
     def test_gpu_profiles_achieve_less_than_their_floor(self):
         """Calibrated on NVIDIA's ResNet-50 throughput: a real step is slower than its floor."""

@@ -1,5 +1,5 @@
-"""Distributed K-FAC: communicators (Horovod, tf.distribute), symmetric packing, owner
-assignment, exchanges.
+"""Distributed K-FAC: communicators (Horovod, tf.distribute), symmetric packing, the
+float21 wire format, owner assignment, exchanges.
 
 Nothing here imports Horovod until a Horovod communicator is asked for.
 """

@@ -8,6 +8,8 @@ traffic even when the collectives run inside a `tf.function` executed many times
 
 import tensorflow as tf
 
+from tfkfac.distributed import float21
+
 CATEGORIES = (
     "gradients",
     "factors",
@@ -31,10 +33,11 @@ MEAN_DTYPES = tuple(dtype for dtype in COPY_DTYPES
 class Communicator:
     """Collective operations on lists of tensors, usable inside a (non-XLA) `tf.function`.
 
-    Subclasses implement `_grouped_allreduce_mean`, `_broadcast` and `_allgather`; the
-    public methods validate the category and count what goes on the wire. Bytes counted
-    are the payload this rank hands to the collective (elements x dtype size): the
-    tensors for an allreduce or broadcast, this rank's own part for an allgather. The
+    Subclasses implement `_grouped_allreduce_mean`, `_broadcast`, `_allgather` and
+    `_alltoall`; the public methods validate the category and count what goes on the
+    wire. Bytes counted are the payload this rank hands to the collective (elements x
+    dtype size): the tensors for an allreduce or broadcast, this rank's own part for an
+    allgather, the float21 words of a float21 mean. The
     transport's own overhead (a ring allreduce moves about 2(size-1)/size of that) is
     not included. Create a communicator outside any `tf.function`: it owns variables.
     """
@@ -65,6 +68,33 @@ class Communicator:
         if not tensors:
             return []
         return self._counted(category, tensors, self._grouped_allreduce_mean(tensors))
+
+    def float21_mean(self, tensor, category="factors"):
+        """Mean over ranks of the 1-D float32 `tensor`, sent as float21 (float21.py).
+
+        A packed buffer cannot be summed by the transport, so this is a reduce-scatter
+        and an allgather, as a ring allreduce is: every rank's words are cut into one
+        chunk per rank, rank r receives everyone's chunk r (an all-to-all) and sums them
+        in float32 in rank order, divides by the number of ranks, rounds that to float21
+        again, and the chunks are gathered. Each rank moves a ring allreduce's bytes at 2/3 of
+        float32's, and every rank decodes the same words: the same bits everywhere.
+        """
+        (tensor,) = self._checked(category, [tensor], (tf.float32,))
+        if self.size == 1:
+            return tensor
+        count = tf.size(tensor)
+        packed = float21.encode(tensor)
+        chunk = -(-tf.size(packed) // self.size)  # words per rank, the last padded
+        scattered = tf.reshape(tf.pad(packed, [[0, chunk * self.size - tf.size(packed)]]),
+                               [self.size, chunk])
+        received = tf.reshape(float21.decode(
+            self._alltoall(scattered), self.size * chunk * float21.VALUES_PER_WORD),
+            [self.size, -1])
+        total = received[0]
+        for rank in range(1, self.size):
+            total += received[rank]
+        mean = float21.decode(self._allgather(float21.encode(total / self.size)), count)
+        return self._counted(category, [packed], [mean])[0]
 
     def broadcast(self, tensors, root_rank=0, category="broadcast"):
         """Return each tensor as held by `root_rank`."""
@@ -140,6 +170,11 @@ class Communicator:
         raise NotImplementedError
 
     def _allgather(self, tensor):
+        raise NotImplementedError
+
+    def _alltoall(self, tensor):
+        """Row r of `tensor` (shape [size, ...]) to rank r; row r of the result from
+        rank r."""
         raise NotImplementedError
 
 

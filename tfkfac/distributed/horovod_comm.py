@@ -70,6 +70,10 @@ class HorovodCommunicator(Communicator):
                                        ignore_name_scope=True)
         return transport.from_wire(gathered, tensor.dtype)
 
+    def _alltoall(self, tensor):
+        return self._hvd.alltoall(tensor, name=_collective_name("alltoall"),
+                                  ignore_name_scope=True)
+
     def _bfloat16_mean(self, flat):
         """Mean of a 1-D bfloat16 tensor: gather every rank's bits, average in float32."""
         gathered = self._hvd.allgather(_to_wire(flat),

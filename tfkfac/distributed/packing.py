@@ -7,28 +7,42 @@ returns float32 (float64 from a float64 buffer). Index maps are built in numpy a
 plain gathers: usable inside `tf.function`, XLA-compilable, and with static shapes.
 float16 keeps 11 significant bits but overflows above 65504; bfloat16 keeps the float32
 range with 8 significant bits. Each entry is rounded once, to within 2^-11 (float16) or
-2^-8 (bfloat16) of its value.
+2^-8 (bfloat16) of its value. A float21 wire (float21.py: 13 significant bits, float32's
+range) is packed in float32, and the communicator encodes it, three values per 64-bit word.
 """
 
 import numpy as np
 import tensorflow as tf
+
+from tfkfac.distributed import float21
 
 WIRE_DTYPES = {
     "float64": tf.float64,
     "float32": tf.float32,
     "float16": tf.float16,
     "bfloat16": tf.bfloat16,
+    "float21": tf.float32,  # packed in float32; the communicator encodes it (float21.py)
 }
+FLOAT21 = "float21"
 
 
 def wire_dtype(name):
-    """The `tf.DType` for a wire dtype name (a key of `WIRE_DTYPES`)."""
+    """The `tf.DType` a buffer for the wire `name` (a key of `WIRE_DTYPES`) is packed in:
+    the wire's own, float32 for float21."""
     if isinstance(name, tf.dtypes.DType):
         name = name.name
     if name not in WIRE_DTYPES:
         raise ValueError(
             f"wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {name!r}")
     return WIRE_DTYPES[name]
+
+
+def wire_bytes(name, count):
+    """Bytes that `count` values take on the wire `name`: float21 three to a 64-bit word,
+    the others their dtype's size each."""
+    if name == FLOAT21:
+        return float21.WORD_BYTES * float21.words(count)
+    return wire_dtype(name).size * count
 
 
 def packed_size(dims):

@@ -8,8 +8,8 @@
   `merge_call` on CPUs (TF 2.21: it avoids it only for XLA on GPUs), and `merge_call` is
   refused there ("merge_call called while defining a new graph"). So the collectives
   here are TensorFlow's collective ops (`tf.raw_ops.CollectiveReduceV2`,
-  `CollectiveGatherV2`, `CollectiveBcastSend/RecvV2`), the ops the strategies themselves
-  launch, issued by each replica on its own device.
+  `CollectiveGatherV2`, `CollectiveBcastSend/RecvV2`, `CollectiveAllToAllV2`), the ops
+  the strategies themselves launch, issued by each replica on its own device.
 - Collective ops of one group are matched across replicas by an instance key: each
   replica numbers its collectives in the order it traces them (every rank issues the
   same sequence, as with Horovod), from a counter shared by every communicator of the
@@ -191,6 +191,9 @@ class StrategyCommunicator(Communicator):
         kept = tf.sequence_mask(sizes * row, tf.shape(gathered)[1])
         return tf.reshape(tf.boolean_mask(gathered, kept),
                           tf.concat([[-1], tf.shape(tensor)[1:]], axis=0))
+
+    def _alltoall(self, tensor):
+        return tf.raw_ops.CollectiveAllToAllV2(input=tensor, **self._keys())
 
     def _per_dtype(self, tensors, collective):
         """`collective(flat, keys)` once per dtype on the concatenation of its tensors."""

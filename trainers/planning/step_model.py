@@ -6,8 +6,10 @@ step), and for collectives the bytes each rank hands to the communicator (its co
 unit: the test checks them against a real 2-rank job). The work is the library's:
 `Workload`'s kernels, `packing.packed_size` for the factor buffer, `placement.owners`
 for who decomposes and who preconditions, the Horovod communicator's bfloat16 mean as an
-allgather (`horovod_comm.GATHERED_MEAN_DTYPES`). What is not modelled: overlap of
-communication with computation, Horovod's negotiation, input pipelines.
+allgather (`horovod_comm.GATHERED_MEAN_DTYPES`), a float21 mean as the reduce-scatter and
+allgather of `Communicator.float21_mean`, wire bytes as `packing.wire_bytes` (float21:
+three values to a 64-bit word). What is not modelled: overlap of communication with
+computation, Horovod's negotiation, input pipelines.
 """
 
 import dataclasses
@@ -91,12 +93,11 @@ def fabric(device, network, ranks_per_node=1, links_per_node=1):
                               network.base_latency)
 
 
-def _itemsize(wire):
-    return packing.wire_dtype(wire).size
-
-
 def _mean(payload, ranks, fabric_, wire="float32"):
     """Time of the communicator's mean of `payload` bytes per rank."""
+    if wire == packing.FLOAT21:
+        return (collectives.reduce_scatter(payload, ranks, fabric_)
+                + collectives.allgather(payload, ranks, fabric_))
     if wire in GATHERED_MEAN_DTYPES:
         return collectives.allgather(payload * ranks, ranks, fabric_)
     return collectives.allreduce(payload, ranks, fabric_)
@@ -148,12 +149,12 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     seconds = lambda kernels, phase: device.seconds(kernels, phase, "float32", ranks)
     owners = placement_lib.owners(config.placement, work.blocks[config.weight_sharing], ranks)
     kernels, elements = zip(*decomposition_units(work, config))
-    wire = _itemsize(config.decomposition_wire)
+    wire_bytes = lambda count: packing.wire_bytes(config.decomposition_wire, count)
     preconditioning = work.preconditioning(config.method)
     parameters = work.managed_parameters()
     clip = floor_model.kl_clip_kernels(sum(parameters))
     if config.placement == "replicated":  # owners decompose, every rank preconditions all
-        shared = [wire * sum(e) for e in by_rank(elements, owners, ranks)]
+        shared = [wire_bytes(sum(e)) for e in by_rank(elements, owners, ranks)]
         sharing = Phase(collectives.allgather(sum(shared), ranks, fabric_),
                         config.decomposition_interval, "decompositions", tuple(shared))
         precondition_s = seconds([k for ks in preconditioning for k in ks] + clip,
@@ -164,14 +165,14 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
         precondition_s = max(seconds(ks, "preconditioning")
                              for ks in by_rank(preconditioning, owners, ranks))
         precondition_s += seconds(clip, "preconditioning")
-        sent = [wire * sum(p) for p in by_rank([[p] for p in parameters], owners, ranks)]
+        sent = [wire_bytes(sum(p)) for p in by_rank([[p] for p in parameters], owners, ranks)]
         preconditioned = Phase(collectives.allgather(sum(sent), ranks, fabric_), 1,
                                "preconditioned", tuple(sent))
 
     shapes = work.factor_shapes()
-    factors = _itemsize(config.factor_wire) * (
+    factors = packing.wire_bytes(config.factor_wire, (
         packing.packed_size([s for s in shapes if len(s) >= 2])
-        + sum(s[0] for s in shapes if len(s) == 1))
+        + sum(s[0] for s in shapes if len(s) == 1)))
     gradients = STATE_ITEMSIZE * (work.trainable_parameters + work.running_statistics)
     metrics = STATE_ITEMSIZE  # the loss, averaged over ranks for `fit`'s logs
     statistics = [k for ks in work.statistics(config.weight_sharing) for k in ks]
