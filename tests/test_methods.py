@@ -11,8 +11,8 @@ factors `KFAC.factors` reports and the raw gradients, to 1e-9.
 The built-in methods as objects train exactly as their names do (`Eigen()` as "eigen",
 `EigenAdam(β2, ε)` as "eigen_adam" with those `adam_beta_2`, `adam_epsilon`); a
 method object survives `get_config`/`from_config` and a .keras file when Keras knows
-its class, and `model.save` refuses it, naming the fix, when Keras does not; a value that is neither a name nor a Method
-is refused naming `method`.
+its class, and `model.save` refuses it, naming the fix, when Keras does not; a value
+that is neither a name nor a Method is refused naming `method`.
 """
 
 import os

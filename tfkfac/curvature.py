@@ -7,28 +7,47 @@ Factors and decompositions are updated when their interval schedule says they ar
 It holds no Keras optimizer logic.
 """
 
-import sys
+import dataclasses
 import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfkfac import distributed, linalg, methods, state as state_lib
+from tfkfac import distributed, methods, state as state_lib
 from tfkfac.blocks.base import batch_size
+from tfkfac.runtime_warnings import warn_if
 
 
 # `Curvature.decomposed_damping` before the first decomposition (dampings are > 0).
 NOT_DECOMPOSED = -1.0
 
 
-def warn_if(condition, *message):
-    """Print `message` to stderr when the (graph-time) `condition` holds."""
-    def warn():
-        tf.print(*message, output_stream=sys.stderr)
-        return tf.constant(True)
+@dataclasses.dataclass
+class Preconditioned:
+    """One step's gradients after preconditioning, for the post-transform that follows
+    (tfkfac/chain.py).
 
-    tf.cond(condition, warn, lambda: tf.constant(False))
+    `raw`: the gradients as given, aligned with `variables`; `slots`: per block the
+    indices of its variables there (None: a frozen block); `blocks`: per block its
+    preconditioned gradients and `block_grads` its raw ones, both in the state dtype
+    (a missing raw gradient as zeros).
+    """
+
+    raw: list
+    variables: list
+    slots: list
+    blocks: list
+    block_grads: list
+
+    def grads(self, blocks=None):
+        """`raw` with every managed variable's gradient replaced by its block's entry of
+        `blocks` (default the preconditioned ones), cast to the variable's dtype."""
+        grads = list(self.raw)
+        for block_slots, values in zip(self.slots, self.blocks if blocks is None else blocks):
+            for i, value in zip(block_slots or [], values):
+                grads[i] = tf.cast(value, self.variables[i].dtype)
+        return grads
 
 
 class Curvature:
@@ -335,16 +354,15 @@ class Curvature:
                 state, step)
         return preconditioned, updated
 
-    def precondition(self, grads, variables, damping, scale=None, step=0, update_state=True):
-        """`grads` with every managed variable's gradient preconditioned.
+    def precondition(self, grads, variables, damping, step=0, update_state=True):
+        """`grads` of `variables` with every managed variable's gradient preconditioned,
+        as `Preconditioned`; other gradients pass unchanged.
 
-        `scale(preconditioned, raw)` (per block lists) may return a factor applied to
-        every preconditioned gradient (the KL clip). Other gradients pass unchanged.
         A method with state (`EigenAdam`'s moments) updates it with these gradients at
         `step` (0-based) when `update_state` (a training step), else only reads it.
         """
         if not self.blocks:
-            return list(grads)
+            return Preconditioned(list(grads), list(variables), [], [], [])
         slots = self.block_slots(variables)
         # Dense gradients in the state dtype (an Embedding's arrives as IndexedSlices); a
         # frozen block's are zeros (every rank must still take part in "owner"'s gather).
@@ -368,24 +386,8 @@ class Curvature:
         for b, values in updated.items():
             for variable, value in zip(self.states[b].method_state, values):
                 variable.assign(value)
-        if scale is not None:
-            nu = scale(preconditioned, block_grads)
-            preconditioned = [[p * nu for p in ps] for ps in preconditioned]
-        grads = list(grads)
-        for block_slots, block_p in zip(slots, preconditioned):
-            for i, p in zip(block_slots or [], block_p):
-                grads[i] = tf.cast(p, variables[i].dtype)
-        return grads
-
-    def step_gradients(self, grads, variables, damping, step, clip=None, grafting=None):
-        """What a training step hands the inner optimizer: `grads` preconditioned, then
-        scaled by `clip` (the KL clip) or grafted by `grafting` (docs/design.md §5, §11;
-        the clip would cancel in the graft, so it is not applied there)."""
-        if grafting is None:
-            return self.precondition(grads, variables, damping, clip, step=step)
-        directions = grafting.directions(grads, variables, step)
-        preconditioned = self.precondition(grads, variables, damping, step=step)
-        return grafting.graft(preconditioned, directions, self.block_slots(variables))
+        return Preconditioned(list(grads), list(variables), slots, preconditioned,
+                              block_grads)
 
     def block_slots(self, variables):
         """Per block, the indices of its variables in `variables`; None for a block none
@@ -430,9 +432,3 @@ def kept_examples(examples, fraction, step, rank):
     seed = tf.stack([tf.cast(step, tf.int64), tf.cast(rank, tf.int64)])
     order = tf.argsort(tf.random.stateless_uniform([examples], seed=seed))
     return tf.sort(order[:tf.maximum(count, 1)])
-
-
-def kl_clip(learning_rate, kappa):
-    """The KL clip as a `Curvature.precondition` scale (docs/design.md §5)."""
-    return lambda preconditioned, raw: linalg.kl_clip_scale(preconditioned, raw,
-                                                            learning_rate, kappa)

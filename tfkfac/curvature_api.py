@@ -50,7 +50,7 @@ class CurvatureAPI:
         damping = self._damping_at(self.iterations)
         precondition = lambda: self._curvature.precondition(
             list(gradients), list(variables), damping, step=self.iterations,
-            update_state=False)
+            update_state=False).grads()
         updates = self._counters.decomposition_updates
         current = self._curvature.decompositions_current
         if not tf.executing_eagerly():

@@ -1,5 +1,6 @@
 """Layer-wise grafting (docs/design.md §11): K-FAC gives each layer's direction, another
-optimizer its step length (Agarwal et al. 2020; Distributed Shampoo).
+optimizer its step length (Agarwal et al. 2020; Distributed Shampoo). A post-transform of
+the update chain (tfkfac/chain.py).
 
 For a managed layer, its variables taken together: P̃ = (‖r‖ / ‖P‖) P, with r the grafted
 optimizer's step direction — the gradient ("sgd") or Adam's ∇ / (√v̂ + ε) ("adam") — and
@@ -33,6 +34,12 @@ class Grafting:
 
     def variables(self):
         return list(self.moments)
+
+    def update(self, preconditioned, step):
+        """The grafted gradients of a step's `curvature.Preconditioned` gradients at
+        `step`, 0-based."""
+        directions = self.directions(preconditioned.raw, preconditioned.variables, step)
+        return self.graft(preconditioned.grads(), directions, preconditioned.slots)
 
     def directions(self, grads, variables, step):
         """r per gradient of `variables` (None stays None); "adam" updates v with these

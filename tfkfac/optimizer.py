@@ -5,22 +5,24 @@
     model.fit(dataset, epochs=...)
 
 One step (docs/design.md §1): `attachment` records the managed layers' inputs and output
-gradients, `curvature` updates factors and decompositions when due and preconditions the
-gradients, and the inner optimizer — any Keras optimizer, momentum SGD by default —
-applies them. Like Keras's `LossScaleOptimizer`, KFAC forwards `learning_rate` and
-`iterations` to the inner optimizer, so schedules and callbacks act on the update rule.
+gradients, `curvature` updates factors and decompositions when due, and the update chain
+(`chain`) preconditions the gradients, applies the KL clip or grafting, and hands them to
+the inner optimizer — any Keras optimizer, momentum SGD by default. Like Keras's
+`LossScaleOptimizer`, KFAC forwards `learning_rate` and `iterations` to the inner
+optimizer, so schedules and callbacks act on the update rule.
 """
 
 import keras
 import tensorflow as tf
 
-from tfkfac import blocks as blocks_lib
+from tfkfac import blocks as blocks_lib, chain as chain_lib
 from tfkfac import curvature as curvature_lib
-from tfkfac import distributed, grafting as grafting_lib, inner, keras_integration
+from tfkfac import distributed, inner, keras_integration
 from tfkfac import placement as placement_lib, schedules, state as state_lib
 from tfkfac.attachment import ATTACH_HINT, Attachment
 from tfkfac.config import KFACConfig, signature_with_settings
 from tfkfac.curvature_api import CurvatureAPI
+from tfkfac.runtime_warnings import warn_if
 
 
 @keras.saving.register_keras_serializable(package="tfkfac")
@@ -78,14 +80,12 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
     @keras_integration.no_tracking
     def _init_kfac_fields(self):
         self._curvature = None
+        self._chain = None
         self._state = state_lib.KFACState()
         self._skipped = []
         self._attachment = None
         self._detached = None  # why this KFAC no longer drives the model it was attached to
         self._clocks = state_lib.PhaseClocks(self.config.phase_clocks)
-        self._grafting = None if self.config.grafting is None else grafting_lib.Grafting(
-            self.config.grafting, self.config.adam_beta_2, self.config.adam_epsilon,
-            self.config.state_dtype)
 
     # ------------------------------------------- forwarded to the inner optimizer
     @property
@@ -171,6 +171,9 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                                                  self.config.preconditioning_method(),
                                                  self.config.state_dtype),
             self._comm, self.config)
+        self._chain = chain_lib.UpdateChain(
+            self._curvature, chain_lib.post_transform(self.config, lambda: self.learning_rate),
+            self.inner_optimizer)
         distributed.check_model_strategy(self._comm, model.distribute_strategy)
         self._comm.broadcast_variables(model.variables, root_rank=0)
         if previous is not None:
@@ -284,8 +287,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         if self._counters is not None:
             return
         self._state.create(lambda shape, initializer, name, dtype: self.add_variable(
-            shape, initializer=initializer, dtype=dtype, name=name), self._curvature,
-            self._grafting, self._built_variables)
+            shape, initializer=initializer, dtype=dtype, name=name), self._chain,
+            self._built_variables)
         # Each counter is also an attribute of its own, as in 0.1: tf.train.Checkpoint
         # keys name a variable by its shortest path (`optimizer/_factor_updates/...`).
         for name, variable in zip(self._counters.NAMES, self._counters.variables()):
@@ -316,7 +319,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         damping = self._damping_at(step)
         # Zero is a learning rate schedules reach (decay to zero): only it may be 0.
         schedules.checked("learning_rate", self.learning_rate, step, allow_minimum=True)
-        config, curvature, clocks = self.config, self._curvature, self._clocks
+        config, curvature, chain, clocks = self.config, self._curvature, self._chain, self._clocks
         factor_interval = schedules.interval("factor_update_freq", config.factor_update_freq)
         decomposition_interval = schedules.interval("decomposition_update_freq",
                                                     config.decomposition_update_freq)
@@ -336,11 +339,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
             decomposed = clocks.timed(
                 "decomposition", lambda: curvature.update_decompositions_if_due(
                     step, damping, decomposition_interval, captures.ready), after=updated)
-            clip = None if config.kl_clip is None else curvature_lib.kl_clip(
-                self.learning_rate, config.kl_clip)
             preconditioned = clocks.timed(
-                "precondition", lambda grads: curvature.step_gradients(
-                    grads, variables, damping, step, clip, self._grafting),
+                "precondition", lambda grads: chain.gradients(grads, variables, damping, step),
                 inputs=(grads,), after=decomposed)
             return [preconditioned[i] for i in slots]
 
@@ -348,7 +348,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                                 for g in grads if g is not None])
 
         def skip_step():
-            curvature_lib.warn_if(
+            warn_if(
                 tf.constant(True),
                 "KFAC warning: non-finite gradients; step skipped, weights unchanged")
             self._count_skipped_step()
@@ -358,9 +358,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         # The update runs outside the cond: under a tf.distribute strategy Keras's
         # optimizers update through `merge_call`, which no cond branch may call.
         preconditioned = tf.cond(finite, kfac_step, skip_step)
-        clocks.timed("update", lambda preconditioned: keras_integration.apply_if(
-            finite, self.inner_optimizer, preconditioned, [variables[i] for i in slots]),
-            inputs=(preconditioned,))
+        clocks.timed("update", lambda preconditioned: chain.apply(
+            finite, preconditioned, [variables[i] for i in slots]), inputs=(preconditioned,))
 
     def _count_skipped_step(self):
         """A step with a NaN/Inf gradient: nothing reaches the weights, the factors or the

@@ -118,33 +118,26 @@ def _tensors(structure):
 
 
 class KFACState:
-    """K-FAC's variables inside its optimizer, in the save format's order: counters, each
-    block's state (`Curvature`), grafting's moments, an owner's rebuild state. Values
-    loaded before the state exists (a save loaded before `attach`) wait here until it is
-    created."""
+    """K-FAC's variables inside its optimizer, in the save format's order: the counters,
+    then the update chain's pieces (`chain.UpdateChain.variables`). Values loaded before
+    the state exists (a save loaded before `attach`) wait here until it is created."""
 
     def __init__(self):
-        self.counters, self._curvature, self._grafting, self._waiting = None, None, None, None
+        self.counters, self._chain, self._waiting = None, None, None
 
-    def create(self, add_variable, curvature, grafting, model_variables):
+    def create(self, add_variable, chain, model_variables):
         """`add_variable(shape, initializer, name, dtype)` makes an optimizer variable."""
         self.counters = Counters(lambda shape, initializer, dtype, name: add_variable(
             shape, initializer, name, dtype))
-        self._curvature, self._grafting = curvature, grafting
-        curvature.create_state(self.counters, add_variable)
-        if grafting is not None:
-            grafting.create_state(model_variables, lambda shape, name, dtype: add_variable(
-                shape, "zeros", name, dtype))
-        curvature.create_rebuild_state(add_variable)
+        self._chain = chain
+        chain.create_state(self.counters, add_variable, model_variables)
         if self._waiting is not None:
             self.load(self._waiting)
 
     def variables(self):
         if self.counters is None:
             return []
-        return (self.counters.variables() + self._curvature.variables(saved_only=True)
-                + (self._grafting.variables() if self._grafting else [])
-                + self._curvature.rebuild_variables())
+        return self.counters.variables() + self._chain.variables()
 
     def load(self, values):
         """Assign saved `values`, or keep them until `create`. A save without an owner's
@@ -155,10 +148,10 @@ class KFACState:
             return
         self._waiting = None
         variables = self.variables()
-        rebuild = len(self._curvature.rebuild_variables())
+        rebuild = len(self._chain.curvature.rebuild_variables())
         complete = not rebuild or len(values) != len(variables) - rebuild
         restore(variables if complete else variables[:-rebuild], values)
-        self._curvature.restored(complete)
+        self._chain.curvature.restored(complete)
 
 
 def restore(variables, values):
