@@ -103,10 +103,12 @@ class KFACConfig:
         "every step).", flag="kfac_placement")
     factor_wire_dtype: str = _setting(
         "float32", validation.one_of(tuple(WIRE_DTYPES)),
-        "dtype of the packed factors on the wire (accumulated and stored in float32).")
+        "dtype of the packed factors on the wire (accumulated and stored in float32); "
+        "float21 packs three 21-bit floats in a 64-bit word (docs/design.md §6).")
     decomposition_wire_dtype: str = _setting(
         "float32", validation.one_of(tuple(WIRE_DTYPES)),
-        "dtype of decompositions and preconditioned gradients on the wire.")
+        "dtype of decompositions and preconditioned gradients on the wire (float21 as for "
+        "factors; eigen_adam's moments travel bit-exact on any wire).")
     state_dtype: str = _setting(
         "float32", validation.one_of(STATE_DTYPES),
         "dtype of factors, decompositions and preconditioning (float64 for checks "
