@@ -326,7 +326,18 @@ def replicas_in_sync():
 def update_count(optimizer):
     """The `apply` calls that updated the Keras `optimizer`'s variables, a Python int:
     `Optimizer._iterations`, which `iterations` divides by `gradient_accumulation_steps`."""
-    return int(optimizer._iterations.numpy())
+    return read_scalar(optimizer._iterations, int)
+
+
+def read_scalar(variable, kind):
+    """`kind(value)` (int, bool) of a scalar Keras or TensorFlow `variable`, outside the
+    graph; a tf.distribute variable's is its first replica's. `int(variable.value)`
+    takes a third of the time of `int(variable.numpy())` (measured), which matters
+    before every step."""
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = tf.convert_to_tensor(value)  # in cross-replica context: the first replica's
+    return kind(value)
 
 
 def without_replica_sum(optimizer):

@@ -24,6 +24,7 @@ import sys
 import weakref
 
 from tfkfac import keras_integration
+from tfkfac.keras_integration import read_scalar
 
 SKIPPED_WARNING = "KFAC warning: non-finite gradients; step skipped, weights unchanged"
 
@@ -95,12 +96,12 @@ class StaleSteps:
         if counters is None:  # the state is made in the first (factor) step
             return False
         if self._schedule is None or self._schedule[0] != count:  # else nothing else ran
-            self._schedule = (count, int(counters.next_factor_step.numpy()),
-                              int(counters.next_decomposition_step.numpy()))
+            self._schedule = (count, read_scalar(counters.next_factor_step, int),
+                              read_scalar(counters.next_decomposition_step, int))
         accumulation = optimizer.inner_optimizer.gradient_accumulation_steps
         step = count // accumulation if accumulation else count
         if step >= min(self._schedule[1:]):
             return False
         curvature = optimizer._curvature
         return (curvature.placement.saves_decompositions
-                or bool(curvature.decompositions_current.numpy()))
+                or read_scalar(curvature.decompositions_current, bool))
