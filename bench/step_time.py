@@ -1,11 +1,12 @@
 """Per-step wall time of K-FAC versus SGD with momentum, same model and batch.
 
-For each model, nine trainers are built exactly as `python -m trainers.train` builds
+For each model, ten trainers are built exactly as `python -m trainers.train` builds
 them (`trainers.runner.Trainer`): SGD compiled without and with XLA (`--xla`; the faster
 of the two is the baseline of every ratio, per model), K-FAC doing factors and eigendecompositions every
 step (`--factor_update_freq=1 --decomposition_update_freq=1`), amortized
-K-FAC (`--factor_update_freq=10 --decomposition_update_freq=100`) with the eigen and the
-inverse method, and the amortized inverse method with each of the step-cost options: factor
+K-FAC (`--factor_update_freq=10 --decomposition_update_freq=100`) with the eigen, the
+inverse and the eigen_adam method (no KL clip, as its time-to-accuracy entry), and the
+amortized inverse method with each of the step-cost options: factor
 statistics from a quarter of each batch (`--factor_batch_fraction=0.25`), bfloat16
 products (`--product_dtype=bfloat16`) and the reduce rule for convolutions
 (`--weight_sharing=reduce`, also with factors and decompositions every step). Their
@@ -30,12 +31,13 @@ is reported with the ratio reduce / expand, beside the median step time of the b
 (every step a factor step).
 
 `--compare=stale` times the stale step alone, where most amortized steps are: K-FAC
-(inverse and eigen method, and the inverse with bfloat16 products) computes factors and
-decompositions at its first step only (in the warm-up), so every timed step
-preconditions with them and does nothing else; SGD without and with XLA run beside it in
-the same interleaved blocks. Reported per configuration: step time, its ratio to the
-faster SGD and its overhead in ms over SGD without XLA (the same uncompiled
-forward/backward).
+(inverse, eigen and eigen_adam method, the inverse with bfloat16 products, and eigen_adam
+with `--xla`, which compiles the stale step whole) computes factors and decompositions
+at its first step only (in the warm-up), so every timed step preconditions with them and
+does nothing else; SGD without and with XLA run beside it in the same interleaved
+blocks. Reported per configuration: step time, its ratio to the faster SGD and its
+overhead in ms over SGD without XLA (the same uncompiled forward/backward).
+`--configurations=sgd,...` times a subset of either comparison (sgd among them).
 
 Run (in the background; ~18 min on 2 idle cores):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_time.py \
@@ -77,6 +79,9 @@ flags.DEFINE_enum("compare", "optimizers", ["optimizers", "weight_sharing", "sta
                   "K-FAC's factor phase with weight_sharing reduce vs expand "
                   "(weight_sharing.json); stale: K-FAC's stale step vs SGD "
                   "(stale_step.json).")
+flags.DEFINE_list("configurations", [],
+                  "optimizers and stale: time only these configurations, sgd among them "
+                  "(default: all).")
 flags.DEFINE_integer("weight_sharing_block_steps", 10,
                      "Steps per block of each weight-sharing rule (every step a factor step).")
 
@@ -90,6 +95,10 @@ CONFIGURATIONS = {
     # per-step matmul work, and an inverse is cheaper than an eigendecomposition.
     "kfac_amortized_inverse": dict(optimizer="kfac", factor_update_freq=10,
                                    decomposition_update_freq=100, kfac_method="inverse"),
+    # Adam in the eigenbasis (the time-to-accuracy entry kfac_eigen_adam, no KL clip).
+    "kfac_amortized_eigen_adam": dict(optimizer="kfac", factor_update_freq=10,
+                                      decomposition_update_freq=100,
+                                      kfac_method="eigen_adam", kl_clip=None),
     "kfac_every_step": dict(optimizer="kfac", factor_update_freq=1,
                             decomposition_update_freq=1, kfac_method="eigen"),
     # The inverse schedule with factor statistics from a quarter of each batch.
@@ -128,6 +137,10 @@ STALE_CONFIGURATIONS = {
     "kfac_stale_inverse": dict(STALE, kfac_method="inverse"),
     "kfac_stale_eigen": dict(STALE, kfac_method="eigen"),
     "kfac_stale_inverse_bf16": dict(STALE, kfac_method="inverse", product_dtype="bfloat16"),
+    "kfac_stale_eigen_adam": dict(STALE, kfac_method="eigen_adam", kl_clip=None),
+    # ... with jit_compile=True: in one process the stale step compiles with XLA.
+    "kfac_stale_eigen_adam_xla": dict(STALE, kfac_method="eigen_adam", kl_clip=None,
+                                      xla=True),
 }
 
 
@@ -311,10 +324,17 @@ def plot(report):
 def main():
     harness.check_among("models", FLAGS.models, models.CLASSIFIERS)
     if FLAGS.compare == "weight_sharing":
+        if FLAGS.configurations:
+            raise ValueError("--configurations selects among --compare=optimizers or stale's")
         weight_sharing_main()
         return
     stale = FLAGS.compare == "stale"
     configurations = STALE_CONFIGURATIONS if stale else CONFIGURATIONS
+    if FLAGS.configurations:
+        harness.check_among("configurations", FLAGS.configurations, configurations)
+        if "sgd" not in FLAGS.configurations:
+            raise ValueError("--configurations must hold sgd: every overhead is over it")
+        configurations = {name: configurations[name] for name in FLAGS.configurations}
     report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.repeats,
               "configurations": configurations, "models": {}}
     for model in FLAGS.models:
@@ -329,11 +349,11 @@ def main():
     if stale:
         harness.write(report, "stale_step", plot)
         return
-    report["median_amortized_inverse_ratio"] = statistics.median(
-        r["configurations"]["kfac_amortized_inverse"]["ratio_to_sgd"]
-        for r in report["models"].values())
-    report["median_amortized_ratio"] = statistics.median(
-        r["configurations"]["kfac_amortized"]["ratio_to_sgd"] for r in report["models"].values())
+    for key, name in (("median_amortized_inverse_ratio", "kfac_amortized_inverse"),
+                      ("median_amortized_ratio", "kfac_amortized")):
+        if name in configurations:
+            report[key] = statistics.median(r["configurations"][name]["ratio_to_sgd"]
+                                            for r in report["models"].values())
     harness.write(report, "step_time", plot)
 
 

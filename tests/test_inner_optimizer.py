@@ -233,21 +233,5 @@ class InnerOptionsTest(absltest.TestCase):
             tfkfac.KFAC().exclude_from_weight_decay(var_names=["bias"])
 
 
-class JitCompileTest(absltest.TestCase):
-
-    def test_jit_compile_is_turned_off_with_a_warning_not_silently(self):
-        x, y = data(32)
-        for jit_compile, warns in ((True, True), (False, False)):
-            model = mlp()
-            model.compile(optimizer=tfkfac.KFAC(learning_rate=0.05).attach(model), loss=LOSS,
-                          jit_compile=jit_compile)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-            said = [w for w in caught if "cannot be compiled with XLA" in str(w.message)]
-            self.assertLen(said, int(warns))
-            self.assertFalse(model.jit_compile)
-
-
 if __name__ == "__main__":
     absltest.main()

@@ -47,12 +47,15 @@ class Captures(typing.NamedTuple):
     large as the layers' activations. `weights`: per-example weights of the factor
     statistics, mean 1 over the examples of all ranks, or None (every example counts
     once). `ready`: whether any rank has a fresh example (always True without fresh
-    flags).
+    flags). `stale`: the step was chosen outside the graph as one whose factors and
+    decompositions are not due (`tfkfac.stale_steps`): nothing was recorded, `calls` is
+    None.
     """
 
-    calls: typing.Callable
+    calls: typing.Optional[typing.Callable]
     weights: typing.Any = None
     ready: typing.Any = True
+    stale: bool = False
 
 
 class Attachment:
@@ -84,7 +87,7 @@ class Attachment:
             yield tape
 
     def step(self, tape, loss, variables, apply, loss_scale=1.0, replicas=1, fresh=None,
-             wrapped=False):
+             wrapped=False, stale=False):
         """Gradients of `loss` (recorded by `tape`), then `apply(gradients, variables)`
         with this step's `Captures` provided to the optimizer. `fresh`: the batch's
         fresh flags (N,), needed exactly when `fresh_only`. `replicas`: under a
@@ -92,13 +95,14 @@ class Attachment:
         sync (Keras's and tf.distribute's convention); its gradients are multiplied back
         before they are averaged over ranks, so they are averaged exactly once.
         `wrapped`: `apply` is a wrapping optimizer's, which may skip the step without
-        calling K-FAC."""
+        calling K-FAC. `stale`: a step known to be stale (`Captures.stale`), whose `tape`
+        recorded no layer calls."""
         if self.fresh_only != (fresh is not None):
             raise ValueError(FRESH_HINT if self.fresh_only else
                              "`fresh` flags are used only with KFAC(factor_examples="
                              "'fresh'); this optimizer counts every example")
         gradients, captures = self._gradients(tape, loss, variables, loss_scale, replicas,
-                                              fresh)
+                                              fresh, stale)
         self._captures = captures
         try:
             apply(gradients, variables)
@@ -115,15 +119,18 @@ class Attachment:
             raise RuntimeError(ATTACH_HINT)
         return self._captures
 
-    def train_step(self, forward, fresh=None):
-        """Keras's train step with K-FAC's tape: `forward()` gives (scaled loss, y_pred)."""
+    def train_step(self, forward, fresh=None, stale=False):
+        """Keras's train step with K-FAC's tape: `forward()` gives (scaled loss, y_pred).
+        `stale`: a step known to be stale (`tfkfac.stale_steps`): a plain tape, no layer
+        call recorded, no output gradient asked for."""
         model = self.model
-        with self.record() as tape:
+        with (tf.GradientTape() if stale else self.record()) as tape:
             scaled_loss, y_pred = forward()
         self.step(tape, scaled_loss, model.trainable_variables, model.optimizer.apply,
                   loss_scale=model.optimizer.scale_loss(1.0),
                   replicas=keras_integration.replicas_in_sync(), fresh=fresh,
-                  wrapped=keras_integration.train_step_owner(model) is not model.optimizer)
+                  wrapped=keras_integration.train_step_owner(model) is not model.optimizer,
+                  stale=stale)
         return y_pred
 
     def averaged_over_ranks(self, logs):
@@ -133,16 +140,20 @@ class Attachment:
             [tf.cast(logs[name], tf.float32) for name in names], category="metrics")
         return {**logs, **dict(zip(names, values))}
 
-    def _gradients(self, tape, loss, variables, loss_scale, replicas, fresh):
+    def _gradients(self, tape, loss, variables, loss_scale, replicas, fresh, stale=False):
         """(weight gradients averaged over ranks, `Captures` with unscaled output
-        gradients).
+        gradients; on a `stale` step, without any).
 
         `loss_scale` is the factor `loss` was multiplied by (mixed precision), besides
         1/`replicas` (tf.distribute, see `step`), which is undone here for both.
         """
-        calls = self._recorder.take()
-        outputs = [[s for _, s in block_calls] for block_calls in calls]
-        gradients, output_grads = tape.gradient(loss, (list(variables), outputs))
+        calls, output_grads = [], []
+        if stale:
+            gradients = tape.gradient(loss, list(variables))
+        else:
+            calls = self._recorder.take()
+            outputs = [[s for _, s in block_calls] for block_calls in calls]
+            gradients, output_grads = tape.gradient(loss, (list(variables), outputs))
         # Averaged here, before any loss-scale finiteness check, so that every rank takes
         # the same branch and issues the same collectives. BatchNorm moving statistics
         # (updated by this step's forward pass) and the count of fresh examples ride in
@@ -184,6 +195,8 @@ class Attachment:
                       for (x, s), g in zip(block_calls, block_grads)]
                      for block_calls, block_grads in zip(calls, output_grads)]
 
+        if stale:
+            return gradients, Captures(None, stale=True)
         return gradients, Captures(unscaled_calls, weights, ready)
 
 

@@ -9,7 +9,8 @@ names that remain, each because no public API serves:
 - `keras.src.backend.name_scope(..., caller=)`: the scope `Optimizer.apply` builds in;
 - `Layer._flatten_layers`: the only traversal that sees nested layers;
 - `Optimizer._learning_rate`, `Optimizer._iterations`: the inner optimizer's learning-rate
-  and step-count variables, for the checkpoint layout of `checkpoint_children`;
+  and step-count variables, for the checkpoint layout of `checkpoint_children`; the
+  latter also counts the updates (`update_count`);
 - `Trackable._trackable_children`: the hook that chooses a checkpoint's layout;
 - `Optimizer._all_reduce_sum_gradients`: the sum over tf.distribute replicas that Keras's
   TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer;
@@ -138,7 +139,7 @@ _INSTALLED = ("train_step", "make_train_function", "_tfkfac_owner", "_maybe_symb
               "test_step")
 
 
-def install_train_step(model, owner, step_with_tape, reduce_logs, release,
+def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale,
                        fresh_in_sample_weight=False):
     """Replace this model's train step by one with K-FAC's tape and update (`owner`'s).
 
@@ -146,17 +147,19 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release,
     y_pred) under K-FAC's recording tape, applies the update and returns y_pred;
     `reduce_logs` averages the step's logs over ranks. If `fit` finds the model
     compiled with another optimizer since, `release(reason)` gives it back Keras's
-    train step (`uninstall_train_step`) and Keras's own runs. With `fresh_in_sample_weight`
-    the batch's sample-weight slot holds the fresh flags: they go to `step_with_tape`
-    (None otherwise), and the loss and metrics get no sample weights. The loss and its
-    metric are Keras's public `Model.compute_loss` and `Model.metrics`, as in Keras's
-    own TensorFlow train step; only `model` is changed.
+    train step (`uninstall_train_step`) and Keras's own runs. `stale` (a
+    `tfkfac.stale_steps.StaleSteps`) gives the stale steps their own train function
+    where it can, and chooses between the two before each step. With
+    `fresh_in_sample_weight` the batch's sample-weight slot holds the fresh flags: they
+    go to `step_with_tape` (None otherwise), and the loss and metrics get no sample
+    weights. The loss and its metric are Keras's public `Model.compute_loss` and
+    `Model.metrics`, as in Keras's own TensorFlow train step; only `model` is changed.
     """
     with_training_arg = "training" in inspect.signature(model.compute_loss).parameters
     multi_worker = _is_multi_worker(model.distribute_strategy)
     loss_metric = lambda: next((m for m in model.metrics if m.name == "loss"), None)
 
-    def train_step(data):
+    def train_step(data, step_with_tape=step_with_tape):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         fresh = None
         if fresh_in_sample_weight:
@@ -180,8 +183,21 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release,
         logs = reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
         return _as_vectors(logs) if multi_worker else logs
 
+    stale_step = lambda data: train_step(data, stale.step_with_tape)
     keras_make_train_function = type(model).make_train_function.__get__(model)
     owner = weakref.ref(owner)
+
+    def keras_train_function(step, jit_compile):
+        """Keras's train function (its tf.function and step loop) around `step`, compiled
+        with XLA if `jit_compile`; Keras builds it from `model.train_step`."""
+        model_jit_compile, model.jit_compile = model.jit_compile, jit_compile
+        set_untracked(model, "train_step", step)
+        try:
+            keras_make_train_function(force=True)
+            return model.train_function
+        finally:
+            set_untracked(model, "train_step", train_step)
+            model.jit_compile = model_jit_compile
 
     def still_owned():
         """Whether `model` is still compiled with the owner; if not, it is released."""
@@ -205,17 +221,26 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release,
                 f"(steps_per_execution=1, not {model.steps_per_execution}): TensorFlow's "
                 "cross-worker collectives in Keras's step loop (its iterator, its log "
                 "reduction) fail inside the tf.while_loop of several steps.")
-        # K-FAC's step calls LAPACK and collectives, which XLA cannot compile: it runs as
-        # a tf.function and compiles its own local stages (`KFACConfig.xla`).
-        if model.jit_compile:
+        stale.forget()  # a new `fit`: callbacks may have restored the counters
+        if model.train_function is not None and not force:
+            return model.train_function
+        # The factor step calls LAPACK (and collectives across ranks), which XLA cannot
+        # compile: it runs as a tf.function and compiles its own local stages
+        # (`KFACConfig.xla`). Only the stale step can compile whole.
+        unavailable = stale.unavailable(model)
+        not_compiled = unavailable or stale.not_compilable()
+        if model.jit_compile and not_compiled:
             warnings.warn(
-                "KFAC: the K-FAC train step cannot be compiled with XLA as a whole (it calls "
-                "LAPACK and collectives); it runs as a tf.function with jit_compile=False, "
-                "and K-FAC compiles its own local stages (the `xla` setting). Pass "
-                "`jit_compile=False` to `model.compile` to say so and silence this.",
-                stacklevel=2)
+                "KFAC: with jit_compile=True only K-FAC's stale steps compile with XLA, and "
+                f"here none can: {not_compiled}. The train step runs as a tf.function with "
+                "jit_compile=False, and K-FAC compiles its own local stages (the `xla` "
+                "setting). Pass `jit_compile=False` to `model.compile` to say so and "
+                "silence this.", stacklevel=2)
             model.jit_compile = False
-        return keras_make_train_function(force)
+        factor_function = keras_train_function(train_step, False)
+        model.train_function = factor_function if unavailable else stale.choosing(
+            model, factor_function, keras_train_function(stale_step, model.jit_compile))
+        return model.train_function
 
     set_untracked(model, "train_step", train_step)
     set_untracked(model, "make_train_function", make_train_function)
@@ -296,6 +321,23 @@ def replicas_in_sync():
     inverse, so that the Keras optimizers' sum of gradients over replicas averages them;
     K-FAC averages over ranks itself and undoes that scale."""
     return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def update_count(optimizer):
+    """The `apply` calls that updated the Keras `optimizer`'s variables, a Python int:
+    `Optimizer._iterations`, which `iterations` divides by `gradient_accumulation_steps`."""
+    return read_scalar(optimizer._iterations, int)
+
+
+def read_scalar(variable, kind):
+    """`kind(value)` (int, bool) of a scalar Keras or TensorFlow `variable`, outside the
+    graph; a tf.distribute variable's is its first replica's. `int(variable.value)`
+    takes a third of the time of `int(variable.numpy())` (measured), which matters
+    before every step."""
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = tf.convert_to_tensor(value)  # in cross-replica context: the first replica's
+    return kind(value)
 
 
 def without_replica_sum(optimizer):

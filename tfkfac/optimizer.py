@@ -18,7 +18,7 @@ import tensorflow as tf
 from tfkfac import blocks as blocks_lib, chain as chain_lib
 from tfkfac import curvature as curvature_lib
 from tfkfac import distributed, inner, keras_integration
-from tfkfac import placement as placement_lib, schedules, state as state_lib
+from tfkfac import placement as placement_lib, schedules, stale_steps, state as state_lib
 from tfkfac.attachment import ATTACH_HINT, Attachment
 from tfkfac.config import KFACConfig, signature_with_settings
 from tfkfac.curvature_api import CurvatureAPI
@@ -182,9 +182,10 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         self._attachment = Attachment(model, list(layers.values()), blocks, self._comm,
                                       fresh_only=self.config.factor_examples == "fresh",
                                       count_skipped_step=self._count_skipped_step)
-        keras_integration.install_train_step(model, self, self._attachment.train_step,
-                                             self._attachment.averaged_over_ranks,
-                                             self._detach, self._attachment.fresh_only)
+        keras_integration.install_train_step(
+            model, self, self._attachment.train_step, self._attachment.averaged_over_ranks,
+            self._detach, stale_steps.StaleSteps(self, self._attachment),
+            self._attachment.fresh_only)
         blocks_lib.warn_unsupported(self._skipped)
         if self.built:
             self._create_kfac_state()
@@ -333,12 +334,14 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         def kfac_step():
             # With phase clocks, each phase waits for the previous one's results (the
             # first for the gradients): the clocks then time the phases one after another.
-            updated = clocks.timed("factors", lambda: curvature.update_factors_if_due(
-                step, captures.calls, factor_interval,
-                captures.weights, captures.ready), after=grads)
-            decomposed = clocks.timed(
-                "decomposition", lambda: curvature.update_decompositions_if_due(
-                    step, damping, decomposition_interval, captures.ready), after=updated)
+            decomposed = grads  # a stale step (tfkfac.stale_steps) has neither phase due
+            if not captures.stale:
+                updated = clocks.timed("factors", lambda: curvature.update_factors_if_due(
+                    step, captures.calls, factor_interval,
+                    captures.weights, captures.ready), after=grads)
+                decomposed = clocks.timed(
+                    "decomposition", lambda: curvature.update_decompositions_if_due(
+                        step, damping, decomposition_interval, captures.ready), after=updated)
             preconditioned = clocks.timed(
                 "precondition", lambda grads: chain.gradients(grads, variables, damping, step),
                 inputs=(grads,), after=decomposed)
@@ -348,9 +351,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                                 for g in grads if g is not None])
 
         def skip_step():
-            warn_if(
-                tf.constant(True),
-                "KFAC warning: non-finite gradients; step skipped, weights unchanged")
+            if not captures.stale:  # a stale step's is printed outside XLA (stale_steps)
+                warn_if(tf.constant(True), stale_steps.SKIPPED_WARNING)
             self._count_skipped_step()
             return [tf.zeros_like(variables[i]) if id(variables[i]) in managed else grads[i]
                     for i in slots]  # the structure of kfac_step's; not applied

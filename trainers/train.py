@@ -139,8 +139,9 @@ flags.DEFINE_float("preemption_grace_seconds", _DEFAULTS.preemption_grace_second
                    "checkpoint (then exit code 75) before exiting without it (code 128 + "
                    "signal); set it below the job scheduler's grace period.")
 flags.DEFINE_bool("xla", _DEFAULTS.xla,
-                  "Compile with XLA: the whole train step for sgd/adam, K-FAC's local stages "
-                  "(factors, decompositions, preconditioning) for kfac.")
+                  "Compile with XLA: the whole train step for sgd/adam; for kfac its stale "
+                  "steps whole in one process, and its local stages (factor statistics, "
+                  "preconditioning).")
 flags.DEFINE_enum("distribution", _DEFAULTS.distribution, distribution.DISTRIBUTIONS,
                   "none: one process; horovod: a rank per process under horovodrun; "
                   "mirrored: tf.distribute.MirroredStrategy over this machine's GPUs; "
