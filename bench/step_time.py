@@ -37,7 +37,10 @@ at its first step only (in the warm-up), so every timed step preconditions with 
 does nothing else; SGD without and with XLA run beside it in the same interleaved
 blocks. Reported per configuration: step time, its ratio to the faster SGD and its
 overhead in ms over SGD without XLA (the same uncompiled forward/backward).
-`--configurations=sgd,...` times a subset of either comparison (sgd among them).
+Both comparisons also report each configuration's ratio paired by repeat (its block
+over the baseline's block of the same repeat; median and range), which drift of a
+shared machine within the run moves less. `--configurations=sgd,...` times a subset of
+either comparison (sgd among them).
 
 Run (in the background; ~18 min on 2 idle cores):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/step_time.py \
@@ -218,7 +221,9 @@ def time_model(model, configurations=None):
     """Mean step times of `configurations` (default CONFIGURATIONS) in interleaved
     blocks (and the range of the blocks' means), with K-FAC's phase clocks where a
     configuration has them on, and each one's ratio to the fastest SGD configuration
-    (`sgd_baseline`)."""
+    (`sgd_baseline`). On a shared machine whose load changes within a run, the paired
+    ratios hold better: per repeat, a block's mean over the baseline's block of the same
+    repeat (run next to it), and their spread over the repeats."""
     configurations = configurations or CONFIGURATIONS
     with tempfile.TemporaryDirectory() as model_dir:
         timed = {name: Timed(name, model, os.path.join(model_dir, name), configurations)
@@ -229,12 +234,15 @@ def time_model(model, configurations=None):
         blocks = harness.interleave(
             {name: lambda entry=entry: entry.block(entry.block_steps)
              for name, entry in timed.items()}, FLAGS.repeats)
-        results = {name: dict(entry.result(), block_mean_step_s=harness.spread(blocks[name]))
+        results = {name: dict(entry.result(), block_mean_step_s=harness.spread(blocks[name]),
+                              blocks_mean_step_s=blocks[name])
                    for name, entry in timed.items()}
     baseline = min((name for name in results if configurations[name]["optimizer"] == "sgd"),
                    key=lambda name: results[name]["mean_step_s"])
     for name, result in results.items():
         result["ratio_to_sgd"] = result["mean_step_s"] / results[baseline]["mean_step_s"]
+        result["paired_ratio_to_sgd"] = harness.spread(
+            [block / sgd for block, sgd in zip(blocks[name], blocks[baseline])])
     return {"configurations": results, "sgd_baseline": baseline,
             "wall_s": time.time() - started}
 
@@ -343,8 +351,10 @@ def main():
         sgd_ms = report["models"][model]["configurations"]["sgd"]["mean_step_s"] * 1e3
         for name, result in report["models"][model]["configurations"].items():
             result["over_sgd_ms"] = result["mean_step_s"] * 1e3 - sgd_ms
+            paired = result["paired_ratio_to_sgd"]
             print(f"{model:9s} {name:29s} {result['mean_step_s'] * 1e3:9.1f} ms/step  "
-                  f"/ {baseline} = {result['ratio_to_sgd']:.2f}  "
+                  f"/ {baseline} = {result['ratio_to_sgd']:.2f} (paired by repeat: median "
+                  f"{paired['median']:.2f}, {paired['min']:.2f}-{paired['max']:.2f})  "
                   f"{result['over_sgd_ms']:+.1f} ms over sgd", flush=True)
     if stale:
         harness.write(report, "stale_step", plot)
