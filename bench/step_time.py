@@ -37,6 +37,10 @@ at its first step only (in the warm-up), so every timed step preconditions with 
 does nothing else; SGD without and with XLA run beside it in the same interleaved
 blocks. Reported per configuration: step time, its ratio to the faster SGD and its
 overhead in ms over SGD without XLA (the same uncompiled forward/backward).
+Both comparisons also report each configuration's ratio paired by repeat (its block
+over the baseline's block of the same repeat; median and range), which drift of a
+shared machine within the run moves less, for wall time and for this process's CPU time
+(which waiting for a core taken by another process does not lengthen).
 `--configurations=sgd,...` times a subset of either comparison (sgd among them).
 
 Run (in the background; ~18 min on 2 idle cores):
@@ -169,17 +173,20 @@ class Timed:
                                callbacks=[self.timer])
 
     def block(self, steps):
-        """Runs `steps` steps; returns their mean seconds (the steps the timer counts)."""
+        """Runs `steps` steps; returns their mean seconds (the steps the timer counts),
+        wall time ("wall") and this process's CPU time ("cpu", all its threads)."""
         count, seconds = self._counted()
+        cpu = time.process_time()
         self.run(steps)
+        cpu = time.process_time() - cpu
         end_count, end_seconds = self._counted()
-        return (end_seconds - seconds) / (end_count - count)
+        return {"wall": (end_seconds - seconds) / (end_count - count), "cpu": cpu / steps}
 
     def factor_block(self):
         """A block of --weight_sharing_block_steps steps: factor-phase seconds (K-FAC's
         clock) per factor update, and the mean step."""
         seconds, updates = factor_clock(self.trainer.optimizer)
-        step_s = self.block(FLAGS.weight_sharing_block_steps)
+        step_s = self.block(FLAGS.weight_sharing_block_steps)["wall"]
         end_seconds, end_updates = factor_clock(self.trainer.optimizer)
         return {"factor_s_per_update": (end_seconds - seconds) / (end_updates - updates),
                 "step_s": step_s}
@@ -218,7 +225,10 @@ def time_model(model, configurations=None):
     """Mean step times of `configurations` (default CONFIGURATIONS) in interleaved
     blocks (and the range of the blocks' means), with K-FAC's phase clocks where a
     configuration has them on, and each one's ratio to the fastest SGD configuration
-    (`sgd_baseline`)."""
+    (`sgd_baseline`). On a shared machine whose load changes within a run, the paired
+    ratios hold better: per repeat, a block's mean over the baseline's block of the same
+    repeat (run next to it), and their spread over the repeats; so do the ratios of CPU
+    time, which waiting for a core shared with other processes does not lengthen."""
     configurations = configurations or CONFIGURATIONS
     with tempfile.TemporaryDirectory() as model_dir:
         timed = {name: Timed(name, model, os.path.join(model_dir, name), configurations)
@@ -226,15 +236,22 @@ def time_model(model, configurations=None):
         for entry in timed.values():
             entry.warm_up()
         started = time.time()
-        blocks = harness.interleave(
+        samples = harness.interleave(
             {name: lambda entry=entry: entry.block(entry.block_steps)
              for name, entry in timed.items()}, FLAGS.repeats)
-        results = {name: dict(entry.result(), block_mean_step_s=harness.spread(blocks[name]))
+        blocks = {name: harness.by_figure(samples[name]) for name in timed}
+        results = {name: dict(entry.result(),
+                              block_mean_step_s=harness.spread(blocks[name]["wall"]),
+                              blocks_mean_step_s=blocks[name]["wall"],
+                              blocks_cpu_step_s=blocks[name]["cpu"])
                    for name, entry in timed.items()}
     baseline = min((name for name in results if configurations[name]["optimizer"] == "sgd"),
                    key=lambda name: results[name]["mean_step_s"])
     for name, result in results.items():
         result["ratio_to_sgd"] = result["mean_step_s"] / results[baseline]["mean_step_s"]
+        for figure, key in (("wall", "paired_ratio_to_sgd"), ("cpu", "paired_cpu_ratio_to_sgd")):
+            result[key] = harness.spread([block / sgd for block, sgd in zip(
+                blocks[name][figure], blocks[baseline][figure])])
     return {"configurations": results, "sgd_baseline": baseline,
             "wall_s": time.time() - started}
 
@@ -343,8 +360,11 @@ def main():
         sgd_ms = report["models"][model]["configurations"]["sgd"]["mean_step_s"] * 1e3
         for name, result in report["models"][model]["configurations"].items():
             result["over_sgd_ms"] = result["mean_step_s"] * 1e3 - sgd_ms
+            paired, cpu = result["paired_ratio_to_sgd"], result["paired_cpu_ratio_to_sgd"]
             print(f"{model:9s} {name:29s} {result['mean_step_s'] * 1e3:9.1f} ms/step  "
-                  f"/ {baseline} = {result['ratio_to_sgd']:.2f}  "
+                  f"/ {baseline} = {result['ratio_to_sgd']:.2f} (paired by repeat: median "
+                  f"{paired['median']:.2f}, {paired['min']:.2f}-{paired['max']:.2f}; CPU time "
+                  f"{cpu['median']:.2f}, {cpu['min']:.2f}-{cpu['max']:.2f})  "
                   f"{result['over_sgd_ms']:+.1f} ms over sgd", flush=True)
     if stale:
         harness.write(report, "stale_step", plot)
