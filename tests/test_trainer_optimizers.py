@@ -266,5 +266,27 @@ class MomentumTest(absltest.TestCase):
                 config.validate(given)
 
 
+class NesterovTest(absltest.TestCase):
+
+    def test_sgd_and_kfacs_inner_sgd_run_with_it(self):
+        trainer = trained(self, 2, model="mlp", optimizer="sgd", nesterov=True,
+                          learning_rate=1e-2)
+        self.assertTrue(trainer.optimizer.nesterov)
+        trainer = trained(self, 2, model="mlp", optimizer="kfac", nesterov=True)
+        self.assertTrue(trainer.optimizer.inner_optimizer.nesterov)
+        self.assertEqual(int(trainer.optimizer.iterations.numpy()), 2)
+
+    def test_refused_where_it_would_change_nothing(self):
+        for rule in ("--optimizer=adamw", "--optimizer=lamb", "--kfac_inner_optimizer=adam"):
+            config, given = config_from_argv(rule, "--nesterov")
+            with self.subTest(rule), self.assertRaisesRegex(
+                    ValueError, "nesterov applies to optimizer=sgd and to "
+                    "kfac_inner_optimizer=sgd, not to .*which keeps its own momentum"):
+                config.validate(given)
+        config, given = config_from_argv("--optimizer=sgd", "--nesterov", "--momentum=0")
+        with self.assertRaisesRegex(ValueError, "nesterov needs momentum > 0"):
+            config.validate(given)
+
+
 if __name__ == "__main__":
     absltest.main()

@@ -73,6 +73,8 @@ class _RunConfig:
     optimizer: str = "kfac"
     learning_rate: float = 0.05
     momentum: float = 0.9
+    # SGD's Nesterov momentum (Keras's `nesterov`), the variant Shallue et al. tune.
+    nesterov: bool = False
     # Decoupled (Keras semantics) for every optimizer; None keeps each one's own default:
     # AdamW's and Muon's 0.004 (Muon: on its orthogonalized and its AdamW steps alike),
     # no decay for the others.
@@ -240,6 +242,11 @@ class _RunConfig:
         if "momentum" in explicitly_set and rule not in MOMENTUM_OPTIMIZERS:
             raise ValueError(f"momentum applies to optimizer=sgd and to kfac_inner_optimizer=sgd,"
                              f" not to {running}, which keeps its own")
+        if self.nesterov and rule not in MOMENTUM_OPTIMIZERS:
+            raise ValueError(f"nesterov applies to optimizer=sgd and to kfac_inner_optimizer=sgd,"
+                             f" not to {running}, which keeps its own momentum")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov needs momentum > 0 (with momentum 0 it changes nothing)")
         if rule in SCHEDULE_FREE_OPTIMIZERS and self.lr_schedule not in SCHEDULE_FREE_LR_SCHEDULES:
             raise ValueError(
                 f"lr_schedule={self.lr_schedule} would put a schedule on {running}, which runs "

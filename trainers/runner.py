@@ -514,12 +514,13 @@ def _build_optimizer(config, steps_per_epoch, total_steps, communicator, output_
 
 
 def _options(name, config, steps_per_epoch, output_layer):
-    """Keyword arguments of Keras's optimizer `name`: --momentum for SGD; --weight_decay
-    when set (unset, each keeps its own default), for Muon on both of its steps; Muon's
-    exclusions (`muon_exclusions`); ScheduleFreeAdamW's warm-up of --warmup_epochs."""
+    """Keyword arguments of Keras's optimizer `name`: --momentum and --nesterov for SGD;
+    --weight_decay when set (unset, each keeps its own default), for Muon on both of its
+    steps; Muon's exclusions (`muon_exclusions`); ScheduleFreeAdamW's warm-up of
+    --warmup_epochs."""
     options = {} if config.weight_decay is None else {"weight_decay": config.weight_decay}
     if name == "sgd":
-        options["momentum"] = config.momentum
+        options.update(momentum=config.momentum, nesterov=config.nesterov)
     elif name == "muon":
         if config.weight_decay is not None:
             options["adam_weight_decay"] = config.weight_decay

@@ -48,6 +48,8 @@ flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Base learning rate
 flags.DEFINE_float("momentum", _DEFAULTS.momentum,
                    "Momentum of SGD (also as K-FAC's inner optimizer); the other optimizers "
                    "keep their own.")
+flags.DEFINE_bool("nesterov", _DEFAULTS.nesterov,
+                  "Nesterov momentum for SGD (also as K-FAC's inner optimizer).")
 flags.DEFINE_float("weight_decay", _DEFAULTS.weight_decay,
                    "Decoupled weight decay of any optimizer: each step also subtracts "
                    "learning_rate x weight_decay x w. Unset: AdamW's and Muon's default "
