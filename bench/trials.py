@@ -58,17 +58,32 @@ WARMUP_FRACTION = 0.05
 TUNING_TRIALS = 8
 
 
+SERIES_MANTISSAS = (1, 2, 5)
+
+
+def series_value(index):
+    """The `index`-th value of the 1-2-5 series, counted from 1 (index 0): 2 is 1, 5 is
+    2, 10 is 3, 0.5 is -1, ..."""
+    exponent, position = divmod(index, len(SERIES_MANTISSAS))
+    return float(f"{SERIES_MANTISSAS[position]}e{exponent}")
+
+
+def series_index(value):
+    """The index (`series_value`) of the 1-2-5 value nearest to `value` on a log scale,
+    e.g. 0.4 -> that of 0.5 (ties go to the smaller)."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"a 1-2-5 series value must be a finite number > 0; got {value}")
+    below = len(SERIES_MANTISSAS) * math.floor(math.log10(value))
+    return min(range(below, below + len(SERIES_MANTISSAS) + 1),
+               key=lambda index: abs(math.log(series_value(index) / value)))
+
+
 def series(first, count=TUNING_TRIALS):
     """`count` values of the 1-2-5 series from `first`, e.g. 1e-4, 2e-4, 5e-4, 1e-3..."""
-    exponent = math.floor(math.log10(first))
-    mantissas = (1, 2, 5)
-    index = mantissas.index(round(first / 10 ** exponent))
-    values = []
-    for _ in range(count):
-        values.append(float(f"{mantissas[index]}e{exponent}"))
-        index = (index + 1) % 3
-        exponent += index == 0
-    return tuple(values)
+    start = series_index(first)
+    if series_value(start) != first:
+        raise ValueError(f"a series starts at a 1-2-5 value; got {first}")
+    return tuple(series_value(start + i) for i in range(count))
 
 
 def points(**axes):
@@ -194,24 +209,33 @@ def run(work_dir, name, **settings):
     `settings` is an error). An interrupted one (or one whose epoch budget has grown and
     whose schedule does not depend on it) resumes from its checkpoint.
     """
+    summary = read(work_dir, name, **settings)
+    if summary is not None:
+        return summary
     model_dir = os.path.join(work_dir, name)
-    summary_path = os.path.join(model_dir, runner.SUMMARY_FILE)
-    if os.path.exists(summary_path):
-        with open(summary_path, encoding="utf-8") as f:
-            summary = json.load(f)
-        differ = {key: (summary["config"].get(key), value) for key, value in settings.items()
-                  if key not in config_lib.RESUME_MAY_CHANGE_FIELDS
-                  and summary["config"].get(key) != value}
-        if differ:  # e.g. the protocol changed since: a stale trial, not this one
-            raise ValueError(f"{model_dir} holds a trial with other settings "
-                             f"(theirs, these): {differ}; use another work_dir")
-        if finished(summary, settings["epochs"]):
-            return summary
     config = config_lib.TrainConfig(
         model_dir=model_dir, verbose=2,
         resume=checkpoints.read_state(model_dir) is not None, **settings)
     print(f"--- {name}: {json.dumps(settings, sort_keys=True)}", flush=True)
     return runner.run(config)
+
+
+def read(work_dir, name, **settings):
+    """The summary of trial `name` in `work_dir` if it has finished (`finished`), else
+    None; a trial there whose settings differ from `settings` is an error (see `run`)."""
+    model_dir = os.path.join(work_dir, name)
+    summary_path = os.path.join(model_dir, runner.SUMMARY_FILE)
+    if not os.path.exists(summary_path):
+        return None
+    with open(summary_path, encoding="utf-8") as f:
+        summary = json.load(f)
+    differ = {key: (summary["config"].get(key), value) for key, value in settings.items()
+              if key not in config_lib.RESUME_MAY_CHANGE_FIELDS
+              and summary["config"].get(key) != value}
+    if differ:  # e.g. the protocol changed since: a stale trial, not this one
+        raise ValueError(f"{model_dir} holds a trial with other settings "
+                         f"(theirs, these): {differ}; use another work_dir")
+    return summary if finished(summary, settings["epochs"]) else None
 
 
 def finished(summary, epochs):

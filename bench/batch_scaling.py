@@ -1,0 +1,477 @@
+"""Steps to a target test accuracy against the batch size, per optimizer, tuned at every
+batch size (Shallue et al., "Measuring the Effects of Data Parallelism on Neural Network
+Training", JMLR 2019): whether K-FAC keeps cutting steps as the batch grows where
+first-order optimizers stop, and the critical batch size of each.
+
+Protocol (docs/benchmarks.md "Batch scaling"), the small CNN on Fashion-MNIST, one
+process (a global batch is what data-parallel workers would share):
+- Batch sizes 128, 512, 2048, 8192 (16384 optional), each with a budget in epochs
+  (BATCHES) spent on bench/trials.py's schedule (linear warm-up over 5% of the budget,
+  half a cosine to 0 at its end) and its decoupled weight decay λ = 5e-5 per step.
+- Entries (ENTRIES): SGD with Nesterov momentum 0.9, AdamW, Lamb, Muon (the trainer's
+  `--optimizer=muon`: the output layer and biases on its AdamW step, as its docstring
+  asks), the best K-FAC variant at batch 128 on the CNN (inverse method with the KL
+  clip) and, where the budget allows, eigen_adam.
+- Tuning: the learning rate alone, on the same number of trials per (entry, batch):
+  GRID_POINTS points of the 1-2-5 series around the entry's batch-128 pick scaled by
+  √(B/128) (the scaled pick rounded to the series on a log scale, GRID_BELOW points below
+  it); a grid whose best point sits at its edge moves one point outward (at most
+  MAX_EDGE_MOVES times). K-FAC keeps its batch-128 damping, and its KL clip scales with
+  the square of the learning rate (κ = κ₁₂₈ η² / η₁₂₈²): the clipped step
+  η·min(1, √(κ/(η² Σ))) is then η times a factor the learning rate does not change, so
+  the learning rate scales the step length whether or not the clip binds.
+- K-FAC's curvature is refreshed per examples, not per steps: factors every ~1280
+  examples and decompositions every ~12800 (batch 128's 10 and 100 steps), down to every
+  step; above batch 2048 the factor statistics come from 2048 examples of each batch
+  (`factor_batch_fraction`), which bounds their memory and time (BATCHES).
+- Every trial is a run of the trainer (`trainers.runner.run`, what
+  `python -m trainers.train` runs) with the test accuracy evaluated every
+  `eval_every_steps` steps, stopping at the top target (0.91). A trial is scored by its
+  steps to the primary target 0.90 (fewest wins; one that never reaches it ranks below
+  every one that did, by its best accuracy; a diverged one last). The chosen point runs
+  again with a second seed; an entry's steps and wall time (training only, evaluation
+  excluded) to each target are the medians over the two seeds.
+- Steps are the primary measure: they do not depend on the machine's load. Wall time is
+  secondary: the machine's 2 cores are shared with other work.
+
+Critical batch size, defined before measuring: on our grid (each batch 4x the last) a
+step from B to rB "still scales" when it cuts the median steps to the target by at least
+1.5x per doubling, i.e. by 1.5^log2(r) (2.25x for r = 4). An entry's critical batch size
+at a target is the largest measured B whose step to the next grid batch still scales;
+none when even the first step does not (it lies below the smallest batch), and at least
+the last B but one when the last step still scales (the grid cannot see further). A step
+to a batch where the target was not reached within the budget is judged on the bound
+(the cut is less than steps(B) / the budget's steps): it fails when the bound is below
+the threshold, and is undetermined otherwise.
+
+Runs live in `--work_dir`: each trial's summary.json is written when it finishes, a
+restarted run skips finished trials (and diverged ones, marked DIVERGED_FILE) and resumes
+an interrupted one from its checkpoint. The order of `--batch_sizes` and `--entries` is
+the order of the work: the default runs every entry at 128 and 2048 first, then 512 and
+8192. After each (entry, batch) cell, and with `--collect` (no training), it writes
+batch_scaling.json and .png to `--output_dir` from every trial the work dir holds.
+
+Run (days on 2 shared cores; in the background, from a snapshot of the tree):
+  PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 nohup .venv/bin/python bench/batch_scaling.py \\
+      --work_dir=/work/bs_cnn > /work/logs/batch_scaling.log 2>&1 &
+  .venv/bin/python bench/batch_scaling.py --work_dir=/work/bs_cnn --collect
+"""
+
+import functools
+import json
+import math
+import os
+import statistics
+
+from absl import flags
+
+import harness
+import trials
+from trainers import errors
+
+FLAGS = flags.FLAGS
+MODEL = "cnn"
+TARGETS = (0.89, 0.90, 0.91)
+PRIMARY_TARGET = 0.90
+WEIGHT_DECAY = 5e-5  # bench/time_to_accuracy.py's λ per step for the CNN
+SMALLEST_BATCH = 128
+GRID_POINTS, GRID_BELOW, MAX_EDGE_MOVES = 6, 2, 2
+SEEDS = (0, 1)  # the tuning seed, then the chosen point's second seed
+CUT_PER_DOUBLING = 1.5
+# Fashion-MNIST's training examples (the trainer drops each epoch's partial batch).
+TRAIN_EXAMPLES = 60000
+# Per batch size: the budget in epochs, the evaluation interval in steps (fine enough
+# that a step count to a target of the order expected is resolved to about 10%: batch
+# 128's K-FAC needed 600 and 1000 steps to 0.89 and 0.90, SGD 1400 and 1872), and
+# K-FAC's refresh intervals and share of each batch its factor statistics see.
+BATCHES = {
+    128: dict(epochs=10, eval_every_steps=50, factor_update_freq=10,
+              decomposition_update_freq=100, factor_batch_fraction=1.0),
+    512: dict(epochs=12, eval_every_steps=20, factor_update_freq=2,
+              decomposition_update_freq=20, factor_batch_fraction=1.0),
+    2048: dict(epochs=16, eval_every_steps=8, factor_update_freq=1,
+               decomposition_update_freq=5, factor_batch_fraction=1.0),
+    8192: dict(epochs=32, eval_every_steps=4, factor_update_freq=1,
+               decomposition_update_freq=2, factor_batch_fraction=0.25),
+    16384: dict(epochs=48, eval_every_steps=2, factor_update_freq=1,
+                decomposition_update_freq=1, factor_batch_fraction=0.125),
+}
+KFAC_BATCH_SETTINGS = ("factor_update_freq", "decomposition_update_freq",
+                       "factor_batch_fraction")
+# Entry -> its bench/trials.py entry, the settings added to it, and its batch-128 pick:
+# bench/results/time_to_accuracy.json (cnn: sgd, adamw, kfac_inverse, kfac_eigen_adam)
+# and bench/results/trial_summaries/cnn (muon, lamb); SGD's pick is heavy-ball's.
+ENTRIES = {
+    "kfac_inverse": dict(base="kfac_inverse", extra={},
+                         pick=dict(learning_rate=0.05, damping=0.1, kl_clip=1e-3)),
+    "sgd_nesterov": dict(base="sgd", extra=dict(nesterov=True), pick=dict(learning_rate=0.1)),
+    "adamw": dict(base="adamw", extra={}, pick=dict(learning_rate=0.01)),
+    "lamb": dict(base="lamb", extra={}, pick=dict(learning_rate=0.01)),
+    "muon": dict(base="muon", extra={}, pick=dict(learning_rate=0.005)),
+    "kfac_eigen_adam": dict(base="kfac_eigen_adam", extra={}, pick=dict(learning_rate=1e-3)),
+}
+FIRST_ORDER = ("sgd_nesterov", "adamw", "lamb", "muon")
+DIVERGED_FILE = "diverged.json"
+
+flags.DEFINE_list("batch_sizes", ["128", "2048", "512", "8192"],
+                  f"Batch sizes to run, in this order, among {', '.join(map(str, BATCHES))}.")
+flags.DEFINE_list("entries", ["kfac_inverse", "sgd_nesterov", "adamw", "lamb", "muon"],
+                  f"Entries to run at each batch size, in this order, among "
+                  f"{', '.join(ENTRIES)}.")
+flags.DEFINE_bool("collect", False,
+                  "Run nothing: write batch_scaling.json and .png from the trials the work "
+                  "dir holds.")
+flags.DEFINE_string("work_dir", "/tmp/tfkfac_batch_scaling",
+                    "Where the trials' runs (summaries, checkpoints) go.")
+
+
+# ---------------------------------------------------------------------- the protocol
+def grid(entry, batch):
+    """The series indices (`trials.series_value`) of the learning rates `entry` is tuned
+    on at `batch` before any edge move: GRID_POINTS around its pick x √(batch / 128)."""
+    center = trials.series_index(ENTRIES[entry]["pick"]["learning_rate"]
+                                 * math.sqrt(batch / SMALLEST_BATCH))
+    return list(range(center - GRID_BELOW, center - GRID_BELOW + GRID_POINTS))
+
+
+def outward(indices, best):
+    """The index a grid of `indices` moves out to when its best point `best` sits at its
+    edge, else None."""
+    if best == min(indices):
+        return best - 1
+    if best == max(indices):
+        return best + 1
+    return None
+
+
+def setting(entry, learning_rate):
+    """The tuned point: the pick's settings at `learning_rate`; the KL clip, where the
+    entry has one, scaled with the learning rate's square."""
+    pick = ENTRIES[entry]["pick"]
+    point = dict(pick, learning_rate=learning_rate)
+    if pick.get("kl_clip"):
+        scaled = pick["kl_clip"] * (learning_rate / pick["learning_rate"]) ** 2
+        point["kl_clip"] = float(f"{scaled:.3g}")  # 0.1, not 0.10000000000000002
+    return point
+
+
+def trial_settings(entry, batch, learning_rate, seed):
+    """The trainer settings of one trial."""
+    spec, budget = ENTRIES[entry], BATCHES[batch]
+    settings = dict(trials.protocol(spec["base"], setting(entry, learning_rate),
+                                    budget["epochs"], WEIGHT_DECAY),
+                    **spec["extra"], model=MODEL, batch_size=batch, seed=seed,
+                    eval_every_steps=budget["eval_every_steps"],
+                    target_accuracy=max(TARGETS), stop_at_target=True)
+    if settings["optimizer"] == "kfac":
+        settings.update({key: budget[key] for key in KFAC_BATCH_SETTINGS})
+    return settings
+
+
+def trial_name(entry, batch, learning_rate, seed):
+    return f"{entry}-batch{batch}-{trials.slug(setting(entry, learning_rate))}-seed{seed}"
+
+
+# ------------------------------------------------------------------- trials and cells
+def record(summary, learning_rate, seed):
+    """What the report keeps of a finished trial: steps and training time to each target
+    (None where not reached), its best accuracy and its mean step time."""
+    curve = trials.curve(summary)
+    firsts = {str(target): next(({"steps": steps, "time_s": time_s}
+                                 for time_s, steps, accuracy in curve if accuracy >= target),
+                                None) for target in TARGETS}
+    return {"learning_rate": learning_rate, "seed": seed, "diverged": False,
+            "steps": summary["steps"], "best_accuracy": max(point[2] for point in curve),
+            "mean_step_time_s": summary["mean_step_time_s"]["all"], "to_target": firsts}
+
+
+def diverged_record(learning_rate, seed, message):
+    return {"learning_rate": learning_rate, "seed": seed, "diverged": True,
+            "message": message}
+
+
+def read_trial(entry, batch, learning_rate, seed):
+    """The record of a finished (or diverged) trial in the work dir, else None."""
+    name = trial_name(entry, batch, learning_rate, seed)
+    marker = os.path.join(FLAGS.work_dir, name, DIVERGED_FILE)
+    if os.path.exists(marker):
+        with open(marker, encoding="utf-8") as f:
+            return diverged_record(learning_rate, seed, json.load(f)["message"])
+    summary = trials.read(FLAGS.work_dir, name,
+                          **trial_settings(entry, batch, learning_rate, seed))
+    return None if summary is None else record(summary, learning_rate, seed)
+
+
+def run_trial(entry, batch, learning_rate, seed):
+    """The record of a trial, run (or resumed) unless the work dir holds it finished. A
+    run that diverges is marked so that a restart skips it."""
+    done = read_trial(entry, batch, learning_rate, seed)
+    if done is not None:
+        return done
+    name = trial_name(entry, batch, learning_rate, seed)
+    try:
+        summary = trials.run(FLAGS.work_dir, name,
+                             **trial_settings(entry, batch, learning_rate, seed))
+    except errors.RunError as error:
+        if "training diverged" not in str(error):
+            raise
+        with open(os.path.join(FLAGS.work_dir, name, DIVERGED_FILE), "w",
+                  encoding="utf-8") as f:
+            json.dump({"message": str(error)}, f)
+        print(f"--- {name}: diverged", flush=True)
+        return diverged_record(learning_rate, seed, str(error))
+    return record(summary, learning_rate, seed)
+
+
+def rank(trial):
+    """Sort key of a tuning trial: fewest steps to the primary target; then those that
+    never reached it, by best accuracy; diverged ones last."""
+    if trial["diverged"]:
+        return (2, 0.0)
+    reached = trial["to_target"][str(PRIMARY_TARGET)]
+    return (0, reached["steps"]) if reached else (1, -trial["best_accuracy"])
+
+
+def over_seeds(runs, target, budget_steps):
+    """Median steps and training time to `target` over the seeds' records `runs`
+    (a seed that did not reach it counts as infinite; an infinite median is None, with
+    `steps_above` the budget it exceeds)."""
+    firsts = [None if run["diverged"] else run["to_target"][str(target)] for run in runs]
+    result = {"reached": sum(first is not None for first in firsts)}
+    for key in ("steps", "time_s"):
+        median = statistics.median(math.inf if first is None else first[key]
+                                   for first in firsts)
+        result[f"median_{key}"] = None if math.isinf(median) else median
+    if result["median_steps"] is None:
+        result["steps_above"] = budget_steps
+    return result
+
+
+def cell(entry, batch, get):
+    """One (entry, batch): its tuning, edge moves, chosen point and second seed, with the
+    trials `get(learning_rate, seed)` returns (None: not run yet; the cell is then
+    incomplete, with the trials it has)."""
+    indices = grid(entry, batch)
+    found, moves = {}, 0
+    while True:
+        for index in indices:
+            if index not in found:
+                trial = get(trials.series_value(index), SEEDS[0])
+                if trial is None:
+                    return {"complete": False, "trials": sorted_trials(found)}
+                found[index] = trial
+        best = min(indices, key=lambda index: rank(found[index]))
+        further = outward(indices, best)
+        if further is None or moves == MAX_EDGE_MOVES:
+            break
+        indices, moves = indices + [further], moves + 1
+    chosen = found[best]
+    second = get(chosen["learning_rate"], SEEDS[1])
+    if second is None:
+        return {"complete": False, "trials": sorted_trials(found)}
+    budget_steps = BATCHES[batch]["epochs"] * (TRAIN_EXAMPLES // batch)
+    return {"complete": True, "trials": sorted_trials(found),
+            "initial_grid": [trials.series_value(i) for i in grid(entry, batch)],
+            "edge_moves": moves, "best_at_edge": further is not None,
+            "chosen": setting(entry, chosen["learning_rate"]), "seeds": [chosen, second],
+            "to_target": {str(target): over_seeds([chosen, second], target, budget_steps)
+                          for target in TARGETS}}
+
+
+def sorted_trials(found):
+    return [found[index] for index in sorted(found)]
+
+
+# ---------------------------------------------------------------------- the analysis
+def scaling_steps(cells, target):
+    """Per step between consecutive measured batches: the cut in median steps to
+    `target`, the threshold, and whether it still scales (None: undetermined)."""
+    batches = sorted(cells)
+    steps = []
+    for low, high in zip(batches, batches[1:]):
+        needed = CUT_PER_DOUBLING ** math.log2(high / low)
+        before = cells[low]["to_target"][str(target)]
+        after = cells[high]["to_target"][str(target)]
+        item = {"from": low, "to": high, "needed_cut": needed}
+        if before["median_steps"] is None:
+            item.update(cut=None, scales=None)
+        elif after["median_steps"] is not None:
+            cut = before["median_steps"] / after["median_steps"]
+            item.update(cut=cut, scales=cut >= needed)
+        else:
+            bound = before["median_steps"] / after["steps_above"]
+            item.update(cut_below=bound, scales=False if bound < needed else None)
+        steps.append(item)
+    return steps
+
+
+def critical_batch(cells, target):
+    """The critical batch size at `target` (module docstring) from an entry's complete
+    cells {batch: cell}: the batch, whether it is a lower bound, and the steps judged."""
+    steps = scaling_steps(cells, target)
+    scaling = [step["from"] for step in steps if step["scales"]]
+    batch = max(scaling, default=None)
+    return {"critical_batch": batch,
+            "at_least": bool(steps) and steps[-1]["scales"] is True,
+            "below_smallest": bool(steps) and batch is None and steps[0]["scales"] is False,
+            "undetermined": [step["from"] for step in steps if step["scales"] is None],
+            "steps": steps}
+
+
+def best_first_order(entries, batch, target):
+    """The first-order entry with the fewest median steps to `target` at `batch`, or
+    None when none reached it there."""
+    reached = {name: result["batches"][batch]["to_target"][str(target)]["median_steps"]
+               for name, result in entries.items()
+               if name in FIRST_ORDER and batch in result["batches"]
+               and result["batches"][batch]["complete"]
+               and result["batches"][batch]["to_target"][str(target)]["median_steps"]}
+    return min(reached, key=reached.get, default=None)
+
+
+def over_best_first_order(entries, entry):
+    """Per batch and target: `entry`'s median steps over the best first-order entry's
+    there, or the bound it is below when no first-order entry reached the target."""
+    out = {}
+    for batch, result in entries[entry]["batches"].items():
+        if not result["complete"]:
+            continue
+        for target in TARGETS:
+            mine = result["to_target"][str(target)]["median_steps"]
+            if mine is None:
+                continue
+            best = best_first_order(entries, batch, target)
+            if best is not None:
+                theirs = entries[best]["batches"][batch]["to_target"][str(target)]
+                ratio = {"steps": mine / theirs["median_steps"], "baseline": best}
+            else:
+                bounds = [r["batches"][batch]["to_target"][str(target)]["steps_above"]
+                          for name, r in entries.items() if name in FIRST_ORDER
+                          and batch in r["batches"] and r["batches"][batch]["complete"]]
+                if not bounds:
+                    continue
+                ratio = {"steps_below": mine / min(bounds)}
+            out.setdefault(str(batch), {})[str(target)] = ratio
+    return out
+
+
+def report(cells):
+    """The JSON document of `cells` {entry: {batch: cell}}."""
+    entries = {}
+    for entry, by_batch in cells.items():
+        complete = {batch: c for batch, c in by_batch.items() if c["complete"]}
+        entries[entry] = {
+            "settings": dict(trials.OPTIMIZERS[ENTRIES[entry]["base"]],
+                             **ENTRIES[entry]["extra"]),
+            "batch_128_pick": ENTRIES[entry]["pick"],
+            "batches": dict(sorted(by_batch.items())),
+            "critical_batch": {str(target): critical_batch(complete, target)
+                               for target in TARGETS}}
+    for entry in entries:
+        if entry not in FIRST_ORDER:
+            entries[entry]["over_best_first_order"] = over_best_first_order(entries, entry)
+    for result in entries.values():  # JSON keys are strings
+        result["batches"] = {str(batch): c for batch, c in result["batches"].items()}
+    return {
+        "model": MODEL, "dataset": "fashion_mnist", "targets": list(TARGETS),
+        "primary_target": PRIMARY_TARGET, "seeds": list(SEEDS),
+        "protocol": {
+            "budgets": {str(batch): dict(budget, steps=budget["epochs"] * (
+                TRAIN_EXAMPLES // batch)) for batch, budget in BATCHES.items()},
+            "schedule": f"linear warm-up over {trials.WARMUP_FRACTION:.0%} of the budget, "
+                        "then half a cosine to 0 at its end",
+            "weight_decay_per_step": WEIGHT_DECAY,
+            "grid": f"{GRID_POINTS} learning rates of the 1-2-5 series, the batch-128 pick "
+                    f"x sqrt(B/128) rounded to it and {GRID_BELOW} points below it; a best "
+                    f"point at the edge moves the grid out one point (at most "
+                    f"{MAX_EDGE_MOVES} times)",
+            "kl_clip": "scaled with the learning rate's square from the batch-128 pick",
+            "kfac_batch_settings": list(KFAC_BATCH_SETTINGS),
+            "selection": f"fewest steps to {PRIMARY_TARGET}; then best accuracy",
+            "stop": f"each trial stops at the top target {max(TARGETS)}",
+            "critical_batch": f"the largest measured B whose step to the next grid batch rB "
+                              f"cuts the median steps by >= {CUT_PER_DOUBLING}^log2(r)"},
+        "entries": entries,
+    }
+
+
+# ------------------------------------------------------------------------ the plot
+def plot(document):
+    """Steps to each target against batch size, log-log, with each entry's perfect
+    scaling (steps ∝ 1/B from its smallest batch) dotted."""
+    figure, axes = harness.subplots(1, len(TARGETS), figsize=(6 * len(TARGETS), 5),
+                                    squeeze=False)
+    for axis, target in zip(axes[0], TARGETS):
+        for entry, result in document["entries"].items():
+            color = list(ENTRIES).index(entry)  # the same in every run's figure
+            points = [(int(batch), c["to_target"][str(target)])
+                      for batch, c in result["batches"].items() if c["complete"]]
+            reached = [(b, t["median_steps"]) for b, t in points if t["median_steps"]]
+            above = [(b, t["steps_above"]) for b, t in points if not t["median_steps"]]
+            if reached:
+                axis.plot(*zip(*reached), "o-", color=f"C{color}", label=entry)
+                first_batch, first_steps = reached[0]
+                ends = [first_batch, max(b for b, _ in points)]
+                axis.plot(ends, [first_steps * first_batch / b for b in ends], ":",
+                          color=f"C{color}", linewidth=0.8)
+            if above:
+                axis.plot(*zip(*above), "^", color=f"C{color}", fillstyle="none",
+                          label=None if reached else f"{entry} (not reached)")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("batch size")
+        axis.set_ylabel(f"steps to test accuracy {target} (median of {len(SEEDS)} seeds)")
+        axis.set_title(f"{document['model']} on Fashion-MNIST, target {target}\n"
+                       "dotted: perfect scaling; open triangles: not reached within the "
+                       "budget", fontsize=9)
+        axis.legend(fontsize=8)
+    return figure
+
+
+# ------------------------------------------------------------------------- the run
+def collect():
+    """Every cell the work dir holds a trial of, complete or not, written out."""
+    cells = {}
+    for entry in ENTRIES:
+        for batch in BATCHES:
+            found = cell(entry, batch, functools.partial(read_trial, entry, batch))
+            if found["trials"]:
+                cells.setdefault(entry, {})[batch] = found
+    harness.write(report(cells), "batch_scaling", plot)
+    return cells
+
+
+def batch_sizes():
+    """`--batch_sizes` as integers, checked against BATCHES."""
+    try:
+        sizes = [int(size) for size in FLAGS.batch_sizes]
+    except ValueError:
+        sizes = None
+    if not sizes or any(size not in BATCHES for size in sizes):
+        raise ValueError(f"batch_sizes must be among {', '.join(map(str, BATCHES))}; got "
+                         f"{','.join(FLAGS.batch_sizes)}")
+    return sizes
+
+
+def main():
+    sizes = batch_sizes()
+    harness.check_among("entries", FLAGS.entries, ENTRIES)
+    if FLAGS.collect:
+        collect()
+        return
+    for batch in sizes:  # every trial's settings, before hours of runs
+        for entry in FLAGS.entries:
+            trials.check_entry(entry, trial_settings(entry, batch, ENTRIES[entry]["pick"][
+                "learning_rate"], SEEDS[0]))
+    for batch in sizes:
+        for entry in FLAGS.entries:
+            result = cell(entry, batch, functools.partial(run_trial, entry, batch))
+            steps = {target: reached["median_steps"]
+                     for target, reached in result["to_target"].items()}
+            print(f"{entry} batch {batch}: chosen {json.dumps(result['chosen'])}, median "
+                  f"steps to target {json.dumps(steps)}", flush=True)
+            collect()
+
+
+if __name__ == "__main__":
+    harness.run(main)

@@ -1,0 +1,304 @@
+"""bench/batch_scaling.py's protocol without training: where each grid sits and how it
+moves at its edge, the critical batch size, the work dir read back and skipped on a
+restart, and the JSON assembled from trial summaries written here the way the trainer
+writes them."""
+
+import json
+import math
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# bench/ as its scripts see it (they import their neighbours by name).
+sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+
+from absl.testing import absltest, flagsaver  # noqa: E402
+
+import batch_scaling  # noqa: E402
+import trials  # noqa: E402
+from trainers import runner  # noqa: E402
+from trainers.planning import measured_steps  # noqa: E402
+
+
+def learning_rates(indices):
+    return [trials.series_value(index) for index in indices]
+
+
+def trial(learning_rate, steps_to_primary=None, best_accuracy=0.9, seed=0):
+    """A finished trial's record reaching the primary target (only) at `steps_to_primary`."""
+    to_target = {str(t): None for t in batch_scaling.TARGETS}
+    if steps_to_primary is not None:
+        to_target[str(batch_scaling.PRIMARY_TARGET)] = {"steps": steps_to_primary,
+                                                        "time_s": steps_to_primary / 10}
+    return {"learning_rate": learning_rate, "seed": seed, "diverged": False,
+            "steps": 1000, "best_accuracy": best_accuracy, "mean_step_time_s": 0.1,
+            "to_target": to_target}
+
+
+def measured(steps, budget_steps=10_000):
+    """A complete cell whose median steps to every target are `steps` (None: not
+    reached within `budget_steps`)."""
+    result = {"median_steps": steps, "median_time_s": None if steps is None else steps / 10,
+              "reached": 0 if steps is None else 2}
+    if steps is None:
+        result["steps_above"] = budget_steps
+    return {"complete": True, "to_target": {str(t): dict(result)
+                                            for t in batch_scaling.TARGETS}}
+
+
+class GridTest(absltest.TestCase):
+
+    def test_series_index_rounds_on_a_log_scale(self):
+        self.assertEqual(trials.series_value(trials.series_index(0.4)), 0.5)  # 0.4/0.2 > 0.5/0.4
+        self.assertEqual(trials.series_value(trials.series_index(0.8)), 1.0)
+        self.assertEqual(trials.series_value(trials.series_index(0.1)), 0.1)
+        self.assertEqual(trials.series_value(-1), 0.5)
+        with self.assertRaisesRegex(ValueError, "finite number > 0"):
+            trials.series_index(0.0)
+
+    def test_six_points_around_the_pick_scaled_by_the_root_of_the_batch(self):
+        # SGD's pick 0.1: x1 at 128, x2 at 512 (0.2), x4 at 2048 (0.4 -> 0.5), x8 at 8192
+        # (0.8 -> 1); two points of the series below, three above.
+        expected = {128: [0.02, 0.05, 0.1, 0.2, 0.5, 1.0],
+                    512: [0.05, 0.1, 0.2, 0.5, 1.0, 2.0],
+                    2048: [0.1, 0.2, 0.5, 1.0, 2.0, 5.0],
+                    8192: [0.2, 0.5, 1.0, 2.0, 5.0, 10.0]}
+        for batch, rates in expected.items():
+            self.assertEqual(learning_rates(batch_scaling.grid("sgd_nesterov", batch)), rates)
+        self.assertEqual(learning_rates(batch_scaling.grid("muon", 128)),
+                         [0.001, 0.002, 0.005, 0.01, 0.02, 0.05])
+
+    def test_the_kl_clip_scales_with_the_square_of_the_learning_rate(self):
+        self.assertEqual(batch_scaling.setting("kfac_inverse", 0.05)["kl_clip"], 1e-3)
+        self.assertEqual(batch_scaling.setting("kfac_inverse", 0.5)["kl_clip"], 0.1)
+        self.assertEqual(batch_scaling.setting("kfac_inverse", 0.5)["damping"], 0.1)
+        self.assertNotIn("kl_clip", batch_scaling.setting("adamw", 0.5))
+
+    def test_a_best_point_at_an_edge_moves_the_grid_out(self):
+        indices = [3, 4, 5]
+        self.assertEqual(batch_scaling.outward(indices, 3), 2)
+        self.assertEqual(batch_scaling.outward(indices, 5), 6)
+        self.assertIsNone(batch_scaling.outward(indices, 4))
+
+    def test_picks_are_the_recorded_batch_128_bests(self):
+        with open(os.path.join(REPO_ROOT, "bench/results/time_to_accuracy.json")) as f:
+            cnn = json.load(f)["models"]["cnn"]["optimizers"]
+        for entry, recorded in (("sgd_nesterov", "sgd"), ("adamw", "adamw"),
+                                ("kfac_inverse", "kfac_inverse"),
+                                ("kfac_eigen_adam", "kfac_eigen_adam")):
+            self.assertEqual(batch_scaling.ENTRIES[entry]["pick"], cnn[recorded]["setting"])
+        summaries = os.path.join(REPO_ROOT, "bench/results/trial_summaries/cnn")
+        for entry in ("muon", "lamb"):
+            scores = {}
+            for name in os.listdir(summaries):
+                if name.startswith(f"cnn-{entry}-tune-"):
+                    with open(os.path.join(summaries, name, runner.SUMMARY_FILE)) as f:
+                        summary = json.load(f)
+                    scores[summary["config"]["learning_rate"]] = summary["final_eval_accuracy"]
+            self.assertLen(scores, trials.TUNING_TRIALS, entry)
+            self.assertEqual(batch_scaling.ENTRIES[entry]["pick"],
+                             {"learning_rate": max(scores, key=scores.get)})
+
+
+class CellTest(absltest.TestCase):
+    """The tuning of one (entry, batch) from trials handed to it."""
+
+    def test_edge_moves_until_the_best_is_inside_then_a_second_seed(self):
+        asked = []
+        rates = learning_rates(batch_scaling.grid("adamw", 128))
+        self.assertEqual(rates, [0.002, 0.005, 0.01, 0.02, 0.05, 0.1])
+
+        def get(learning_rate, seed):
+            asked.append((learning_rate, seed))
+            # Fewer steps the larger the rate up to 0.2, which beats 0.1 and 0.5.
+            steps = {0.1: 350, 0.2: 300, 0.5: 500}.get(learning_rate,
+                                                        int(20 / learning_rate))
+            return trial(learning_rate, steps, seed=seed)
+
+        cell = batch_scaling.cell("adamw", 128, get)
+        self.assertTrue(cell["complete"])
+        self.assertEqual(cell["edge_moves"], 2)  # 0.1 was best, then 0.2; then inside
+        self.assertEqual(asked, [(r, 0) for r in rates] + [(0.2, 0), (0.5, 0), (0.2, 1)])
+        self.assertEqual(cell["chosen"], {"learning_rate": 0.2})
+        self.assertFalse(cell["best_at_edge"])
+        self.assertEqual(cell["to_target"]["0.9"]["median_steps"], 300)
+
+    def test_the_moves_are_bounded_and_an_edge_best_is_flagged(self):
+        cell = batch_scaling.cell("adamw", 128, lambda learning_rate, seed: trial(
+            learning_rate, int(20 / learning_rate), seed=seed))
+        self.assertEqual(cell["edge_moves"], batch_scaling.MAX_EDGE_MOVES)
+        self.assertEqual(cell["chosen"], {"learning_rate": 0.5})
+        self.assertTrue(cell["best_at_edge"])
+        self.assertIsNone(cell["to_target"]["0.91"]["median_steps"])
+        self.assertEqual(cell["to_target"]["0.91"]["steps_above"],
+                         10 * (batch_scaling.TRAIN_EXAMPLES // 128))
+
+    def test_unreached_rank_by_accuracy_and_diverged_last(self):
+        def get(learning_rate, seed):
+            if learning_rate >= 0.5:
+                return batch_scaling.diverged_record(learning_rate, seed, "nan")
+            return trial(learning_rate, None, best_accuracy=0.8 + learning_rate / 10,
+                         seed=seed)
+
+        cell = batch_scaling.cell("sgd_nesterov", 128, get)
+        self.assertEqual(cell["chosen"], {"learning_rate": 0.2})
+        self.assertFalse(cell["best_at_edge"])
+        self.assertEqual(cell["to_target"]["0.9"]["reached"], 0)
+
+    def test_a_missing_trial_leaves_the_cell_incomplete_with_what_it_has(self):
+        def get(learning_rate, seed):
+            return trial(learning_rate, 100) if learning_rate < 0.05 else None
+
+        cell = batch_scaling.cell("sgd_nesterov", 128, get)
+        self.assertFalse(cell["complete"])
+        self.assertEqual([t["learning_rate"] for t in cell["trials"]], [0.02])
+
+    def test_the_median_of_two_seeds_is_infinite_when_one_misses(self):
+        both = batch_scaling.over_seeds([trial(0.1, 100), trial(0.1, 300, seed=1)], 0.9, 999)
+        self.assertEqual(both["median_steps"], 200)
+        one = batch_scaling.over_seeds([trial(0.1, 100), trial(0.1, None, seed=1)], 0.9, 999)
+        self.assertIsNone(one["median_steps"])
+        self.assertEqual(one["steps_above"], 999)
+
+
+class CriticalBatchTest(absltest.TestCase):
+
+    def test_the_largest_batch_whose_next_step_still_scales(self):
+        # 128 -> 512 cuts 4x, 512 -> 2048 2.5x (>= 2.25), 2048 -> 8192 2x (< 2.25).
+        cells = {128: measured(4000), 512: measured(1000), 2048: measured(400),
+                 8192: measured(200)}
+        result = batch_scaling.critical_batch(cells, 0.9)
+        self.assertEqual(result["critical_batch"], 512)
+        self.assertFalse(result["at_least"])
+        self.assertEqual([step["scales"] for step in result["steps"]], [True, True, False])
+        self.assertAlmostEqual(result["steps"][0]["needed_cut"], 2.25)
+
+    def test_a_last_step_that_scales_gives_a_lower_bound(self):
+        cells = {128: measured(4000), 512: measured(1000)}
+        result = batch_scaling.critical_batch(cells, 0.9)
+        self.assertEqual((result["critical_batch"], result["at_least"]), (128, True))
+
+    def test_none_below_the_smallest_batch(self):
+        cells = {128: measured(400), 512: measured(300)}
+        result = batch_scaling.critical_batch(cells, 0.9)
+        self.assertIsNone(result["critical_batch"])
+        self.assertTrue(result["below_smallest"])
+
+    def test_an_unreached_target_judged_on_its_bound(self):
+        # 1000 / more than 2000 steps: below 0.5x, fails; 10000 / more than 2000 is
+        # below 5x, which could still be >= 2.25x: undetermined.
+        fails = batch_scaling.critical_batch(
+            {128: measured(1000), 512: measured(None, budget_steps=2000)}, 0.9)
+        self.assertIs(fails["steps"][0]["scales"], False)
+        self.assertAlmostEqual(fails["steps"][0]["cut_below"], 0.5)
+        open_ = batch_scaling.critical_batch(
+            {128: measured(10000), 512: measured(None, budget_steps=2000)}, 0.9)
+        self.assertIsNone(open_["steps"][0]["scales"])
+        self.assertEqual(open_["undetermined"], [128])
+        self.assertFalse(open_["below_smallest"])
+
+
+def write_summary(work_dir, entry, batch, learning_rate, seed, steps_to_primary):
+    """A finished trial's summary.json as the trainer writes it (the fields the benchmark
+    reads), reaching 0.89 at half the steps to the primary target and stopping there
+    without reaching 0.91."""
+    settings = batch_scaling.trial_settings(entry, batch, learning_rate, seed)
+    model_dir = os.path.join(work_dir, batch_scaling.trial_name(entry, batch, learning_rate,
+                                                                seed))
+    os.makedirs(model_dir)
+    half = steps_to_primary // 2
+    evaluations = [{"train_time_s": s / 10, "steps": s, "val_accuracy": accuracy}
+                   for s, accuracy in ((half, 0.895), (steps_to_primary, 0.905),
+                                       (2 * steps_to_primary, 0.9))]
+    summary = {"config": settings, "to_target": None, "steps": 2 * steps_to_primary,
+               "mean_step_time_s": {"all": 0.1}, "evaluations": evaluations}
+    with open(os.path.join(model_dir, runner.SUMMARY_FILE), "w") as f:
+        json.dump(summary, f)
+
+
+class WorkDirTest(absltest.TestCase):
+    """Finished and diverged trials are read back (a restart skips them), and `--collect`
+    writes the JSON from them."""
+
+    def setUp(self):
+        super().setUp()
+        self.work_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        self.output_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        saver = flagsaver.flagsaver(work_dir=self.work_dir, output_dir=self.output_dir)
+        saver.__enter__()
+        self.addCleanup(saver.__exit__, None, None, None)
+
+    def fill(self, entry, batch, best, best_steps):
+        """Every trial of (entry, batch) finished, `best` the fastest (the others take
+        twice its steps), its second seed 100 steps more."""
+        for learning_rate in learning_rates(batch_scaling.grid(entry, batch)):
+            write_summary(self.work_dir, entry, batch, learning_rate, 0,
+                          best_steps * (1 if learning_rate == best else 2))
+        write_summary(self.work_dir, entry, batch, best, 1, best_steps + 100)
+
+    def test_finished_and_diverged_trials_are_skipped_on_a_restart(self):
+        write_summary(self.work_dir, "sgd_nesterov", 128, 0.1, 0, 400)
+        diverged = os.path.join(self.work_dir, batch_scaling.trial_name(
+            "sgd_nesterov", 128, 1.0, 0))
+        os.makedirs(diverged)
+        with open(os.path.join(diverged, batch_scaling.DIVERGED_FILE), "w") as f:
+            json.dump({"message": "training diverged: ..."}, f)
+        # run_trial would train (minutes) if it did not read these back.
+        done = batch_scaling.run_trial("sgd_nesterov", 128, 0.1, 0)
+        self.assertEqual(done["to_target"]["0.9"], {"steps": 400, "time_s": 40.0})
+        self.assertEqual(done["to_target"]["0.89"], {"steps": 200, "time_s": 20.0})
+        self.assertIsNone(done["to_target"]["0.91"])
+        self.assertEqual(done["best_accuracy"], 0.905)
+        self.assertTrue(batch_scaling.run_trial("sgd_nesterov", 128, 1.0, 0)["diverged"])
+        self.assertIsNone(batch_scaling.read_trial("sgd_nesterov", 128, 0.2, 0))
+
+    def test_a_trial_with_other_settings_is_an_error(self):
+        write_summary(self.work_dir, "adamw", 128, 0.01, 0, 400)
+        path = os.path.join(self.work_dir, batch_scaling.trial_name("adamw", 128, 0.01, 0),
+                            runner.SUMMARY_FILE)
+        with open(path) as f:
+            summary = json.load(f)
+        summary["config"]["weight_decay"] = 1.0
+        with open(path, "w") as f:
+            json.dump(summary, f)
+        with self.assertRaisesRegex(ValueError, "holds a trial with other settings"):
+            batch_scaling.read_trial("adamw", 128, 0.01, 0)
+
+    def test_collect_writes_the_cells_the_critical_batch_and_the_ratios(self):
+        self.fill("sgd_nesterov", 128, best=0.1, best_steps=1000)
+        self.fill("sgd_nesterov", 512, best=0.2, best_steps=500)  # 2x: does not scale
+        self.fill("kfac_inverse", 128, best=0.05, best_steps=600)
+        self.fill("kfac_inverse", 512, best=0.1, best_steps=200)  # 3x: scales
+        write_summary(self.work_dir, "adamw", 128, 0.002, 0, 700)  # one trial of a cell
+        batch_scaling.collect()
+        path = os.path.join(self.output_dir, "batch_scaling.json")
+        with open(path) as f:
+            document = json.load(f)
+        self.assertTrue(os.path.exists(os.path.join(self.output_dir, "batch_scaling.png")))
+        self.assertEqual(set(document["entries"]), {"sgd_nesterov", "kfac_inverse", "adamw"})
+        sgd = document["entries"]["sgd_nesterov"]
+        self.assertEqual(sgd["batches"]["128"]["chosen"], {"learning_rate": 0.1})
+        self.assertEqual(sgd["batches"]["128"]["to_target"]["0.9"]["median_steps"], 1050)
+        self.assertFalse(document["entries"]["adamw"]["batches"]["128"]["complete"])
+        # (1000 + 1100) / 2 over (500 + 600) / 2: 1.91x < 2.25x; K-FAC 650 / 250 = 2.6x.
+        self.assertIsNone(sgd["critical_batch"]["0.9"]["critical_batch"])
+        kfac = document["entries"]["kfac_inverse"]
+        self.assertEqual(kfac["critical_batch"]["0.9"]["critical_batch"], 128)
+        self.assertEqual(kfac["batches"]["512"]["chosen"],
+                         {"learning_rate": 0.1, "damping": 0.1, "kl_clip": 4e-3})
+        ratio = kfac["over_best_first_order"]["512"]["0.9"]
+        self.assertEqual(ratio["baseline"], "sgd_nesterov")
+        self.assertAlmostEqual(ratio["steps"], 250 / 550)
+        self.assertEqual(document["protocol"]["budgets"]["8192"]["steps"],
+                         32 * (60000 // 8192))
+        self.assertTrue(math.isclose(kfac["critical_batch"]["0.9"]["steps"][0]["cut"], 2.6))
+        # What the planner reads of it (`--steps_from`).
+        self.assertEqual(measured_steps.load(path, "cnn", None, ("sgd_nesterov", "kfac_inverse")),
+                         (0.9, {"sgd_nesterov": {128: 1050, 512: 550},
+                                "kfac_inverse": {128: 650, 512: 250}}))
+
+
+if __name__ == "__main__":
+    absltest.main()
