@@ -2,42 +2,21 @@
 value, case-insensitive names, the GPU profiles and their estimates, no configuration the
 library refuses, the memory warning and GPU-hours. Fast: one process, small models."""
 
-import contextlib
-import io
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import zipfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-from absl.testing import absltest, flagsaver, parameterized  # noqa: E402
+from absl.testing import absltest, parameterized  # noqa: E402
 
-from trainers import plan  # noqa: E402
+from plan_testing import run_plan, temporary_path  # noqa: E402
 from trainers.planning import floor_model, hardware, recommend, workloads  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_plan(*args):
-    """(exit code or None, stdout, stderr) of `python -m trainers.plan *args`, run in this
-    process (flags restored afterwards)."""
-    out, err = io.StringIO(), io.StringIO()
-    code = None
-    with flagsaver.flagsaver(), contextlib.redirect_stdout(out), \
-            contextlib.redirect_stderr(err):
-        try:
-            plan.main(plan.parse_flags(["trainers.plan", *args]))
-        except SystemExit as exit_:
-            code = exit_.code
-    return code, out.getvalue(), err.getvalue()
-
-
-def temporary_path(name):
-    return os.path.join(tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir()), name)
 
 
 class OneLineErrorsTest(parameterized.TestCase):

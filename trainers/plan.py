@@ -18,8 +18,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
-from trainers.planning import (hardware, memory, recommend, report,  # noqa: E402
-                               step_model, workloads)
+from trainers.planning import (hardware, measured_steps, memory, recommend,  # noqa: E402
+                               report, step_model, workloads)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Trainer model, keras.applications name or .keras path.")
@@ -57,6 +57,15 @@ flags.register_validator("forward_backward_ms",
 flags.DEFINE_list("sgd_steps", None, "Steps to target for SGD: one value, or one per worker "
                   "count (global batch changes with it).")
 flags.DEFINE_list("kfac_steps", None, "Steps to target for K-FAC, as --sgd_steps.")
+flags.DEFINE_string("steps_from", None,
+                    "A batch-scaling JSON (bench/results/batch_scaling.json): steps to target "
+                    "at each global batch (--batch x workers) interpolated from the measured "
+                    "ones, in place of --sgd_steps/--kfac_steps.")
+flags.DEFINE_float("steps_target", None, "--steps_from: the test accuracy whose steps are "
+                   "read (default: the JSON's primary target).")
+flags.DEFINE_string("sgd_entry", "sgd_nesterov", "--steps_from: the entry read as SGD's steps.")
+flags.DEFINE_string("kfac_entry", "kfac_inverse",
+                    "--steps_from: the entry read as K-FAC's steps.")
 flags.DEFINE_string("output_dir", "runs/plan", "Where plan.json and plan.png go.")
 
 
@@ -113,6 +122,14 @@ def _settings():
     workers = _integers("workers", FLAGS.workers, 1, 1024)
     if (FLAGS.sgd_steps is None) != (FLAGS.kfac_steps is None):
         raise ValueError("--sgd_steps and --kfac_steps go together")
+    if FLAGS.steps_from is not None and FLAGS.sgd_steps is not None:
+        raise ValueError("--steps_from replaces --sgd_steps and --kfac_steps; give one or "
+                         "the other")
+    stray = [f"--{name}" for name in ("steps_target", "sgd_entry", "kfac_entry")
+             if FLAGS[name].present and FLAGS.steps_from is None]
+    if stray:
+        raise ValueError(f"{', '.join(stray)} only appl{'ies' if len(stray) == 1 else 'y'} "
+                         "with --steps_from")
     device = hardware.device(FLAGS.device, FLAGS.model)
     if device.max_ranks() and max(workers) > device.max_ranks():
         raise ValueError(f"--workers: device local runs at most {device.max_ranks()} ranks "
@@ -132,11 +149,34 @@ def _settings():
                          f"{config.label()}: {why}")
     input_shape = (None if FLAGS.input_shape is None
                    else tuple(_integers("input_shape", FLAGS.input_shape)))
+    if FLAGS.steps_from is not None:
+        steps_source, sgd_steps, kfac_steps = _measured_steps(workers)
+    else:
+        steps_source = None if FLAGS.sgd_steps is None else "given (--sgd_steps, --kfac_steps)"
+        sgd_steps = _steps("sgd_steps", FLAGS.sgd_steps, len(workers))
+        kfac_steps = _steps("kfac_steps", FLAGS.kfac_steps, len(workers))
     return dict(workers=workers, device=device, network=hardware.network(FLAGS.network),
                 placements=placements, configs=configs, refused=refused,
                 input_shape=input_shape, output_dir=_output_dir(FLAGS.output_dir),
-                sgd_steps=_steps("sgd_steps", FLAGS.sgd_steps, len(workers)),
-                kfac_steps=_steps("kfac_steps", FLAGS.kfac_steps, len(workers)))
+                sgd_steps=sgd_steps, kfac_steps=kfac_steps, steps_source=steps_source)
+
+
+def _measured_steps(workers):
+    """(where the steps come from, SGD's and K-FAC's steps to target at each worker
+    count's global batch) from --steps_from (`measured_steps`)."""
+    entries = (FLAGS.sgd_entry, FLAGS.kfac_entry)
+    target, measured = measured_steps.load(FLAGS.steps_from, FLAGS.model, FLAGS.steps_target,
+                                           entries)
+    try:
+        sgd, kfac = ([measured_steps.at_batch(measured[entry], FLAGS.batch * count, entry,
+                                              target) for count in workers]
+                     for entry in entries)
+    except ValueError as error:
+        raise ValueError(f"--steps_from: {error} (--batch={FLAGS.batch}, "
+                         f"--workers={','.join(map(str, workers))})") from None
+    source = (f"measured to test accuracy {target} ({FLAGS.steps_from}: SGD {entries[0]}, "
+              f"K-FAC {entries[1]}; log-log between measured global batches)")
+    return source, sgd, kfac
 
 
 def _output_dir(path):
@@ -197,6 +237,7 @@ def main(argv):
                "refused_configurations": len(settings["refused"]),
                "forward_backward": "measured (--forward_backward_ms)" if forward_backward_s
                else f"from the {device.name} profile",
+               "steps_to_target": settings["steps_source"],
                "layers_without_block": [s["layer"] for s in work.skipped]}
     if settings["refused"]:
         config, why = settings["refused"][0]

@@ -71,6 +71,7 @@ def evaluate(work, configs, workers, device, fabric, precision, forward_backward
         if sgd_steps and kfac_steps:
             for name, steps, step_s in (("sgd", sgd_steps[i], entry["sgd_step_s"]),
                                         ("kfac", kfac_steps[i], times[best])):
+                entry[f"{name}_steps_to_target"] = steps
                 entry[f"{name}_time_to_target_s"] = steps * step_s
                 entry[f"{name}_gpu_hours"] = steps * step_s * ranks / 3600
         results.append(entry)

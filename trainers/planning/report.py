@@ -35,6 +35,8 @@ def table(setting, results, bound, needs, device):
              f"link(s) per node; {setting['configurations']} K-FAC configurations",
              f"Times are per step, amortized over each configuration's intervals; "
              f"forward/backward: {setting['forward_backward']}."]
+    if setting["steps_to_target"]:
+        lines.append(f"Steps to target: {setting['steps_to_target']}.")
     for entry in results:
         columns = _columns(entry)
         lines.append("")
@@ -53,8 +55,10 @@ def table(setting, results, bound, needs, device):
             lines.append(f"  {heading}: {config.label()}")
         if "sgd_time_to_target_s" in entry:
             hours = _worker_hours(device)
-            lines.append(f"  to target: SGD {entry['sgd_time_to_target_s']:.0f} s, "
+            lines.append(f"  to target: SGD {entry['sgd_steps_to_target']:.0f} steps, "
+                         f"{entry['sgd_time_to_target_s']:.0f} s, "
                          f"{entry['sgd_gpu_hours']:.3g} {hours}; K-FAC fastest "
+                         f"{entry['kfac_steps_to_target']:.0f} steps, "
                          f"{entry['kfac_time_to_target_s']:.0f} s, "
                          f"{entry['kfac_gpu_hours']:.3g} {hours}")
     lines += ["", memory_text(needs, device), "",
@@ -127,8 +131,10 @@ def recommendation(results, needs, device):
     fastest = recommend.best_to_target(results, "time_to_target_s")
     if fastest is not None:
         workers, name, seconds = fastest
+        configuration = next(entry["best"] for entry in results if entry["workers"] == workers)
         lines.append(f"  fastest to target: {_optimizer(name)} on {workers} workers, "
-                     f"{seconds:.0f} s")
+                     f"{seconds:.0f} s" + (f" ({configuration.label()})" if name == "kfac"
+                                           else ""))
         workers, name, hours = recommend.best_to_target(results, "gpu_hours")
         lines.append(f"  cheapest to target: {_optimizer(name)} on {workers} workers, "
                      f"{hours:.3g} {_worker_hours(device)} (steps x step time x workers)")
@@ -177,8 +183,8 @@ def to_json(setting, results, bound, sources, estimates, needs, device):
                 "kfac_ms": {c.label(): t * 1e3 for c, t in entry["times"].items()}}
         if entry["best_default_approximation"] is not None:
             item["best_default_approximation"] = entry["best_default_approximation"].label()
-        for key in ("sgd_time_to_target_s", "kfac_time_to_target_s", "sgd_gpu_hours",
-                    "kfac_gpu_hours"):
+        for key in ("sgd_steps_to_target", "kfac_steps_to_target", "sgd_time_to_target_s",
+                    "kfac_time_to_target_s", "sgd_gpu_hours", "kfac_gpu_hours"):
             if key in entry:
                 item[key] = entry[key]
         entries.append(item)
