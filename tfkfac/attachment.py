@@ -56,6 +56,9 @@ class Captures(typing.NamedTuple):
     weights: typing.Any = None
     ready: typing.Any = True
     stale: bool = False
+    # The batch's sub-batches for the gradient noise scale (`noise_scale.Halves` or
+    # `noise_scale.Ranks`) while a `tfkfac.GradientNoiseScale` measures, else None.
+    sub_batches: typing.Any = None
 
 
 class Attachment:
@@ -75,19 +78,21 @@ class Attachment:
         self._captures = None
         self.fresh_only = fresh_only
         self._running_statistics = running_statistics(layers)
+        # The `tfkfac.noise_scale.NoiseScaleProbe` measuring `train_step`'s steps, or None.
+        self.noise_probe = None
 
     @property
     def model(self):
         return self._model()
 
     @contextlib.contextmanager
-    def record(self):
+    def record(self, persistent=False):
         """A `tf.GradientTape` during which the managed layers' calls are recorded."""
-        with tf.GradientTape() as tape, self._recorder.recording():
+        with tf.GradientTape(persistent=persistent) as tape, self._recorder.recording():
             yield tape
 
     def step(self, tape, loss, variables, apply, loss_scale=1.0, replicas=1, fresh=None,
-             wrapped=False, stale=False):
+             wrapped=False, stale=False, y_pred=None):
         """Gradients of `loss` (recorded by `tape`), then `apply(gradients, variables)`
         with this step's `Captures` provided to the optimizer. `fresh`: the batch's
         fresh flags (N,), needed exactly when `fresh_only`. `replicas`: under a
@@ -96,13 +101,14 @@ class Attachment:
         before they are averaged over ranks, so they are averaged exactly once.
         `wrapped`: `apply` is a wrapping optimizer's, which may skip the step without
         calling K-FAC. `stale`: a step known to be stale (`Captures.stale`), whose `tape`
-        recorded no layer calls."""
+        recorded no layer calls. `y_pred`: the predictions `loss` was computed from, for
+        `noise_probe` (on one process `tape` is then persistent)."""
         if self.fresh_only != (fresh is not None):
             raise ValueError(FRESH_HINT if self.fresh_only else
                              "`fresh` flags are used only with KFAC(factor_examples="
                              "'fresh'); this optimizer counts every example")
         gradients, captures = self._gradients(tape, loss, variables, loss_scale, replicas,
-                                              fresh, stale)
+                                              fresh, stale, y_pred)
         self._captures = captures
         try:
             apply(gradients, variables)
@@ -124,13 +130,16 @@ class Attachment:
         `stale`: a step known to be stale (`tfkfac.stale_steps`): a plain tape, no layer
         call recorded, no output gradient asked for."""
         model = self.model
-        with (tf.GradientTape() if stale else self.record()) as tape:
+        # On one process the noise probe's halves of the batch take a second backward pass.
+        persistent = self.noise_probe is not None and self._comm.size == 1
+        with (tf.GradientTape(persistent=persistent) if stale
+              else self.record(persistent)) as tape:
             scaled_loss, y_pred = forward()
         self.step(tape, scaled_loss, model.trainable_variables, model.optimizer.apply,
                   loss_scale=model.optimizer.scale_loss(1.0),
                   replicas=keras_integration.replicas_in_sync(), fresh=fresh,
                   wrapped=keras_integration.train_step_owner(model) is not model.optimizer,
-                  stale=stale)
+                  stale=stale, y_pred=y_pred)
         return y_pred
 
     def averaged_over_ranks(self, logs):
@@ -140,12 +149,14 @@ class Attachment:
             [tf.cast(logs[name], tf.float32) for name in names], category="metrics")
         return {**logs, **dict(zip(names, values))}
 
-    def _gradients(self, tape, loss, variables, loss_scale, replicas, fresh, stale=False):
+    def _gradients(self, tape, loss, variables, loss_scale, replicas, fresh, stale=False,
+                   y_pred=None):
         """(weight gradients averaged over ranks, `Captures` with unscaled output
         gradients; on a `stale` step, without any).
 
         `loss_scale` is the factor `loss` was multiplied by (mixed precision), besides
-        1/`replicas` (tf.distribute, see `step`), which is undone here for both.
+        1/`replicas` (tf.distribute, see `step`), which is undone here for both. With a
+        `noise_probe` and `y_pred`, the `Captures` hold the batch's sub-batches.
         """
         calls, output_grads = [], []
         if stale:
@@ -177,6 +188,11 @@ class Attachment:
         for variable, value in zip(statistics, reduced[len(present):]):
             variable.assign(value)
         weights, ready = (None, True) if flags is None else _fresh_weights(flags, reduced[-1])
+        sub_batches = None
+        if self.noise_probe is not None and y_pred is not None:
+            sub_batches = self.noise_probe.sub_batches(
+                self.model.optimizer.iterations, gradients, replicas / loss_scale, tape,
+                loss, y_pred, variables, self._comm)
         reduced = iter(reduced[:len(present)])
         gradients = [None if g is None else next(reduced) for g in gradients]
         if replicas != 1:
@@ -196,8 +212,8 @@ class Attachment:
                      for block_calls, block_grads in zip(calls, output_grads)]
 
         if stale:
-            return gradients, Captures(None, stale=True)
-        return gradients, Captures(unscaled_calls, weights, ready)
+            return gradients, Captures(None, stale=True, sub_batches=sub_batches)
+        return gradients, Captures(unscaled_calls, weights, ready, sub_batches=sub_batches)
 
 
 def running_statistics(layers):

@@ -152,33 +152,16 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale
     where it can, and chooses between the two before each step. With
     `fresh_in_sample_weight` the batch's sample-weight slot holds the fresh flags: they
     go to `step_with_tape` (None otherwise), and the loss and metrics get no sample
-    weights. The loss and its metric are Keras's public `Model.compute_loss` and
-    `Model.metrics`, as in Keras's own TensorFlow train step; only `model` is changed.
+    weights. The loss and its metric are `forward_pass`'s; only `model` is changed.
     """
-    with_training_arg = "training" in inspect.signature(model.compute_loss).parameters
     multi_worker = _is_multi_worker(model.distribute_strategy)
-    loss_metric = lambda: next((m for m in model.metrics if m.name == "loss"), None)
 
     def train_step(data, step_with_tape=step_with_tape):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         fresh = None
         if fresh_in_sample_weight:
             fresh, sample_weight = sample_weight, None
-
-        def forward():
-            y_pred = model(x, training=True)
-            options = {"training": True} if with_training_arg else {}
-            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                      **options)
-            tracker = loss_metric()
-            if tracker is not None:
-                # Keras scales the loss down by the replicas in sync (`replicas_in_sync`);
-                # the metric shows it per replica, as Keras's train step does.
-                batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-                tracker.update_state(loss * tf.cast(replicas_in_sync(), loss.dtype),
-                                     sample_weight=batch)
-            return model.optimizer.scale_loss(loss), y_pred
-
+        forward = lambda: forward_pass(model, x, y, sample_weight)
         y_pred = step_with_tape(forward, fresh)
         logs = reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
         return _as_vectors(logs) if multi_worker else logs
@@ -313,6 +296,24 @@ def _symbolic_build_on_local_batch(model):
         keras_build(data_batch=tf.nest.map_structure(local, data_batch))
 
     return symbolic_build
+
+
+def forward_pass(model, x, y, sample_weight):
+    """(scaled loss, y_pred) of Keras's training forward pass on one batch, the loss
+    metric updated: Keras's public `Model.compute_loss` and `Model.metrics`, as in
+    Keras's own TensorFlow train step. Run it under the tape that takes the gradients."""
+    y_pred = model(x, training=True)
+    with_training_arg = "training" in inspect.signature(model.compute_loss).parameters
+    options = {"training": True} if with_training_arg else {}
+    loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, **options)
+    tracker = next((m for m in model.metrics if m.name == "loss"), None)
+    if tracker is not None:
+        # Keras scales the loss down by the replicas in sync (`replicas_in_sync`); the
+        # metric shows it per replica, as Keras's train step does.
+        batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        tracker.update_state(loss * tf.cast(replicas_in_sync(), loss.dtype),
+                             sample_weight=batch)
+    return model.optimizer.scale_loss(loss), y_pred
 
 
 def replicas_in_sync():

@@ -342,6 +342,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                 decomposed = clocks.timed(
                     "decomposition", lambda: curvature.update_decompositions_if_due(
                         step, damping, decomposition_interval, captures.ready), after=updated)
+            if captures.sub_batches is not None:
+                self._measure_noise_scale(step, grads, variables, damping, captures.sub_batches)
             preconditioned = clocks.timed(
                 "precondition", lambda grads: chain.gradients(grads, variables, damping, step),
                 inputs=(grads,), after=decomposed)
@@ -362,6 +364,34 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         preconditioned = tf.cond(finite, kfac_step, skip_step)
         clocks.timed("update", lambda preconditioned: chain.apply(
             finite, preconditioned, [variables[i] for i in slots]), inputs=(preconditioned,))
+
+    def measure_noise_scale(self, probe):
+        """Measure every training step's gradient noise scale into `probe` (a
+        `tfkfac.noise_scale.NoiseScaleProbe`; `tfkfac.GradientNoiseScale` makes one) from
+        now on; whether that changed the train step."""
+        attachment = self._attached()
+        if probe.preconditioned and self.config.placement == "owner" and self._comm.size > 1:
+            raise ValueError(
+                "GradientNoiseScale: the preconditioned gradient's noise scale needs each "
+                "rank's own gradient preconditioned, and under placement='owner' a rank "
+                "holds only its own blocks' decompositions; use placement='replicated', or "
+                "GradientNoiseScale(preconditioned=False) for the plain gradient's alone")
+        if attachment.noise_probe is probe:
+            return False
+        attachment.noise_probe = probe
+        return True
+
+    def _measure_noise_scale(self, step, grads, variables, damping, sub_batches):
+        """This step's gradient noise scale into the probe (`measure_noise_scale`): of
+        `grads` and, if the probe asks, of their preconditioned values before any KL clip
+        or grafting (what `precondition` returns). Called after the decompositions'
+        update, whose results the preconditioning reads."""
+        probe = self._attachment.noise_probe
+        precondition = None
+        if probe.preconditioned:
+            precondition = lambda gradients: self._curvature.precondition(
+                gradients, variables, damping, step=step, update_state=False).grads()
+        probe.measure(step, grads, sub_batches, precondition)
 
     def _count_skipped_step(self):
         """A step with a NaN/Inf gradient: nothing reaches the weights, the factors or the

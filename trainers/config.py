@@ -54,7 +54,8 @@ RENAMED_FIELDS = {old: new for old, new in kfac_config.RENAMED.items() if new in
 # the run live, how much is printed. Every other field must stay as it was; a resumed
 # run takes the fields not given from the run's own settings.
 RESUME_MAY_CHANGE_FIELDS = (
-    "steps", "epochs", "eval_every_steps", "target_accuracy", "stop_at_target",
+    "steps", "epochs", "eval_every_steps", "noise_scale", "noise_scale_interval",
+    "target_accuracy", "stop_at_target",
     "data_dir", "idx_dir", "model_dir", "verbose", "resume", "auto_resume", "phase_clocks",
     "preemption_grace_seconds", "distribution", "startup_timeout_seconds",
 )
@@ -102,6 +103,10 @@ class _RunConfig:
     read_latency: float = 0.0
     precision: str = "float32"
     eval_every_steps: int = 0
+    # The gradient noise scale in the epoch logs (tfkfac.GradientNoiseScale), measured
+    # every noise_scale_interval steps.
+    noise_scale: bool = False
+    noise_scale_interval: int = 1
     target_accuracy: Optional[float] = None
     stop_at_target: bool = False
     model_dir: Optional[str] = None
@@ -150,6 +155,10 @@ class _RunConfig:
         if self.steps is not None:
             validation.positive_integer("steps", self.steps)
         validation.integer("eval_every_steps", self.eval_every_steps, 0, validation.INT64_MAX)
+        validation.positive_integer("noise_scale_interval", self.noise_scale_interval)
+        if "noise_scale_interval" in explicitly_set and not self.noise_scale:
+            raise ValueError("noise_scale_interval applies to noise_scale, which is off; "
+                             "pass noise_scale too")
         self._validate_schedule()
         self._validate_kfac(explicitly_set)
         self._validate_update_rule(explicitly_set)

@@ -376,6 +376,8 @@ class Trainer:
                 callbacks.append(reporting.RunProgressBar(self.num_epochs))
         if self._preemption is not None:  # after the recorder has counted the step
             callbacks.insert(1, self._preemption)
+        if config.noise_scale:  # first: the recorder keeps the logs it adds
+            callbacks.insert(0, tfkfac.GradientNoiseScale(config.noise_scale_interval))
         if self.counters.steps >= self.total_steps and self.chief:
             logging.warning("the run in %s has trained the %d steps asked already; nothing "
                             "left to train", self.model_dir, self.total_steps)

@@ -120,6 +120,12 @@ flags.DEFINE_enum("precision", _DEFAULTS.precision, config_lib.PRECISIONS,
 flags.DEFINE_integer("eval_every_steps", _DEFAULTS.eval_every_steps,
                      "Also evaluate every this many steps (finer time-to-target and "
                      "accuracy-vs-time curves); 0 evaluates at epoch ends only.")
+flags.DEFINE_bool("noise_scale", _DEFAULTS.noise_scale,
+                  "Log the gradient noise scale B_simple per epoch (noise_scale, and under "
+                  "kfac preconditioned_noise_scale); see docs/design.md.")
+flags.DEFINE_integer("noise_scale_interval", _DEFAULTS.noise_scale_interval,
+                     "With --noise_scale, measure every this many steps (on one process each "
+                     "measured step takes one more backward pass).")
 flags.DEFINE_float("target_accuracy", None,
                    "Eval accuracy whose first crossing is reported (time, steps, epochs, "
                    "fresh examples).")
