@@ -4,7 +4,7 @@ The floor that bench/step_floor.py sets against measured step times is only as g
 its counts. Here a Dense and a Conv2D layer, recorded in a real forward pass, get their
 factor statistics, decompositions, preconditioning and forward/backward counted by the
 model and by hand (docs/design.md §2: A = ĀᵀĀ over the im2col rows with a ones column
-for the bias, G = ḡᵀḡ; eigen: Q_Aᵀ ∇ Q_G, a division, Q_A (.) Q_Gᵀ; inverse: A⁻¹ ∇ G⁻¹).
+for the bias, or for a stride-1 convolution its input correlations' multiply-adds, G = ḡᵀḡ; eigen: Q_Aᵀ ∇ Q_G, a division, Q_A (.) Q_Gᵀ; inverse: A⁻¹ ∇ G⁻¹).
 """
 
 import os
@@ -100,22 +100,30 @@ class Conv2DCountTest(parameterized.TestCase):
     """Conv2D(4, 3x3) with bias on 6x6x3 inputs, batch 2: a = 3·3·3 + 1 = 28, g = 4."""
 
     @parameterized.named_parameters(
-        ("valid", dict(padding="valid"), 4 * 4),  # 6 - 3 + 1 = 4 per axis
-        ("same_strided", dict(padding="same", strides=2), 3 * 3))  # ceil(6 / 2) = 3
-    def test_factor_statistics_and_preconditioning(self, options, positions):
+        # Stride 1: A from input correlations (tfkfac/blocks/conv_correlation.py). Per
+        # axis the taps' windows [k, k + 4) cut 0..6 into [0,1) (tap 0: offsets 0..2),
+        # [1,2) (taps 0-1: 4 offsets), [2,4) (all taps: 5), [4,5) (4), [5,6) (3):
+        # 3 + 4 + 2·5 + 4 + 3 = 24 (position, offset) pairs per axis, 24² per example,
+        # each c_in² = 9 multiply-adds (im2col: 16 rows · 27² = 11664 per example).
+        ("valid", dict(padding="valid"), 4 * 4, 2 * 24 * 24 * 9),
+        ("same_strided", dict(padding="same", strides=2), 3 * 3, 0))  # ceil(6 / 2) = 3
+    def test_factor_statistics_and_preconditioning(self, options, positions, correlation):
         block = geometry(keras.layers.Conv2D(4, 3, **options), (6, 6, 3), batch_size=2)
         rows = 2 * positions
         self.assertEqual((block.product_rows, block.in_dim, block.a_dim, block.out_dim),
                          (rows, 27, 28, 4))
         self.assertEqual(block.patch_input, 2 * 6 * 6 * 3)
+        self.assertEqual(block.correlation_multiply_adds, correlation)
         kernels = block.statistics_kernels()
-        grams = 2 * rows * 28 * 28 + 2 * rows * 4 * 4
+        if correlation:  # the input read as both operands, A written; no patch matrix
+            a_flops, a_bytes = 2 * correlation, BYTES * (2 * 2 * 6 * 6 * 3 + 28 * 28)
+        else:  # im2col moves bytes only
+            a_flops = 2 * rows * 28 * 28
+            a_bytes = BYTES * (2 * 6 * 6 * 3 + rows * 27) + BYTES * (rows * 28 + 28 * 28)
         average = 3 * (28 * 28 + 4 * 4)
-        self.assertEqual(flops(kernels), grams + average)  # im2col moves bytes only
-        im2col_bytes = BYTES * (2 * 6 * 6 * 3 + rows * 27)
-        gram_bytes = BYTES * (rows * 28 + 28 * 28) + BYTES * (rows * 4 + 4 * 4)
+        self.assertEqual(flops(kernels), a_flops + 2 * rows * 4 * 4 + average)
         self.assertEqual(floor_model.total(kernels)[1],
-                         im2col_bytes + gram_bytes + BYTES * 3 * (28 * 28 + 4 * 4))
+                         a_bytes + BYTES * (rows * 4 + 4 * 4) + BYTES * 3 * (28 * 28 + 4 * 4))
         left, right = 2 * 28 * 28 * 4, 2 * 28 * 4 * 4
         self.assertEqual(flops(block.precondition_kernels("inverse")), left + right)
         self.assertEqual(flops(block.precondition_kernels("eigen")),

@@ -84,12 +84,15 @@ class KroneckerBlock(Block):
         if self.has_bias:
             a_rows = tf.concat([a_rows, tf.ones_like(a_rows[..., :1])], axis=-1)
         row_weights = tf.concat(row_weights, axis=0) if weights is not None else None
+        a = _gram(a_rows, row_weights, self.product_dtype) / tf.cast(batch_size, a_rows.dtype)
+        return [a, self.output_factor(g_rows, batch_size, row_weights)]
+
+    def output_factor(self, g_rows, batch_size, row_weights=None):
+        """G from the (..., N·T, out_dim) rows of dL/ds over all calls."""
         n = tf.cast(batch_size, g_rows.dtype)
         positions = tf.cast(tf.shape(g_rows)[-2], g_rows.dtype) / n
-        a = _gram(a_rows, row_weights, self.product_dtype) / n
         # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ = (N / T) Σ dL/ds dL/dsᵀ
-        g = _gram(g_rows, row_weights, self.product_dtype) * (n / positions)
-        return [a, g]
+        return _gram(g_rows, row_weights, self.product_dtype) * (n / positions)
 
     def grad_matrix(self, grads):
         """[dL/dW ; dL/db] as a (a_dim, out_dim) matrix, bias row last."""

@@ -8,8 +8,10 @@ of the layers K-FAC manages at a given batch:
   forward, input gradient and weight gradient (≈ 3x the forward matmul FLOPs);
 - factors, on factor steps: im2col of convolutions (the patch matrix written), the Gram
   products A = ĀᵀĀ and G = ḡᵀḡ of every Kronecker block (2·rows·n² each, full products
-  as TensorFlow computes them; a symmetric rank-k update would halve them), the
-  diagonal blocks' per-example gradients, and the running averages;
+  as TensorFlow computes them; a symmetric rank-k update would halve them), or for a
+  convolution whose A comes from input correlations (tfkfac/blocks/conv_correlation.py)
+  those products' multiply-adds and no patch matrix, the diagonal blocks' per-example
+  gradients, and the running averages;
 - communication: bytes per collective, for a job of `ranks` processes (none for one);
 - decompositions, on decomposition steps: per symmetric factor (a batch of q counts q
   times) one eigendecomposition (method "eigen", 9n³ FLOPs) or one Cholesky inverse
@@ -101,6 +103,8 @@ class KroneckerGeometry:
       N per call under "reduce".
     in_dim, out_dim: the weight matrix per group; a_dim = in_dim + 1 with a bias.
     patch_input: elements of the inputs im2col reads (0 when rows are a reshape).
+    correlation_multiply_adds: per group, those of A's input correlations when A comes
+      from them instead of the im2col Gram (0 otherwise).
     """
 
     groups: int
@@ -110,6 +114,7 @@ class KroneckerGeometry:
     out_dim: int
     has_bias: bool
     patch_input: int = 0
+    correlation_multiply_adds: int = 0
 
     @property
     def a_dim(self):
@@ -128,14 +133,18 @@ class KroneckerGeometry:
     def statistics_kernels(self, itemsize=4):
         q, a, o = self.groups, self.a_dim, self.out_dim
         kernels = []
-        if self.patch_input:  # the patch matrix: inputs read, q·rows·in_dim written
+        if self.correlation_multiply_adds:  # the input read as both operands, A written
+            kernels.append(Kernel("matmul", 2.0 * q * self.correlation_multiply_adds,
+                                  itemsize * (2 * self.patch_input + q * a * a)))
+        elif self.patch_input:  # the patch matrix: inputs read, q·rows·in_dim written
             kernels.append(Kernel("memory", 0.0, itemsize * (
                 self.patch_input + q * self.product_rows * self.in_dim)))
         if self.statistics_rows != self.product_rows:  # "reduce": sums over positions
             kernels.append(elementwise(q * self.product_rows * (self.in_dim + o), 1, 1, 0,
                                        itemsize))
-        kernels += [gram(self.statistics_rows, a, q, itemsize),
-                    gram(self.statistics_rows, o, q, itemsize),
+        if not self.correlation_multiply_adds:
+            kernels.append(gram(self.statistics_rows, a, q, itemsize))
+        kernels += [gram(self.statistics_rows, o, q, itemsize),
                     fisher_average(q * (a * a + o * o), itemsize)]
         return kernels
 
@@ -293,11 +302,14 @@ def block_geometry(block, calls, batch_size):
         rows = sum(int(block.output_rows(out).shape[-2]) for _, out in calls)
         reduce = block.weight_sharing == "reduce"
         patch = isinstance(block, blocks_lib.ConvBlock)
+        correlation = [block.correlation_multiply_adds(inputs.shape) if patch else None
+                       for inputs, _ in calls]
         return KroneckerGeometry(
             groups=block.groups, product_rows=rows,
             statistics_rows=batch_size * len(calls) if reduce else rows,
             in_dim=block.in_dim, out_dim=block.out_dim, has_bias=block.has_bias,
-            patch_input=sum(_size(inputs.shape) for inputs, _ in calls) if patch else 0)
+            patch_input=sum(_size(inputs.shape) for inputs, _ in calls) if patch else 0,
+            correlation_multiply_adds=(sum(correlation) if None not in correlation else 0))
     if isinstance(block, NormalizationBlock):
         return DiagonalGeometry(block.factor_shapes()[0][0],
                                 sum(_size(inputs.shape) for inputs, _ in calls), batch_size)
@@ -340,7 +352,8 @@ def at_batch(geometries, attention, scale):
     """`record_geometries`' results for a batch `scale` times larger: every row count,
     recorded input, example count and attention product grows with the batch. Lets a
     large model be recorded at a small batch (its activations are held in memory)."""
-    fields = {KroneckerGeometry: ("product_rows", "statistics_rows", "patch_input"),
+    fields = {KroneckerGeometry: ("product_rows", "statistics_rows", "patch_input",
+                                  "correlation_multiply_adds"),
               EmbeddingGeometry: ("rows",), DiagonalGeometry: ("input_elements", "batch_size")}
     scaled = {path: dataclasses.replace(g, **{f: getattr(g, f) * scale for f in fields[type(g)]})
               for path, g in geometries.items()}
