@@ -11,7 +11,7 @@ design.md, "The gradient noise scale"), on linear regression where the truth is 
 - On 2 Horovod ranks (each rank the half of every global batch that the one process
   takes as a half), K-FAC's per-rank and all-reduced gradients give the numbers one
   process gets from its halves (tests/noise_scale_worker.py); under placement="owner"
-  the preconditioned one is refused.
+  the preconditioned one is refused. The same on 2 MirroredStrategy replicas.
 - The trainer's --noise_scale puts them in metrics.csv and summary.json.
 - Bad arguments are refused, naming them.
 """
@@ -23,7 +23,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 from absl.testing import absltest  # noqa: E402
+
+# Two logical CPU devices for MirroredStrategy, before TensorFlow initializes its devices.
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)
@@ -42,13 +47,14 @@ KFAC_SETTINGS = dict(method="eigen", damping=DAMPING, factor_update_freq=10 ** 6
                      decomposition_update_freq=10 ** 6, kl_clip=None)
 
 
-def fit(optimizer, x, y, batch, interval=1, **callback_options):
+def fit(optimizer, x, y, batch, interval=1, strategy=None, **callback_options):
     """The epoch logs of one epoch of `fit` with a GradientNoiseScale, weights fixed."""
-    model = reference.model()
-    if optimizer == "kfac":
-        optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.0),
-                                **KFAC_SETTINGS).attach(model)
-    model.compile(optimizer=optimizer, loss="mean_squared_error")
+    with (strategy or tf.distribute.get_strategy()).scope():
+        model = reference.model()
+        if optimizer == "kfac":
+            optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.0),
+                                    **KFAC_SETTINGS).attach(model)
+        model.compile(optimizer=optimizer, loss="mean_squared_error")
     callback = tfkfac.GradientNoiseScale(interval=interval, **callback_options)
     history = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
                         callbacks=[callback])
@@ -150,6 +156,22 @@ class TrainerTest(absltest.TestCase):
                                                          "--noise_scale_interval=0")
         with self.assertRaisesRegex(ValueError, "noise_scale_interval"):
             config.validate(given)
+
+
+class MirroredTest(absltest.TestCase):
+    """K-FAC on 2 MirroredStrategy replicas (each the half of every global batch that
+    one process takes as a half): per-replica and averaged gradients give the numbers of
+    one process."""
+
+    def test_two_replicas_equal_one_process(self):
+        x, y = reference.data(4, 16, seed=4)
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        replicas = fit("kfac", x, y, 16, strategy=strategy)
+        one_process = fit("kfac", x, y, 16)
+        for name in ("noise_scale", "preconditioned_noise_scale"):
+            self.assertTrue(np.isfinite(replicas[name]), name)
+            np.testing.assert_allclose(replicas[name], one_process[name], rtol=1e-4,
+                                       err_msg=name)
 
 
 class TwoRanksTest(absltest.TestCase):
