@@ -51,7 +51,11 @@ the order of the work: the default runs every entry at 128 and 2048 first, then 
 8192. After each (entry, batch) cell, and with `--collect` (no training), it writes
 batch_scaling.json and .png to `--output_dir` from every trial the work dir holds.
 
-Run (days on 2 shared cores; in the background, from a snapshot of the tree):
+Run in the background from a snapshot of the tree (benchmarks never run from a tree that
+others edit). Estimated from batch 128's step times (K-FAC 44 ms, SGD 35 ms, idle) with
+the step time growing about with the batch: about 13 h on 2 idle cores for the default four batch
+sizes (128 and 2048, run first, about 6 h), two to three times that on a loaded machine;
+it can be stopped and restarted at any time:
   PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 nohup .venv/bin/python bench/batch_scaling.py \\
       --work_dir=/work/bs_cnn > /work/logs/batch_scaling.log 2>&1 &
   .venv/bin/python bench/batch_scaling.py --work_dir=/work/bs_cnn --collect
