@@ -1,13 +1,27 @@
-"""The update as a chain (docs/design.md §1, §5, §11): K-FAC's preconditioning, then one
-post-transform — the KL clip, grafting, or none — then the inner optimizer, in the spirit
-of optax's `chain`.
+"""The update as a chain (docs/design.md §1, §5, §11; docs/large_batch.md): K-FAC's
+preconditioning, then one post-transform — the KL clip, grafting, or none — then the
+inner optimizer, with Osawa et al.'s momentum coupling before it and weight rescaling
+after it when asked, in the spirit of optax's `chain`.
 
 Each piece owns its state and saved variables: the curvature (`tfkfac.curvature`) its
-factors, decompositions and method state, grafting its Adam v, the inner optimizer its
-own. `UpdateChain` composes them in one place, the save format's order included.
+factors, decompositions and method state, grafting its Adam v, the momentum coupling its
+peak learning rate, the inner optimizer its own. `UpdateChain` composes them in one
+place, the save format's order included.
 """
 
-from tfkfac import grafting as grafting_lib, keras_integration, linalg
+import math
+
+import keras
+import tensorflow as tf
+
+from tfkfac import blocks as blocks_lib, grafting as grafting_lib, keras_integration, linalg
+
+# The layers whose kernels weight rescaling renormalizes: Osawa et al. rescale every
+# convolution and fully-connected kernel of their ResNet-50 (their code marks each conv
+# and the classifier's W; no bias, no BatchNorm parameter).
+RESCALED_LAYERS = (keras.layers.Dense,) + blocks_lib.CONVOLUTIONS
+# ε of Osawa et al.'s eq. 18.
+RESCALING_EPSILON = 1e-9
 
 
 class KLClip:
@@ -43,12 +57,50 @@ def post_transform(config, learning_rate):
     return None
 
 
+class WeightRescaling:
+    """Osawa et al. §4.4 eq. 18 (van Laarhoven's normalizing weights): after each update,
+    every kernel of `kernels` becomes √(2·d_out) · W / (‖W‖_F + ε), d_out its last axis
+    (a Dense layer's units, a convolution's filters). Keeps no state."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def apply(self):
+        """Rescale the kernels (in replica context, after the inner optimizer's update)."""
+        _assign_each(self.kernels, rescaled)
+
+
+def rescaled(kernel):
+    """√(2·d_out) · W / (‖W‖_F + ε) of a kernel W whose last axis is d_out."""
+    norm = tf.norm(tf.reshape(kernel, [-1]))
+    return kernel * (math.sqrt(2.0 * kernel.shape[-1]) / (norm + RESCALING_EPSILON))
+
+
+def weight_rescaling(config, blocks):
+    """The `WeightRescaling` of the managed Dense and convolution layers among `blocks`
+    when `config.weight_rescaling`, else None; an error when it would rescale nothing."""
+    if not config.weight_rescaling:
+        return None
+    kernels = [block.layer.kernel for block in blocks
+               if isinstance(block.layer, RESCALED_LAYERS)]
+    if not kernels:
+        raise ValueError(
+            "KFAC: weight_rescaling=True rescales the kernels of the Dense and Conv1D/2D/3D "
+            "layers K-FAC manages, and this model has none (managed: "
+            f"{[block.path for block in blocks] or 'no layer'}); set "
+            "weight_rescaling=False.")
+    return WeightRescaling(kernels)
+
+
 class UpdateChain:
     """precondition (`curvature`) → `post` (`KLClip`, `grafting.Grafting` or None) →
-    `inner`, the Keras optimizer that applies the update."""
+    `inner`, the Keras optimizer that applies the update, its momentum coupled to its
+    learning rate first by `coupling` (a `tfkfac.inner.MomentumCoupling`) and its
+    kernels rescaled after by `rescaling` (a `WeightRescaling`), each if given."""
 
-    def __init__(self, curvature, post, inner):
+    def __init__(self, curvature, post, inner, coupling=None, rescaling=None):
         self.curvature, self.post, self.inner = curvature, post, inner
+        self.coupling, self.rescaling = coupling, rescaling
 
     def create_state(self, counters, add_variable, model_variables):
         """Every piece's saved state, in `variables` order. `add_variable(shape,
@@ -58,14 +110,18 @@ class UpdateChain:
             self.post.create_state(model_variables, lambda shape, name, dtype: add_variable(
                 shape, "zeros", name, dtype))
         self.curvature.create_rebuild_state(add_variable)
+        if self.coupling is not None:
+            self.coupling.create_state(add_variable, model_variables)
 
     def variables(self):
         """The pieces' saved variables after the inner optimizer's and the counters: the
         curvature's, the post-transform's, then an owner's rebuild state, last so that
-        saves from before it existed still line up (tfkfac/state.py)."""
+        saves from before it existed still line up (tfkfac/state.py), then the momentum
+        coupling's."""
         return (self.curvature.variables(saved_only=True)
                 + (self.post.variables() if self.post is not None else [])
-                + self.curvature.rebuild_variables())
+                + self.curvature.rebuild_variables()
+                + (self.coupling.variables() if self.coupling is not None else []))
 
     def gradients(self, grads, variables, damping, step):
         """What the inner optimizer receives for `grads` of `variables` at `step`."""
@@ -76,5 +132,40 @@ class UpdateChain:
 
     def apply(self, finite, grads, variables):
         """The inner optimizer's update with `grads` if `finite` (a step with a non-finite
-        gradient changes nothing); whether it ran, a tensor that exists once it has."""
-        return keras_integration.apply_if(finite, self.inner, grads, variables)
+        gradient changes nothing), with the coupling before it and the rescaling after;
+        whether it ran, a tensor that exists once it has."""
+        return keras_integration.apply_if(finite, _InnerUpdate(self), grads, variables)
+
+
+class _InnerUpdate:
+    """What `keras_integration.apply_if` runs in each replica as `apply(grads,
+    variables)`: the chain's coupling, its inner optimizer's update, its rescaling."""
+
+    def __init__(self, chain):
+        self.chain = chain
+
+    def apply(self, grads, variables):
+        coupling, rescaling = self.chain.coupling, self.chain.rescaling
+        if coupling is not None:
+            slots, peak, ratio = coupling.step(variables)
+            _assign_each(coupling.variables(), lambda _, peak: peak, peak)
+            _assign_each(slots, lambda slot, ratio: slot * tf.cast(ratio, slot.dtype), ratio)
+        self.chain.inner.apply(grads, variables)
+        if rescaling is not None:
+            rescaling.apply()
+
+
+def _assign_each(variables, value, *args):
+    """From replica context, assign `value(copy, *args)` to every copy of each of
+    `variables`: through `merge_call` and `extended.update`, as Keras's optimizers update
+    the variables a tf.distribute strategy mirrors (without one, a plain assign)."""
+    def update(strategy, *args):
+        for variable in variables:
+            if isinstance(variable, keras.Variable):
+                variable = variable.value  # the tf.Variable
+            strategy.extended.update(
+                variable, lambda copy, *args: copy.assign(tf.cast(value(copy, *args),
+                                                                  copy.dtype)),
+                args=args, group=False)
+
+    tf.distribute.get_replica_context().merge_call(update, args=args)

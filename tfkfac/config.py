@@ -125,6 +125,14 @@ class KFACConfig:
         None, validation.one_of(PRODUCT_DTYPES),
         "bfloat16: Gram and preconditioning products with bfloat16 operands (native "
         "bfloat16 CPUs); None: the state dtype, exact.")
+    weight_rescaling: bool = _setting(
+        False, validation.boolean,
+        "Osawa et al.'s weight rescaling: after each update every managed Dense and "
+        "Conv1D/2D/3D kernel W becomes √(2·d_out)·W/(‖W‖_F + 1e-9) (docs/large_batch.md).")
+    couple_momentum_to_lr: bool = _setting(
+        False, validation.boolean,
+        "Osawa et al.'s momentum coupled to the learning rate: the inner SGD's momentum "
+        "m(t) = m(0)·η(t)/η_max, η_max the largest rate so far (docs/large_batch.md).")
     phase_clocks: bool = _setting(
         False, validation.boolean,
         "Time each phase into summary()['phase_seconds']; costs 0.2-0.6 ms a step.")

@@ -2,12 +2,14 @@
 
 Without one, KFAC builds momentum SGD from its own `learning_rate`, `momentum` and
 `weight_decay`; with one, those belong to it (docs/design.md §5). Saves of 0.1, when KFAC
-was its own momentum SGD, hold those three in KFAC's config.
+was its own momentum SGD, hold those three in KFAC's config. `MomentumCoupling` keeps an
+inner SGD's momentum proportional to its learning rate (docs/large_batch.md).
 """
 
 import copy
 
 import keras
+import tensorflow as tf
 
 from tfkfac import schedules, validation
 
@@ -91,3 +93,67 @@ def from_saved(config, custom_objects=None):
         legacy["learning_rate"] = keras.saving.deserialize_keras_object(
             legacy["learning_rate"], custom_objects=custom_objects)
     return legacy, config
+
+
+class MomentumCoupling:
+    """Osawa et al. §4.3 eq. 16: the inner SGD's momentum kept proportional to its learning
+    rate, m(t) = m(0) · η(t) / η_max(t), η_max(t) the largest learning rate of the steps so
+    far (η(0) under a non-increasing schedule, as in the paper; during a warm-up m(t) stays
+    m(0), never above it). Keras's SGD multiplies its velocity by its constant `momentum`
+    m(0), so before each step the velocities of the updated variables are scaled by
+    η(t)/η_max(t): v ← m(0)·(η(t)/η_max(t))·v − η(t)·g is v ← m(t)·v − η(t)·g. η_max is
+    optimizer state (saved).
+    """
+
+    def __init__(self, optimizer):
+        refusal = _uncoupled_reason(optimizer)
+        if refusal:
+            raise ValueError(
+                "`couple_momentum_to_lr` couples the momentum of a keras.optimizers.SGD "
+                "with momentum > 0 and nesterov=False (the heavy-ball momentum of Osawa et "
+                f"al.'s eq. 17) to its learning rate; the inner optimizer here {refusal}. "
+                "Set couple_momentum_to_lr=False.")
+        self.optimizer = optimizer
+        self.peak, self._slots = None, None
+
+    def create_state(self, add_variable, model_variables):
+        """The peak learning rate (an optimizer variable), and which of the SGD's velocity
+        slots belongs to which of `model_variables` (it was built on them, in order)."""
+        self.peak = add_variable((), "zeros", "peak_learning_rate", "float32")
+        slots = self.optimizer.momentums
+        if len(slots) != len(model_variables):
+            raise RuntimeError(
+                f"couple_momentum_to_lr: the inner optimizer holds {len(slots)} momentum "
+                f"slots for the {len(model_variables)} variables KFAC was built on; build "
+                "it through KFAC (pass it unbuilt).")
+        self._slots = {id(v): slot for v, slot in zip(model_variables, slots)}
+
+    def variables(self):
+        return [self.peak]
+
+    def step(self, variables):
+        """(the velocity slots of `variables`, η_max after this step, η(t)/η_max) at the
+        step the inner optimizer is about to take (0 when every rate so far is 0)."""
+        rate = tf.cast(self.optimizer.learning_rate, tf.float32)
+        peak = tf.maximum(tf.convert_to_tensor(self.peak), rate)
+        return ([self._slots[id(v)] for v in variables], peak,
+                tf.math.divide_no_nan(rate, peak))
+
+
+def _uncoupled_reason(optimizer):
+    """Why `couple_momentum_to_lr` has no meaning for `optimizer` ('' when it has)."""
+    name = type(optimizer).__name__
+    if not isinstance(optimizer, keras.optimizers.SGD):
+        if hasattr(optimizer, "beta_1"):
+            return (f"is {name}, whose β1 also enters the bias correction 1 − β1^t, which "
+                    "assumes it constant")
+        return f"is {name}"
+    if optimizer.momentum == 0:
+        return "is SGD with momentum 0: there is no momentum to couple"
+    if optimizer.nesterov:
+        return ("is SGD with nesterov=True, whose look-ahead step would use the uncoupled "
+                "momentum")
+    if optimizer.gradient_accumulation_steps:
+        return (f"accumulates gradients over {optimizer.gradient_accumulation_steps} "
+                "steps, updating (and using its momentum) only on every last one")
+    return ""

@@ -86,6 +86,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         self._attachment = None
         self._detached = None  # why this KFAC no longer drives the model it was attached to
         self._clocks = state_lib.PhaseClocks(self.config.phase_clocks)
+        self._momentum_coupling = (inner.MomentumCoupling(self.inner_optimizer)
+                                   if self.config.couple_momentum_to_lr else None)
 
     # ------------------------------------------- forwarded to the inner optimizer
     @property
@@ -166,6 +168,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                 "KFAC: compile it with that one, or attach the new one to a fresh model.")
         layers = keras_integration.leaf_layers(model)
         blocks, self._skipped = blocks_lib.discover(layers, self.config)
+        rescaling = chain_lib.weight_rescaling(self.config, blocks)
         self._curvature = curvature_lib.Curvature(
             blocks, placement_lib.make_placement(self.config.placement, blocks, self._comm,
                                                  self.config.preconditioning_method(),
@@ -173,7 +176,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
             self._comm, self.config)
         self._chain = chain_lib.UpdateChain(
             self._curvature, chain_lib.post_transform(self.config, lambda: self.learning_rate),
-            self.inner_optimizer)
+            self.inner_optimizer, self._momentum_coupling, rescaling)
         distributed.check_model_strategy(self._comm, model.distribute_strategy)
         self._comm.broadcast_variables(model.variables, root_rank=0)
         if previous is not None:

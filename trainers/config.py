@@ -230,6 +230,27 @@ class _RunConfig:
                                  f"not optimizer={self.optimizer}")
             return
         self.kfac_config()
+        self._refuse_uncoupled_momentum()
+
+    def _refuse_uncoupled_momentum(self):
+        """`couple_momentum_to_lr` where the inner optimizer has no momentum it couples
+        (the library's rule, tfkfac.inner.MomentumCoupling, checked before anything is
+        built)."""
+        if not self.couple_momentum_to_lr:
+            return
+        rule = f"kfac_inner_optimizer={self.kfac_inner_optimizer}"
+        if self.kfac_inner_optimizer not in MOMENTUM_OPTIMIZERS:
+            received = rule
+        elif self.momentum == 0:
+            received = f"{rule} with momentum={self.momentum}"
+        elif self.nesterov:
+            received = f"{rule} with nesterov"
+        else:
+            return
+        raise ValueError(
+            "couple_momentum_to_lr couples the momentum of kfac_inner_optimizer=sgd with "
+            "momentum > 0 and without nesterov (Osawa et al.'s heavy-ball momentum) to the "
+            f"learning rate; received {received}")
 
     def update_rule(self):
         """The Keras optimizer that applies the update: `optimizer`, or under K-FAC
