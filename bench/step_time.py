@@ -5,8 +5,9 @@ them (`trainers.runner.Trainer`): SGD compiled without and with XLA (`--xla`; th
 of the two is the baseline of every ratio, per model), K-FAC doing factors and eigendecompositions every
 step (`--factor_update_freq=1 --decomposition_update_freq=1`), amortized
 K-FAC (`--factor_update_freq=10 --decomposition_update_freq=100`) with the eigen, the
-inverse and the eigen_adam method (no KL clip, as its time-to-accuracy entry), and the
-amortized inverse method with each of the step-cost options: factor
+inverse and the eigen_adam method (no KL clip, as its time-to-accuracy entry), the
+amortized inverse and eigen_adam methods with `--xla` (stale steps compiled whole, K-FAC's
+own stages compiled on factor steps), and the amortized inverse method with each of the step-cost options: factor
 statistics from a quarter of each batch (`--factor_batch_fraction=0.25`), bfloat16
 products (`--product_dtype=bfloat16`) and the reduce rule for convolutions
 (`--weight_sharing=reduce`, also with factors and decompositions every step). Their
@@ -103,6 +104,14 @@ CONFIGURATIONS = {
     "kfac_amortized_eigen_adam": dict(optimizer="kfac", factor_update_freq=10,
                                       decomposition_update_freq=100,
                                       kfac_method="eigen_adam", kl_clip=None),
+    # ... with jit_compile=True: the stale steps compile whole with XLA, the factor steps
+    # run K-FAC's statistics and preconditioning compiled (the `xla` setting).
+    "kfac_amortized_eigen_adam_xla": dict(optimizer="kfac", factor_update_freq=10,
+                                          decomposition_update_freq=100,
+                                          kfac_method="eigen_adam", kl_clip=None, xla=True),
+    "kfac_amortized_inverse_xla": dict(optimizer="kfac", factor_update_freq=10,
+                                       decomposition_update_freq=100, kfac_method="inverse",
+                                       xla=True),
     "kfac_every_step": dict(optimizer="kfac", factor_update_freq=1,
                             decomposition_update_freq=1, kfac_method="eigen"),
     # The inverse schedule with factor statistics from a quarter of each batch.
