@@ -428,7 +428,8 @@ def plot(document):
         axis.set_title(f"{document['model']} on Fashion-MNIST, target {target}\n"
                        "dotted: perfect scaling; open triangles: not reached within the "
                        "budget", fontsize=9)
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:  # none before a cell is complete
+            axis.legend(fontsize=8)
     return figure
 
 
