@@ -9,6 +9,7 @@ cannot be an argument of `apply`: under mixed precision Keras wraps the optimize
 """
 
 import contextlib
+import functools
 import typing
 import weakref
 
@@ -31,6 +32,10 @@ ATTACH_HINT = (
     "`keras.models.load_model`); this model was neither, and Keras's train step calls the "
     "optimizer first after the forward pass, too late to record it: build the model (an "
     "`Input` shape, or call it on a batch) before `compile`.")
+SAMPLED_IN_CUSTOM_LOOP = (
+    "KFAC(fisher='sampled') draws its labels in the train step KFAC installs on the model "
+    "(`model.fit`), from the compiled loss and the model's predictions; a custom loop "
+    "(`record()` and `minimize`) hands K-FAC neither: use fisher='empirical' there.")
 FRESH_HINT = (
     "KFAC(factor_examples='fresh') takes each example's fresh flag (1 on the first copy "
     "of a source example, 0 on an echoed repeat) from the third element of every "
@@ -42,9 +47,10 @@ class Captures(typing.NamedTuple):
     """What one step gives the optimizer's `apply` (docs/design.md §7).
 
     `calls()`: per block, the (inputs, unscaled output gradients) of every call. It
-    builds the unscaling when called, so that inside the factor update's branch it runs
-    on factor steps only: a stale step never reads the output gradients, which are as
-    large as the layers' activations. `weights`: per-example weights of the factor
+    builds the unscaling (and, for the sampled Fisher, the backward pass that gives the
+    output gradients) when called, so that inside the factor update's branch it runs on
+    factor steps only: a stale step never reads the output gradients, which are as large
+    as the layers' activations. `weights`: per-example weights of the factor
     statistics, mean 1 over the examples of all ranks, or None (every example counts
     once). `ready`: whether any rank has a fresh example (always True without fresh
     flags). `stale`: the step was chosen outside the graph as one whose factors and
@@ -64,11 +70,13 @@ class Captures(typing.NamedTuple):
 class Attachment:
     """The recorder, rank averaging and train step of the one model K-FAC manages.
 
-    With `fresh_only`, each step needs the batch's fresh flags (`FRESH_HINT`).
+    With `fresh_only`, each step needs the batch's fresh flags (`FRESH_HINT`). `fisher`:
+    a `tfkfac.fisher.SampledFisher`, whose draws give the output gradients, or None (the
+    empirical Fisher: those of the observed labels).
     """
 
     def __init__(self, model, layers, blocks, communicator, fresh_only=False,
-                 count_skipped_step=None):
+                 count_skipped_step=None, fisher=None):
         self._model = weakref.ref(model)
         # Counts a step a wrapping optimizer (Keras's LossScaleOptimizer) skips for
         # non-finite gradients without calling K-FAC's `apply`.
@@ -77,6 +85,7 @@ class Attachment:
         self._comm = communicator
         self._captures = None
         self.fresh_only = fresh_only
+        self._fisher = fisher
         self._running_statistics = running_statistics(layers)
         # The `tfkfac.noise_scale.NoiseScaleProbe` measuring `train_step`'s steps, or None.
         self.noise_probe = None
@@ -87,12 +96,14 @@ class Attachment:
 
     @contextlib.contextmanager
     def record(self, persistent=False):
-        """A `tf.GradientTape` during which the managed layers' calls are recorded."""
-        with tf.GradientTape(persistent=persistent) as tape, self._recorder.recording():
+        """A `tf.GradientTape` during which the managed layers' calls are recorded
+        (persistent for the sampled Fisher, which asks it for a second backward pass)."""
+        with tf.GradientTape(persistent=persistent or self._fisher is not None) as tape, \
+                self._recorder.recording():
             yield tape
 
     def step(self, tape, loss, variables, apply, loss_scale=1.0, replicas=1, fresh=None,
-             wrapped=False, stale=False, y_pred=None):
+             wrapped=False, stale=False, sampled=None, y_pred=None):
         """Gradients of `loss` (recorded by `tape`), then `apply(gradients, variables)`
         with this step's `Captures` provided to the optimizer. `fresh`: the batch's
         fresh flags (N,), needed exactly when `fresh_only`. `replicas`: under a
@@ -101,14 +112,18 @@ class Attachment:
         before they are averaged over ranks, so they are averaged exactly once.
         `wrapped`: `apply` is a wrapping optimizer's, which may skip the step without
         calling K-FAC. `stale`: a step known to be stale (`Captures.stale`), whose `tape`
-        recorded no layer calls. `y_pred`: the predictions `loss` was computed from, for
-        `noise_probe` (on one process `tape` is then persistent)."""
+        recorded no layer calls. `sampled`: for the sampled Fisher, (the predictions, a
+        function giving the gradient of the loss at drawn labels with respect to them).
+        `y_pred`: the predictions `loss` was computed from, for `noise_probe` (on one
+        process `tape` is then persistent)."""
+        if self._fisher is not None and sampled is None and not stale:
+            raise ValueError(SAMPLED_IN_CUSTOM_LOOP)
         if self.fresh_only != (fresh is not None):
             raise ValueError(FRESH_HINT if self.fresh_only else
                              "`fresh` flags are used only with KFAC(factor_examples="
                              "'fresh'); this optimizer counts every example")
         gradients, captures = self._gradients(tape, loss, variables, loss_scale, replicas,
-                                              fresh, stale, y_pred)
+                                              fresh, stale, sampled, y_pred)
         self._captures = captures
         try:
             apply(gradients, variables)
@@ -125,21 +140,26 @@ class Attachment:
             raise RuntimeError(ATTACH_HINT)
         return self._captures
 
-    def train_step(self, forward, fresh=None, stale=False):
+    def train_step(self, forward, fresh=None, sample_weight=None, stale=False):
         """Keras's train step with K-FAC's tape: `forward()` gives (scaled loss, y_pred).
+        `sample_weight`: the loss's, for the sampled Fisher's loss at drawn labels.
         `stale`: a step known to be stale (`tfkfac.stale_steps`): a plain tape, no layer
         call recorded, no output gradient asked for."""
         model = self.model
+        fisher = None if stale else self._fisher
+        distribution = None if fisher is None else fisher.distribution(model)
         # On one process the noise probe's halves of the batch take a second backward pass.
         persistent = self.noise_probe is not None and self._comm.size == 1
         with (tf.GradientTape(persistent=persistent) if stale
               else self.record(persistent)) as tape:
             scaled_loss, y_pred = forward()
+        sampled = None if fisher is None else (y_pred, functools.partial(
+            fisher.loss_gradient, distribution, y_pred, sample_weight))
         self.step(tape, scaled_loss, model.trainable_variables, model.optimizer.apply,
                   loss_scale=model.optimizer.scale_loss(1.0),
                   replicas=keras_integration.replicas_in_sync(), fresh=fresh,
                   wrapped=keras_integration.train_step_owner(model) is not model.optimizer,
-                  stale=stale, y_pred=y_pred)
+                  stale=stale, sampled=sampled, y_pred=y_pred)
         return y_pred
 
     def averaged_over_ranks(self, logs):
@@ -150,21 +170,26 @@ class Attachment:
         return {**logs, **dict(zip(names, values))}
 
     def _gradients(self, tape, loss, variables, loss_scale, replicas, fresh, stale=False,
-                   y_pred=None):
+                   sampled=None, y_pred=None):
         """(weight gradients averaged over ranks, `Captures` with unscaled output
         gradients; on a `stale` step, without any).
 
         `loss_scale` is the factor `loss` was multiplied by (mixed precision), besides
-        1/`replicas` (tf.distribute, see `step`), which is undone here for both. With a
+        1/`replicas` (tf.distribute, see `step`), which is undone here for both.
+        `sampled` (see `step`): the output gradients are those of the loss at drawn
+        labels, scaled as `loss` was (Keras's loss divides by `replicas` too). With a
         `noise_probe` and `y_pred`, the `Captures` hold the batch's sub-batches.
         """
-        calls, output_grads = [], []
+        calls, output_grads, scaled_by = [], [], loss_scale
         if stale:
             gradients = tape.gradient(loss, list(variables))
         else:
             calls = self._recorder.take()
             outputs = [[s for _, s in block_calls] for block_calls in calls]
-            gradients, output_grads = tape.gradient(loss, (list(variables), outputs))
+            if sampled is None:
+                gradients, output_grads = tape.gradient(loss, (list(variables), outputs))
+            else:
+                gradients = tape.gradient(loss, list(variables))
         # Averaged here, before any loss-scale finiteness check, so that every rank takes
         # the same branch and issues the same collectives. BatchNorm moving statistics
         # (updated by this step's forward pass) and the count of fresh examples ride in
@@ -206,10 +231,18 @@ class Attachment:
             g = as_float(g)
             return g / tf.cast(loss_scale, g.dtype)
 
+        def sampled_output_grads(predictions, loss_gradient):
+            # A second backward pass, from the predictions to the layer outputs only:
+            # reverse mode takes one output cotangent per pass, and the weights' (the
+            # observed labels') is not this one.
+            cotangent = loss_gradient() * tf.cast(scaled_by, predictions.dtype)
+            return tape.gradient(predictions, outputs, output_gradients=cotangent)
+
         def unscaled_calls():
+            grads = output_grads if sampled is None else sampled_output_grads(*sampled)
             return [[(x, tf.nest.map_structure(unscaled, s, g))
                       for (x, s), g in zip(block_calls, block_grads)]
-                     for block_calls, block_grads in zip(calls, output_grads)]
+                     for block_calls, block_grads in zip(calls, grads)]
 
         if stale:
             return gradients, Captures(None, stale=True, sub_batches=sub_batches)

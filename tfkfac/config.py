@@ -13,6 +13,7 @@ import warnings
 
 from tfkfac import grafting, methods, schedules, validation
 from tfkfac.distributed.packing import WIRE_DTYPES
+from tfkfac.fisher import FISHERS
 from tfkfac.placement import PLACEMENTS
 
 GRAFTING = (None,) + grafting.KINDS
@@ -121,6 +122,15 @@ class KFACConfig:
         1.0, validation.share,
         "Share of each batch, in (0, 1], the factor statistics are taken from (a random "
         "subset per factor step).")
+    fisher: str = _setting(
+        "empirical", validation.one_of(FISHERS),
+        "empirical: G and the diagonal blocks from the loss's gradients at the observed "
+        "labels; sampled: at labels drawn from the model's predictive distribution, one "
+        "per example (softmax cross-entropy, mean squared error; docs/design.md §2).")
+    fisher_seed: int = _setting(
+        0, lambda name, value: validation.integer(name, value, 0, validation.INT64_MAX),
+        "With fisher='sampled': the seed of the draws (stateless, keyed by the step and "
+        "the rank).")
     product_dtype: typing.Optional[str] = _setting(
         None, validation.one_of(PRODUCT_DTYPES),
         "bfloat16: Gram and preconditioning products with bfloat16 operands (native "
@@ -142,6 +152,10 @@ class KFACConfig:
             object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
         for field in dataclasses.fields(self):
             field.metadata["check"](field.name, getattr(self, field.name))
+        if self.fisher_seed and self.fisher != "sampled":
+            raise ValueError(f"`fisher_seed` seeds the draws of fisher='sampled'; received "
+                             f"fisher_seed={self.fisher_seed} with fisher={self.fisher!r}, "
+                             "which draws nothing: leave fisher_seed=0 or set fisher='sampled'")
         factor_freq, decomposition_freq = self.factor_update_freq, self.decomposition_update_freq
         if not callable(factor_freq) and not callable(decomposition_freq) and (
                 decomposition_freq % factor_freq):

@@ -21,6 +21,10 @@ names that remain, each because no public API serves:
   `test_step` is wrapped there for the same bug.
 - `Trackable._maybe_initialize_trackable`: called on an object when it is tracked as an
   attribute, the only call `Model.compile` makes on its optimizer (`model_compiling`).
+- `LossFunctionWrapper._fn_kwargs`: the arguments a Keras loss passes its function
+  (`from_logits`, `axis`, `ignore_class`), some of which no public attribute shows
+  (`loss_arguments`); `keras.src.backend.get_keras_mask`/`set_keras_mask`: a tensor's
+  Keras mask, kept on a copy (`unfused`).
 Besides, `model_compiling` and `model_building` find the model that compiles or builds an
 optimizer on Keras's call stack, Keras handing the optimizer nothing else of the model.
 Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras object.
@@ -143,8 +147,9 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale
                        fresh_in_sample_weight=False):
     """Replace this model's train step by one with K-FAC's tape and update (`owner`'s).
 
-    `step_with_tape(forward, fresh)` runs `forward()` (returning the scaled loss and
-    y_pred) under K-FAC's recording tape, applies the update and returns y_pred;
+    `step_with_tape(forward, fresh, sample_weight)` runs `forward()` (returning the
+    scaled loss and y_pred) under K-FAC's recording tape, applies the update and returns
+    y_pred (`sample_weight`, the loss's, for the sampled Fisher's loss);
     `reduce_logs` averages the step's logs over ranks. If `fit` finds the model
     compiled with another optimizer since, `release(reason)` gives it back Keras's
     train step (`uninstall_train_step`) and Keras's own runs. `stale` (a
@@ -162,7 +167,7 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale
         if fresh_in_sample_weight:
             fresh, sample_weight = sample_weight, None
         forward = lambda: forward_pass(model, x, y, sample_weight)
-        y_pred = step_with_tape(forward, fresh)
+        y_pred = step_with_tape(forward, fresh, sample_weight)
         logs = reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
         return _as_vectors(logs) if multi_worker else logs
 
@@ -322,6 +327,23 @@ def replicas_in_sync():
     inverse, so that the Keras optimizers' sum of gradients over replicas averages them;
     K-FAC averages over ranks itself and undoes that scale."""
     return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def unfused(predictions):
+    """`predictions` through an identity, keeping their Keras mask. Keras's cross-entropy
+    of a softmax's output reads the softmax's input instead (its TensorFlow backend's
+    `_get_logits`), so a gradient with respect to the output itself would be None; of
+    the copy it is the loss's. The mask (`keras.src.backend.get_keras_mask`) is where
+    Keras's losses look for it."""
+    copy = tf.identity(predictions)
+    keras.src.backend.set_keras_mask(copy, keras.src.backend.get_keras_mask(predictions))
+    return copy
+
+
+def loss_arguments(loss):
+    """The keyword arguments the Keras `loss` (a `keras.losses.LossFunctionWrapper`, as
+    every built-in loss class is) passes its loss function; {} for another `Loss`."""
+    return dict(getattr(loss, "_fn_kwargs", {}))
 
 
 def update_count(optimizer):

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfkfac import blocks as blocks_lib, chain as chain_lib
 from tfkfac import curvature as curvature_lib
-from tfkfac import distributed, inner, keras_integration
+from tfkfac import distributed, fisher, inner, keras_integration
 from tfkfac import placement as placement_lib, schedules, stale_steps, state as state_lib
 from tfkfac.attachment import ATTACH_HINT, Attachment
 from tfkfac.config import KFACConfig, signature_with_settings
@@ -184,7 +184,9 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                              "its place")
         self._attachment = Attachment(model, list(layers.values()), blocks, self._comm,
                                       fresh_only=self.config.factor_examples == "fresh",
-                                      count_skipped_step=self._count_skipped_step)
+                                      count_skipped_step=self._count_skipped_step,
+                                      fisher=fisher.sampler(self.config, lambda: self.iterations,
+                                                            self._comm.rank))
         keras_integration.install_train_step(
             model, self, self._attachment.train_step, self._attachment.averaged_over_ranks,
             self._detach, stale_steps.StaleSteps(self, self._attachment),
