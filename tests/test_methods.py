@@ -12,7 +12,9 @@ The built-in methods as objects train exactly as their names do (`Eigen()` as "e
 `EigenAdam(β2, ε)` as "eigen_adam" with those `adam_beta_2`, `adam_epsilon`); a
 method object survives `get_config`/`from_config` and a .keras file when Keras knows
 its class, and `model.save` refuses it, naming the fix, when Keras does not; a value
-that is neither a name nor a Method is refused naming `method`.
+that is neither a name nor a Method is refused naming `method`, and so are
+`adam_beta_2`/`adam_epsilon` where nothing would read them (beside an EigenAdam object or
+another method, without grafting='adam').
 """
 
 import os
@@ -152,6 +154,28 @@ class MethodObjectTest(absltest.TestCase):
         with self.assertRaisesRegex(ValueError, r"^`beta_2` must be a finite number in "
                                                 r"\[0, 1\); received 1.0"):
             tfkfac.EigenAdam(beta_2=1.0)
+
+    def test_adam_settings_nothing_would_read_are_refused(self):
+        """`adam_beta_2`/`adam_epsilon` beside an EigenAdam object (which keeps its own)
+        or another method, without grafting='adam', would be ignored: an error naming
+        both and the fix."""
+        for method, settings, fix in [
+                (tfkfac.EigenAdam(beta_2=0.99), dict(adam_beta_2=0.9),
+                 r"pass them to it, EigenAdam\(beta_2=\.\.\., epsilon=\.\.\.\)"),
+                (tfkfac.EigenAdam(), dict(adam_epsilon=1e-3), "pass them to it"),
+                ("eigen", dict(adam_beta_2=0.99, adam_epsilon=1e-3), "leave them at their"),
+                ("inverse", dict(adam_epsilon=1e-3, grafting="sgd"), "leave them at their")]:
+            with self.assertRaisesRegex(ValueError, r"^`adam_beta_2` and `adam_epsilon` set "
+                                                    r"β2 and ε of grafting='adam' and of "
+                                                    r"method='eigen_adam' \(by name\) only; "
+                                                    r"received .*" + fix):
+                tfkfac.KFAC(method=method, **settings)
+        # Read: by the method named eigen_adam, or by Adam grafting beside any method.
+        for method, grafting in [("eigen_adam", None), (tfkfac.EigenAdam(), "adam"),
+                                 ("eigen", "adam")]:
+            config = tfkfac.KFACConfig(method=method, grafting=grafting, adam_beta_2=0.99,
+                                       adam_epsilon=1e-3)
+            self.assertEqual((config.adam_beta_2, config.adam_epsilon), (0.99, 1e-3))
 
 
 if __name__ == "__main__":

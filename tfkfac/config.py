@@ -164,6 +164,28 @@ class KFACConfig:
                 "that decompositions use freshly updated factors; received "
                 f"decomposition_update_freq={decomposition_freq}, "
                 f"factor_update_freq={factor_freq}")
+        self._refuse_ignored_adam_settings()
+
+    def _refuse_ignored_adam_settings(self):
+        """`adam_beta_2` and `adam_epsilon` act on grafting "adam" and the method named
+        "eigen_adam" only (a method object keeps its own): changed from their defaults
+        with neither, they would be ignored."""
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        changed = [f"{name}={getattr(self, name)!r}" for name in ("adam_beta_2", "adam_epsilon")
+                   if getattr(self, name) != defaults[name]]
+        if not changed or self.grafting == "adam" or (
+                isinstance(self.method, str) and self.method == methods.EigenAdam.name):
+            return
+        if isinstance(self.method, methods.EigenAdam):
+            advice = ("the object keeps its own: pass them to it, EigenAdam(beta_2=..., "
+                      "epsilon=...)")
+        else:
+            advice = "leave them at their defaults"
+        raise ValueError(
+            "`adam_beta_2` and `adam_epsilon` set β2 and ε of grafting='adam' and of "
+            f"method='eigen_adam' (by name) only; received {', '.join(changed)} with "
+            f"method={self.method!r} and grafting={self.grafting!r}, which would ignore "
+            f"them: {advice}")
 
     @classmethod
     def from_arguments(cls, caller="KFAC", **arguments):
