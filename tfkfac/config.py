@@ -64,6 +64,16 @@ class KFACConfig:
         100, validation.interval,
         "Steps between decompositions (eigenbases or inverses): an int, a multiple of "
         "factor_update_freq, or a callable of the step.")
+    stale_threshold: typing.Optional[float] = _setting(
+        None, validation.optional(validation.positive, "turns it off"),
+        "Adaptive stale statistics (docs/design.md §12): each layer's factor interval "
+        "doubles while its factors change by less than this relative amount between "
+        "refreshes and halves when they change more; None: every layer on "
+        "factor_update_freq.")
+    max_factor_interval: typing.Optional[int] = _setting(
+        None, validation.optional(validation.positive_integer, "means no cap"),
+        "With stale_threshold: the largest factor interval of a layer, an int >= "
+        "factor_update_freq; None: no cap.")
     method: typing.Any = _setting(
         "inverse", methods.check,
         "eigen: exact (A⊗G + λI)⁻¹ by eigendecompositions; inverse: π-corrected "
@@ -164,7 +174,27 @@ class KFACConfig:
                 "that decompositions use freshly updated factors; received "
                 f"decomposition_update_freq={decomposition_freq}, "
                 f"factor_update_freq={factor_freq}")
+        self._refuse_ignored_staleness_cap()
         self._refuse_ignored_adam_settings()
+
+    def _refuse_ignored_staleness_cap(self):
+        """`max_factor_interval` caps adaptive stale statistics' intervals: without
+        `stale_threshold` it would be ignored, and below `factor_update_freq` no interval
+        could keep it."""
+        cap = self.max_factor_interval
+        if cap is None:
+            return
+        if self.stale_threshold is None:
+            raise ValueError(
+                "`max_factor_interval` caps the intervals of adaptive stale statistics, which "
+                "`stale_threshold` turns on; received max_factor_interval="
+                f"{cap} with stale_threshold=None: give a `stale_threshold` or leave "
+                "max_factor_interval=None")
+        if not callable(self.factor_update_freq) and cap < self.factor_update_freq:
+            raise ValueError(
+                "`max_factor_interval` must be an integer >= factor_update_freq (the "
+                f"smallest interval); received max_factor_interval={cap} with "
+                f"factor_update_freq={self.factor_update_freq}")
 
     def _refuse_ignored_adam_settings(self):
         """`adam_beta_2` and `adam_epsilon` act on grafting "adam" and the method named

@@ -3,7 +3,9 @@
 `Curvature` runs the three K-FAC phases of a step on its blocks' state (docs/design.md):
 running averages of the factor statistics (one grouped reduction over ranks), damped
 decompositions spread over ranks by the placement, and the preconditioning of gradients.
-Factors and decompositions are updated when their interval schedule says they are due.
+Factors and decompositions are updated when their interval schedule says they are due,
+or, with adaptive stale statistics (`tfkfac.adaptive_staleness`), each block's factors
+on its own schedule and its decompositions only after its factors were refreshed.
 It holds no Keras optimizer logic.
 """
 
@@ -14,7 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfkfac import distributed, methods, state as state_lib
+from tfkfac import adaptive_staleness, distributed, methods, state as state_lib
 from tfkfac.blocks.base import batch_size
 from tfkfac.runtime_warnings import warn_if
 
@@ -75,6 +77,9 @@ class Curvature:
         self.states = None
         self.counters = None
         self.decomposed_damping = None
+        self.adaptive = (None if config.stale_threshold is None else
+                         adaptive_staleness.AdaptiveStaleness(config.stale_threshold,
+                                                              config.max_factor_interval))
         self._frozen = set()
         xla = config.xla
         jit = bool(tf.config.list_physical_devices("GPU")) if xla == "auto" else xla
@@ -85,7 +90,8 @@ class Curvature:
     # ----------------------------------------------------------------- state
     def create_state(self, counters, add_variable):
         """Create every block's factors, held decompositions and, under "replicated", the
-        method's state (the eigenbasis moments of `EigenAdam`), in a stable order.
+        method's state (the eigenbasis moments of `EigenAdam`), in a stable order, then
+        the adaptive schedule's state (with adaptive stale statistics only).
 
         `add_variable(shape, initializer, name, dtype)` makes a saved optimizer variable.
         An owner's decompositions are rank-specific and not saved; `create_rebuild_state`
@@ -107,6 +113,8 @@ class Curvature:
             if self.placement.saves_decompositions:
                 method_state = self._method_state_variables(add_variable, block)
             self.states.append(state_lib.BlockState(factors, decompositions, method_state))
+        if self.adaptive is not None:
+            self.adaptive.create_state(add_variable, len(self.blocks))
         with tf.init_scope():
             self.decompositions_current = tf.Variable(
                 self.placement.saves_decompositions, trainable=False,
@@ -117,8 +125,9 @@ class Curvature:
         uninterrupted run, whichever rank wrote the checkpoint: per block with
         decompositions a copy of the factors they were last computed from (in host
         memory), the method's state of every block (`EigenAdam`'s moments), and the
-        damping of the decompositions (`NOT_DECOMPOSED` until the first). Made after
-        grafting's state, last, so that saves from before it existed still line up."""
+        damping of the decompositions (`NOT_DECOMPOSED` until the first; with adaptive
+        stale statistics also per block). Made after grafting's state, last, so that
+        saves from before it existed still line up."""
         self.decomposed_damping = None
         if self.placement.saves_decompositions:
             return
@@ -131,6 +140,8 @@ class Curvature:
             state.method_state = self._method_state_variables(add_variable, block)
         self.decomposed_damping = add_variable(
             (), keras.initializers.Constant(NOT_DECOMPOSED), "decomposed_damping", self.dtype)
+        if self.adaptive is not None:
+            self.adaptive.create_rebuild_state(add_variable, len(self.blocks), self.dtype)
 
     def _method_state_variables(self, add_variable, block):
         """The method's state of `block` (none for a method without), from zero."""
@@ -160,18 +171,21 @@ class Curvature:
 
     def variables(self, saved_only):
         """Per block its factors, then the decompositions and method state saved with
-        them ("replicated"); an owner's held decompositions too unless `saved_only`."""
+        them ("replicated"); an owner's held decompositions too unless `saved_only`.
+        Then the adaptive schedule's state, if any."""
         replicated = self.placement.saves_decompositions
         return [v for s in self.states
                 for v in s.variables(decompositions=replicated or not saved_only,
-                                     method_state=replicated)]
+                                     method_state=replicated)] + (
+            self.adaptive.variables() if self.adaptive is not None else [])
 
     def rebuild_variables(self):
         """`create_rebuild_state`'s variables, in save order (none under "replicated")."""
         if self.decomposed_damping is None:
             return []
         return [v for s in self.states for v in s.rebuild_variables()] + [
-            self.decomposed_damping]
+            self.decomposed_damping] + (
+            self.adaptive.rebuild_variables() if self.adaptive is not None else [])
 
     def restored(self, complete):
         """After a save was loaded into the state: an owner's decompositions are stale
@@ -208,24 +222,36 @@ class Curvature:
                 for name, v in zip(block.factor_names(), state.factors)}
 
     # --------------------------------------------------------------- factors
-    def _batch_statistics(self, calls, weights, keep):
+    def _batch_statistics(self, calls, weights, keep, due=None):
+        """Per block its factor statistics of this batch; with `due` (per block, adaptive
+        stale statistics) zeros for a block not due, whose statistics are not computed."""
         batch = None if keep is None else batch_size(calls[0])
         calls = tf.nest.map_structure(
             lambda t: tf.cast(t, self.dtype) if t.dtype.is_floating else t, calls)
         if weights is not None:
             weights = tf.cast(weights, self.dtype)
         statistics = []
-        for block, block_calls in zip(self.blocks, calls):
-            block_weights = weights
-            if keep is not None:
-                block_calls, block_weights = block.take_examples(block_calls, weights, keep,
-                                                                 batch)
-            statistics.append(block.batch_statistics(
-                block_calls, batch_size(block_calls), block_weights))
+        for b, (block, block_calls) in enumerate(zip(self.blocks, calls)):
+            def block_statistics(block=block, block_calls=block_calls):
+                block_weights = weights
+                if keep is not None:
+                    block_calls, block_weights = block.take_examples(block_calls, weights,
+                                                                     keep, batch)
+                return [tf.cast(s, self.dtype) for s in block.batch_statistics(
+                    block_calls, batch_size(block_calls), block_weights)]
+
+            if due is None:
+                statistics.append(block_statistics())
+            else:
+                statistics.append(tf.cond(due[b], block_statistics, lambda block=block: [
+                    tf.zeros(shape, self.dtype) for shape in block.factor_shapes()]))
         return statistics
 
-    def update_factors(self, calls, weights=None, step=0):
-        """Fold this batch's statistics into the running factors; False if not finite.
+    def update_factors(self, calls, weights=None, step=0, due=None):
+        """Fold this batch's statistics into the running factors of every block, or of
+        the blocks `due` says (adaptive stale statistics; the others keep theirs).
+        Returns (whether the statistics were finite, with `due` per block the relative
+        change of its factors, `adaptive_staleness.relative_change`, else None).
 
         `weights` (N,): per-example weights of the statistics, mean 1 over the examples
         of all ranks (docs/design.md §7); None counts every example once. With a
@@ -236,55 +262,103 @@ class Curvature:
         if self.factor_batch_fraction < 1 and calls:
             keep = kept_examples(batch_size(calls[0]), self.factor_batch_fraction, step,
                                  self.comm.rank)
-        statistics = self._statistics_fn(calls, weights, keep)
-        flat = distributed.allreduce_symmetric(
+        statistics = (self._statistics_fn(calls, weights, keep) if due is None
+                      else self._statistics_fn(calls, weights, keep, due))
+        flat = iter(distributed.allreduce_symmetric(
             self.comm, [s for block_stats in statistics for s in block_stats],
-            self.factor_wire_dtype, "factors")
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in flat])
+            self.factor_wire_dtype, "factors"))
+        batch_values = [[next(flat) for _ in state.factors] for state in self.states]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s))
+                                for values in batch_values for s in values])
         decay = tf.cast(tf.where(tf.equal(self.counters.factor_updates, 0), 0.0,
                                  self.factor_decay), self.dtype)
-        variables = [v for s in self.states for v in s.factors]
-        for variable, batch_value in zip(variables, flat):
-            average = decay * variable + (1.0 - decay) * batch_value
-            variable.assign(tf.where(finite, average, variable))
+        changes = []
+        for b, (state, values) in enumerate(zip(self.states, batch_values)):
+            fold = finite if due is None else tf.logical_and(finite, due[b])
+            old = [tf.convert_to_tensor(v) for v in state.factors]  # read before the update
+            new = [tf.where(fold, decay * before + (1.0 - decay) * batch_value, before)
+                   for before, batch_value in zip(old, values)]
+            for variable, value in zip(state.factors, new):
+                variable.assign(value)
+            if due is not None:
+                changes.append(adaptive_staleness.relative_change(old, new))
         self.counters.factor_updates.assign_add(tf.cast(finite, tf.int64))
         self.counters.skipped_factor_updates.assign_add(1 - tf.cast(finite, tf.int64))
         warn_if(tf.logical_not(finite),
                 "KFAC warning: non-finite factor statistics; factor update skipped")
-        return finite
+        if due is None:
+            return finite, None
+        return finite, (tf.stack(changes) if changes else tf.zeros([0], tf.float64))
 
     def update_factors_if_due(self, step, calls, interval, weights=None, ready=True):
         """`update_factors(calls(), weights)` at a due step (`interval(step)` steps after
-        the last one). `calls` is a function, called in the due branch only: whatever
-        makes the calls (the output gradients' unscaling) runs on factor steps alone.
+        the last one); with adaptive stale statistics, of the blocks due at `step`, at a
+        step where any is (docs/design.md §12). `calls` is a function, called in the due
+        branch only: whatever makes the calls (the output gradients' unscaling) runs on
+        factor steps alone. The counters' `next_factor_step` is the next step with
+        factors due, which the stale steps (`tfkfac.stale_steps`) are chosen from.
 
         A step that is not `ready` (no fresh example on any rank, docs/design.md §7)
         updates nothing; due work waits for the next ready step.
         """
-        def update():
-            updated = self.update_factors(calls(), weights, step)
-            self.counters.next_factor_step.assign(step + interval(step))
+        if self.adaptive is None:
+            def update():
+                updated, _ = self.update_factors(calls(), weights, step)
+                self.counters.next_factor_step.assign(step + interval(step))
+                return updated
+
+            due = tf.logical_and(step >= self.counters.next_factor_step, ready)
+            return tf.cond(due, update, lambda: tf.constant(False))
+
+        blocks_due = tf.logical_and(self.adaptive.due(step), ready)
+
+        def update_due_blocks():
+            updated, changes = self.update_factors(calls(), weights, step, blocks_due)
+            self.counters.next_factor_step.assign(self.adaptive.refreshed(
+                step, blocks_due, updated, changes, interval(step)))
             return updated
 
-        due = tf.logical_and(step >= self.counters.next_factor_step, ready)
-        return tf.cond(due, update, lambda: tf.constant(False))
+        return tf.cond(tf.reduce_any(blocks_due), update_due_blocks,
+                       lambda: tf.constant(False))
 
     # -------------------------------------------------------- decompositions
-    def _decompose(self, items, factors, damping):
-        return {(b, j): methods.decompose_factor(self.method, self.blocks[b], j, factors[b],
-                                                 damping)
+    def _decompose(self, items, factors, damping, pending=None):
+        """{item: its decomposition of `factors` with `damping`, a scalar or one per
+        block}; with `pending` (per block, adaptive stale statistics), zeros in place of
+        the decomposition of a block not pending, which is not computed."""
+        def decomposition(b, j):
+            block_damping = damping if damping.shape.rank == 0 else damping[b]
+            return methods.decompose_factor(self.method, self.blocks[b], j, factors[b],
+                                            block_damping)
+
+        def if_pending(b, j):
+            shapes = self.placement.decomposition_shapes((b, j))
+            if not shapes:  # a method may keep no decomposition
+                return decomposition(b, j)
+            return tf.cond(pending[b],
+                           lambda: [tf.cast(r, self.dtype) for r in decomposition(b, j)],
+                           lambda: [tf.zeros(shape, self.dtype) for shape in shapes])
+
+        return {(b, j): decomposition(b, j) if pending is None else if_pending(b, j)
                 for b, j in items}
 
     def update_decompositions(self, damping):
-        """Recompute the decompositions this rank holds; returns how many failed. Under
-        "owner" every rank also keeps the factors and damping they came from."""
+        """Recompute the decompositions this rank holds (with adaptive stale statistics,
+        of the blocks whose factors were refreshed since their last one); returns how
+        many failed. Under "owner" every rank also keeps the factors and damping they
+        came from."""
+        pending = None if self.adaptive is None else self.adaptive.pending()
         factors = [s.factor_values() for s in self.states]
-        failed = self._hold_decompositions(factors, damping)
-        for state, values in zip(self.states, factors):
+        failed = self._hold_decompositions(
+            factors, damping if pending is None else tf.fill(tf.shape(pending), damping),
+            pending)
+        for b, (state, values) in enumerate(zip(self.states, factors)):
             for copy, value in zip(state.decomposed or [], values):
-                copy.assign(value)
+                copy.assign(value if pending is None else tf.where(pending[b], value, copy))
         if self.decomposed_damping is not None:
             self.decomposed_damping.assign(damping)
+        if self.adaptive is not None:
+            self.adaptive.decomposed(pending, damping)
         self.counters.failed_decompositions.assign_add(failed)
         self.counters.decomposition_updates.assign_add(1)
         return failed
@@ -300,22 +374,34 @@ class Curvature:
                 "decompositions recomputed from the restored factors")
         factors = [[tf.where(saved, copy.value, value) for copy, value in
                     zip(s.decomposed or s.factors, s.factor_values())] for s in self.states]
-        return self._hold_decompositions(
-            factors, tf.where(saved, self.decomposed_damping.value, damping))
+        if self.adaptive is None:
+            return self._hold_decompositions(
+                factors, tf.where(saved, self.decomposed_damping.value, damping))
+        # Per block, with its damping, through the same graph as `update_decompositions`
+        # (another one may round differently); the blocks decomposed are those with a
+        # damping (dampings are > 0).
+        dampings = self.adaptive.decomposed_dampings
+        return self._hold_decompositions(factors, tf.where(saved, dampings.value, damping),
+                                         dampings > 0)
 
-    def _hold_decompositions(self, factors, damping):
+    def _hold_decompositions(self, factors, damping, pending=None):
         """This rank's decompositions of `factors` with `damping`, shared as the placement
-        says and assigned where finite; returns how many failed."""
+        says and assigned where finite (and, if given, `pending`: per block whether to
+        decompose it); returns how many failed."""
         owned = self.placement.decomposed_items()
-        results = self._decompose_fn(owned, factors, damping) if owned else {}
+        results = {}
+        if owned:
+            results = (self._decompose_fn(owned, factors, damping) if pending is None
+                       else self._decompose_fn(owned, factors, damping, pending))
         results = self.placement.share_decompositions(results, self.decomposition_wire_dtype)
         failures = [tf.constant(False)]
         for (b, j), result in results.items():
             targets = self.states[b].decompositions[self.blocks[b].symmetric_factors().index(j)]
             ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r)) for r in result]
                                or [True])  # a method may keep no decomposition
+            kept = ok if pending is None else tf.logical_and(ok, pending[b])
             for variable, value in zip(targets, result):
-                variable.assign(tf.where(ok, tf.cast(value, variable.dtype), variable))
+                variable.assign(tf.where(kept, tf.cast(value, variable.dtype), variable))
             failures.append(tf.logical_not(ok))
         failed = tf.reduce_sum(tf.cast(failures, tf.int64))
         warn_if(failed > 0, "KFAC warning:", failed,
@@ -326,8 +412,12 @@ class Curvature:
     def update_decompositions_if_due(self, step, damping, interval, ready=True):
         """`update_decompositions` at a due and `ready` step (as for factors). Under
         "owner", at another step after a restore, `rebuild_decompositions` (the schedule
-        is the saved one); before the first decomposition there is nothing to rebuild."""
+        is the saved one); before the first decomposition there is nothing to rebuild.
+        With adaptive stale statistics an owner also rebuilds at a due step first: the
+        blocks not decomposed there keep what the run computed."""
         def update():
+            if self.adaptive is not None and self.decomposed_damping is not None:
+                rebuild_if_stale()
             failed = self.update_decompositions(damping)
             self.counters.next_decomposition_step.assign(step + interval(step))
             return failed
@@ -413,10 +503,17 @@ class Curvature:
         return slots
 
     def summary(self):
-        """Per block its layer, kind and factor shapes; the bytes of the state created."""
+        """Per block its layer, kind and factor shapes (with adaptive stale statistics,
+        once the state exists, also its factor interval and next due step); the bytes of
+        the state created."""
         managed = [{"layer": b.path, "kind": b.kind,
                     "factor_shapes": [list(s) for s in b.factor_shapes()]}
                    for b in self.blocks]
+        if self.adaptive is not None and self.adaptive.intervals is not None:
+            intervals, next_steps = [tf.convert_to_tensor(v).numpy() for v in
+                                     (self.adaptive.intervals, self.adaptive.next_steps)]
+            for entry, interval, due in zip(managed, intervals, next_steps):
+                entry.update(factor_interval=int(interval), next_factor_step=int(due))
         state_bytes = 0 if self.states is None else sum(
             int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
             for v in self.variables(saved_only=False) + self.rebuild_variables())

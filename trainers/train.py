@@ -85,8 +85,8 @@ def _define_kfac_flags():
             flags.DEFINE_enum(flag, default, [c for c in choices if c is not None], doc)
         elif isinstance(field.default, bool):
             flags.DEFINE_bool(flag, default, doc)
-        elif isinstance(field.default, int):
-            flags.DEFINE_integer(flag, default, doc)
+        elif isinstance(field.default, int) or int in getattr(field.type, "__args__", ()):
+            flags.DEFINE_integer(flag, default, doc)  # an int, or an int or None
         else:
             flags.DEFINE_float(flag, default, doc + (" 0 turns it off." if field.name == "kl_clip"
                                                      else ""))
