@@ -4,10 +4,11 @@ distribution (docs/design.md §2, "Which Fisher").
 The reference is the expectation over the draws, computed exactly in numpy (float64,
 from the float32 weights) for a two-layer net (Dense tanh, then Dense outputs): per
 example, the output gradient g = N dL̃/ds at the output layer is p − e_c with probability
-p_c (softmax cross-entropy), or −(2/d) σ ε with ε ~ N(0, I), σ² = d/2 (mean squared
-error over d outputs); the hidden layer's is J g, J = diag(1 − h²) W₂. Then
-G = (1/N) Σ_i E[g_i g_iᵀ], which for the output layer is (1/N) Σ_i (diag(p_i) − p_i p_iᵀ),
-resp. (2/d) I. One step of N examples draws one label each: each entry of the sampled G
+p_c (softmax cross-entropy), (q − y)/d with probability Π_j q_j^y_j (1 − q_j)^(1 − y_j) for
+each y in {0, 1}^d (binary cross-entropy over d sigmoid outputs q), or −(2/d) σ ε with
+ε ~ N(0, I), σ² = d/2 (mean squared error over d outputs); the hidden layer's is J g,
+J = diag(1 − h²) W₂. Then G = (1/N) Σ_i E[g_i g_iᵀ], which for the output layer is
+(1/N) Σ_i (diag(p_i) − p_i p_iᵀ), (1/(N d²)) Σ_i diag(q_i (1 − q_i)), resp. (2/d) I. One step of N examples draws one label each: each entry of the sampled G
 is a mean of N independent terms whose variances the reference also computes exactly,
 and it must lie within 5 standard errors of the expectation (by the central limit
 theorem, a 6e-7 chance per entry for a correct G; the draws are seeded, so the test is
@@ -15,6 +16,7 @@ deterministic). The empirical G (observed labels) must lie outside that band: th
 tolerance separates the two Fishers.
 """
 
+import itertools
 import os
 import tempfile
 
@@ -31,11 +33,13 @@ D_IN, HIDDEN, OUTPUTS = 5, 4, 3
 N = 4096
 STANDARD_ERRORS = 5.0
 EVERY_STEP = dict(factor_update_freq=1, decomposition_update_freq=1)
-# name: (loss as compiled, output activation, categorical draws?)
+# name: (loss as compiled, output activation, the draws' distribution)
 LOSSES = {
-    "sparse_logits": (keras.losses.SparseCategoricalCrossentropy(from_logits=True), None, True),
-    "categorical_probabilities": ("categorical_crossentropy", "softmax", True),
-    "mse": (keras.losses.MeanSquaredError(), None, False),
+    "sparse_logits": (keras.losses.SparseCategoricalCrossentropy(from_logits=True), None,
+                      "categorical"),
+    "categorical_probabilities": ("categorical_crossentropy", "softmax", "categorical"),
+    "binary_probabilities": ("binary_crossentropy", "sigmoid", "bernoulli"),
+    "mse": (keras.losses.MeanSquaredError(), None, "normal"),
 }
 
 
@@ -55,6 +59,8 @@ def examples(name, count=N, seed=0):
         return x, np.zeros(count, "int32")
     if name == "categorical_probabilities":
         return x, np.eye(OUTPUTS, dtype="float32")[np.zeros(count, "int32")]
+    if name == "binary_probabilities":
+        return x, np.ones((count, OUTPUTS), "float32")
     return x, np.full((count, OUTPUTS), 3.0, "float32")
 
 
@@ -86,16 +92,25 @@ def expected_g(name, weights):
     out = h @ w2 + b2
     jacobians = {"out": np.broadcast_to(np.eye(OUTPUTS), (N, OUTPUTS, OUTPUTS)),
                  "hidden": (1 - h ** 2)[:, :, None] * w2[None]}  # J_i: (N, HIDDEN, OUTPUTS)
+    kind = LOSSES[name][2]
+    if kind == "categorical":
+        # Every possible draw c: g = p − e_c, with probability p_c.
+        probabilities = np.exp(out - out.max(axis=1, keepdims=True))
+        probabilities /= probabilities.sum(axis=1, keepdims=True)
+        outcomes = probabilities[:, None, :] - np.eye(OUTPUTS)[None]
+    elif kind == "bernoulli":
+        # Every possible draw y in {0, 1}^d: g = (q − y)/d.
+        q = 1 / (1 + np.exp(-out))
+        ys = np.array(list(itertools.product((0.0, 1.0), repeat=OUTPUTS)))
+        probabilities = np.prod(np.where(ys[None] == 1, q[:, None], 1 - q[:, None]), axis=2)
+        outcomes = (q[:, None, :] - ys[None]) / OUTPUTS
     result = {}
     for layer, jacobian in jacobians.items():
-        if LOSSES[name][2]:
-            p = np.exp(out - out.max(axis=1, keepdims=True))
-            p /= p.sum(axis=1, keepdims=True)
-            # Every possible draw c: g = J (p − e_c), with probability p_c.
-            draws = np.einsum("iab,icb->ica", jacobian, p[:, None, :] - np.eye(OUTPUTS)[None])
-            products = draws[:, :, :, None] * draws[:, :, None, :]  # (N, c, a, b)
-            mean = np.einsum("ic,icab->iab", p, products)
-            second = np.einsum("ic,icab->iab", p, products ** 2)
+        if kind != "normal":
+            draws = np.einsum("iab,icb->ica", jacobian, outcomes)  # (N, outcome, a)
+            products = draws[:, :, :, None] * draws[:, :, None, :]
+            mean = np.einsum("ic,icab->iab", probabilities, products)
+            second = np.einsum("ic,icab->iab", probabilities, products ** 2)
             variance = second - mean ** 2
         else:
             # g = M ε with M = −(2/d) σ J: E[g gᵀ] = M Mᵀ, and for a Gaussian
@@ -175,7 +190,7 @@ class ObservedGradientTest(absltest.TestCase):
 class RefusedTest(parameterized.TestCase):
 
     @parameterized.named_parameters(
-        ("binary_crossentropy", "binary_crossentropy", "'binary_crossentropy'"),
+        ("mean_absolute_error", "mae", "'mae'"),
         ("huber", keras.losses.Huber(), "Huber"),
         ("function", lambda y, p: tf.reduce_mean((y - p) ** 2), "lambda"),
         ("class_axis", keras.losses.CategoricalCrossentropy(axis=0), "axis 0"),
@@ -190,7 +205,8 @@ class RefusedTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "fisher='sampled'") as caught:
             model.fit(x, y, batch_size=8, epochs=1, verbose=0)
         self.assertIn(named, str(caught.exception))
-        self.assertIn("SparseCategoricalCrossentropy, CategoricalCrossentropy",
+        self.assertIn("SparseCategoricalCrossentropy, CategoricalCrossentropy, "
+                      "BinaryCrossentropy",
                       str(caught.exception))
 
     def test_unknown_fisher_and_an_ignored_seed(self):

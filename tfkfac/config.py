@@ -136,7 +136,8 @@ class KFACConfig:
         "empirical", validation.one_of(FISHERS),
         "empirical: G and the diagonal blocks from the loss's gradients at the observed "
         "labels; sampled: at labels drawn from the model's predictive distribution, one "
-        "per example (softmax cross-entropy, mean squared error; docs/design.md §2).")
+        "per example (softmax or binary cross-entropy, mean squared error; "
+        "docs/design.md §2).")
     fisher_seed: int = _setting(
         0, lambda name, value: validation.integer(name, value, 0, validation.INT64_MAX),
         "With fisher='sampled': the seed of the draws (stateless, keyed by the step and "

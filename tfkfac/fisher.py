@@ -5,7 +5,7 @@ gradients of the loss at the observed labels, which the weight gradients need an
 The sampled Fisher (Martens & Grosse 2015 §5; kfac-jax's and TF1 tensorflow/kfac's
 default) takes them from the same loss at labels ỹ ~ p(y | x; θ), the model's own
 predictive distribution, one draw per example: softmax cross-entropy draws ỹ from the
-softmax, mean squared error draws ỹ = f(x) + N(0, σ²I) with σ² = d/2 (d the size of the
+softmax, binary cross-entropy each output from its Bernoulli, mean squared error draws ỹ = f(x) + N(0, σ²I) with σ² = d/2 (d the size of the
 last axis, which Keras's MSE averages over), the variance for which that loss is the
 Gaussian's negative log-likelihood up to a constant, so that E[g gᵀ] is the loss's own
 Hessian in output space, (2/d)·I (docs/design.md §2). The weight gradients handed to the
@@ -31,20 +31,23 @@ FISHERS = ("empirical", "sampled")
 SAMPLED_LOSSES = {
     keras.losses.SparseCategoricalCrossentropy: "categorical",
     keras.losses.CategoricalCrossentropy: "categorical",
+    keras.losses.BinaryCrossentropy: "bernoulli",
     keras.losses.MeanSquaredError: "normal",
     keras.losses.sparse_categorical_crossentropy: "categorical",
     keras.losses.categorical_crossentropy: "categorical",
+    keras.losses.binary_crossentropy: "bernoulli",
     keras.losses.mean_squared_error: "normal",
 }
-ALLOWED = ("keras.losses.SparseCategoricalCrossentropy, CategoricalCrossentropy (with or "
-           "without from_logits) or MeanSquaredError, as an instance, a function or its name "
-           "(e.g. 'sparse_categorical_crossentropy', 'mse')")
+ALLOWED = ("keras.losses.SparseCategoricalCrossentropy, CategoricalCrossentropy, "
+           "BinaryCrossentropy (with or without from_logits) or MeanSquaredError, as an "
+           "instance, a function or its name (e.g. 'sparse_categorical_crossentropy', 'mse')")
 
 
 class PredictiveDistribution(typing.NamedTuple):
     """The distribution a compiled loss is the negative log-likelihood of (up to a
-    constant): "categorical" over the last axis (the predictions are logits when
-    `from_logits`, else probabilities) or "normal" (mean the predictions, σ² = d/2).
+    constant): "categorical" over the last axis or "bernoulli" per output (the
+    predictions are logits when `from_logits`, else probabilities), or "normal" (mean
+    the predictions, σ² = d/2).
     `reduction`: the compiled loss's, which the loss at the draws keeps, so that G's
     normalisation is the empirical Fisher's."""
 
@@ -60,6 +63,9 @@ class PredictiveDistribution(typing.NamedTuple):
         if self.kind == "categorical":
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=self.from_logits,
                                                               reduction=self.reduction)
+        elif self.kind == "bernoulli":
+            loss = keras.losses.BinaryCrossentropy(from_logits=self.from_logits,
+                                                   reduction=self.reduction)
         else:
             loss = keras.losses.MeanSquaredError(reduction=self.reduction)
         with tf.GradientTape() as tape:
@@ -72,6 +78,10 @@ class PredictiveDistribution(typing.NamedTuple):
         if self.kind == "normal":
             stddev = tf.sqrt(tf.cast(tf.shape(values)[-1], tf.float32) / 2.0)
             return values + stddev * tf.random.stateless_normal(tf.shape(values), seed)
+        if self.kind == "bernoulli":
+            ones = tf.sigmoid(values) if self.from_logits else values
+            return tf.cast(tf.random.stateless_uniform(tf.shape(values), seed) < ones,
+                           tf.float32)
         classes = tf.shape(values)[-1]
         logits = tf.reshape(values, (-1, classes))
         if not self.from_logits:  # probabilities, normalized or not
