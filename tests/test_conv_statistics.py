@@ -9,7 +9,7 @@ The blocks run in float64 too, so the two agree to float64 rounding (rtol 1e-10)
 checked as well: G = (1/(N T)) Σ_i w_i Σ_t g_it g_itᵀ with g = N dL/ds.
 
 Layers the correlation does not cover (strides, groups, depthwise, transposed, 1x1,
-the reduce rule) keep the im2col path; an end-to-end step of a small conv net gives the
+fewer than 8 input channels, the reduce rule) keep the im2col path; an end-to-end step of a small conv net gives the
 same factors either way (float32 rounding).
 """
 
@@ -25,6 +25,7 @@ import tensorflow as tf  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
+from tfkfac.blocks import conv_correlation  # noqa: E402
 from kfac_reference import managed_factors  # noqa: E402
 
 N = 3
@@ -112,25 +113,28 @@ def assert_factors(test, got, want, rtol=RTOL):
 
 # (name, layer builder, input shape without the batch)
 CORRELATION_CASES = [
-    ("same_3x3", lambda bias: L.Conv2D(4, 3, padding="same", use_bias=bias), (7, 9, 2)),
-    ("valid_3x3", lambda bias: L.Conv2D(3, 3, padding="valid", use_bias=bias), (6, 5, 3)),
-    ("same_5x5", lambda bias: L.Conv2D(3, 5, padding="same", use_bias=bias), (8, 7, 2)),
+    ("same_3x3", lambda bias: L.Conv2D(4, 3, padding="same", use_bias=bias), (7, 9, 8)),
+    # Large enough that the whole input minus what each window misses is cheaper.
+    ("same_3x3_large", lambda bias: L.Conv2D(3, 3, padding="same", use_bias=bias),
+     (12, 13, 8)),
+    ("valid_3x3", lambda bias: L.Conv2D(3, 3, padding="valid", use_bias=bias), (6, 5, 8)),
+    ("same_5x5", lambda bias: L.Conv2D(3, 5, padding="same", use_bias=bias), (8, 7, 8)),
     ("dilation_2_same", lambda bias: L.Conv2D(3, 3, padding="same", dilation_rate=2,
-                                              use_bias=bias), (9, 8, 2)),
+                                              use_bias=bias), (9, 8, 8)),
     ("dilation_2_valid", lambda bias: L.Conv2D(3, 3, padding="valid", dilation_rate=(2, 1),
-                                               use_bias=bias), (7, 6, 2)),
+                                               use_bias=bias), (7, 6, 8)),
     # 'same' with an even kernel pads 1 before and 2 after; a (4, 2) kernel.
     ("even_kernel_same", lambda bias: L.Conv2D(2, (4, 2), padding="same", use_bias=bias),
-     (6, 5, 2)),
+     (6, 5, 8)),
     # Dilation 3 on 3 positions: some taps' windows lie wholly in the padding.
     ("windows_in_padding", lambda bias: L.Conv2D(2, 3, padding="same", dilation_rate=3,
-                                                 use_bias=bias), (3, 4, 2)),
+                                                 use_bias=bias), (3, 4, 8)),
     ("conv1d_causal", lambda bias: L.Conv1D(3, 3, padding="causal", dilation_rate=2,
-                                            use_bias=bias), (11, 2)),
-    ("conv1d_same", lambda bias: L.Conv1D(3, 4, padding="same", use_bias=bias), (9, 3)),
-    ("conv3d_same", lambda bias: L.Conv3D(2, 3, padding="same", use_bias=bias), (4, 5, 3, 2)),
+                                            use_bias=bias), (11, 8)),
+    ("conv1d_same", lambda bias: L.Conv1D(3, 4, padding="same", use_bias=bias), (9, 8)),
+    ("conv3d_same", lambda bias: L.Conv3D(2, 3, padding="same", use_bias=bias), (4, 5, 3, 8)),
     ("conv3d_valid", lambda bias: L.Conv3D(2, (2, 3, 2), padding="valid", use_bias=bias),
-     (4, 5, 3, 2)),
+     (4, 5, 3, 8)),
 ]
 
 
@@ -152,18 +156,28 @@ class CorrelationTest(parameterized.TestCase):
         weights = np.array([0.5, 2.0, 1.25]) if weighted else None
         self.assert_correlation_matches(layer, [random_call(layer, shape, seed=1)], weights)
 
+    def test_both_decompositions_occur(self):
+        # `same_3x3` cuts the input into the pieces each window covers; `same_3x3_large`
+        # takes the whole input minus the pieces each window misses (coefficients −1).
+        def signs(sizes):
+            chosen = conv_correlation.regions(sizes, (3, 3), (1, 1), (1, 1), sizes)
+            return {math.prod(c[k] for (*_, c), k in zip(region, (0, 0))) for region in chosen}
+
+        self.assertNotIn(-1.0, signs((7, 9)))
+        self.assertIn(-1.0, signs((12, 13)))
+
     def test_shared_layer_sums_its_calls(self):
         # One layer called on two inputs of different sizes in one forward pass.
-        layer = built(L.Conv2D(3, 3, padding="same"), (6, 7, 2))
-        calls = [random_call(layer, (6, 7, 2), seed=2), random_call(layer, (4, 9, 2), seed=3)]
+        layer = built(L.Conv2D(3, 3, padding="same"), (6, 7, 8))
+        calls = [random_call(layer, (6, 7, 8), seed=2), random_call(layer, (4, 9, 8), seed=3)]
         self.assert_correlation_matches(layer, calls, np.array([1.0, 0.25, 3.0]))
 
     def test_part_of_the_batch(self):
         # factor_batch_fraction: the blocks' take_examples, then the statistics of n < N.
-        layer = built(L.Conv2D(3, 3, padding="same"), (5, 6, 2))
+        layer = built(L.Conv2D(3, 3, padding="same"), (5, 6, 8))
         block = block_of(layer)
         self.assertTrue(block.correlation_statistics)
-        x, g = random_call(layer, (5, 6, 2), seed=4)
+        x, g = random_call(layer, (5, 6, 8), seed=4)
         keep = tf.constant([0, 2])
         calls, _ = block.take_examples([(tf.constant(x), tf.constant(g))], None, keep, N)
         a, _ = block.batch_statistics(calls, 2)
@@ -173,23 +187,23 @@ class CorrelationTest(parameterized.TestCase):
 
     def test_bfloat16_products(self):
         # product_dtype="bfloat16": operands rounded to 8 bits of mantissa.
-        layer = built(L.Conv2D(4, 3, padding="same"), (7, 6, 3))
+        layer = built(L.Conv2D(4, 3, padding="same"), (7, 6, 8))
         block = block_of(layer, product_dtype="bfloat16")
         self.assertTrue(block.correlation_statistics)
-        calls = [random_call(layer, (7, 6, 3), seed=5)]
+        calls = [random_call(layer, (7, 6, 8), seed=5)]
         tensors = [(tf.constant(x, tf.float32), tf.constant(g, tf.float32)) for x, g in calls]
         got = [f.numpy() for f in block.batch_statistics(tensors, N)]
         assert_factors(self, got, reference_factors(calls, layer), rtol=3e-2)
 
     def test_unknown_spatial_sizes_take_im2col(self):
-        layer = built(L.Conv2D(3, 3, padding="same"), (None, None, 2))
+        layer = built(L.Conv2D(3, 3, padding="same"), (None, None, 8))
         block = block_of(layer)
         self.assertTrue(block.correlation_statistics)  # were the sizes known
         statistics = tf.function(
             lambda x, g: block.batch_statistics([(x, g)], N),
-            input_signature=[tf.TensorSpec((None, None, None, 2), tf.float64),
+            input_signature=[tf.TensorSpec((None, None, None, 8), tf.float64),
                              tf.TensorSpec((None, None, None, 3), tf.float64)])
-        calls = [random_call(layer, (5, 6, 2), seed=6)]
+        calls = [random_call(layer, (5, 6, 8), seed=6)]
         got = [f.numpy() for f in statistics(*calls[0])]
         assert_factors(self, got, reference_factors(calls, layer))
 
@@ -204,8 +218,9 @@ class FallbackTest(parameterized.TestCase):
         ("groups", lambda: L.Conv2D(4, 3, padding="same", groups=2), (6, 6, 2), {}),
         ("depthwise", lambda: L.DepthwiseConv2D(3, padding="same"), (6, 6, 2), {}),
         ("transposed", lambda: L.Conv2DTranspose(3, 3, padding="same"), (5, 5, 2), {}),
-        ("one_by_one", lambda: L.Conv2D(3, 1), (5, 5, 2), {}),
-        ("reduce_rule", lambda: L.Conv2D(3, 3, padding="same"), (6, 6, 2),
+        ("one_by_one", lambda: L.Conv2D(3, 1), (5, 5, 8), {}),
+        ("few_channels", lambda: L.Conv2D(3, 3, padding="same"), (6, 6, 4), {}),
+        ("reduce_rule", lambda: L.Conv2D(3, 3, padding="same"), (6, 6, 8),
          {"weight_sharing": "reduce"}))
     def test_im2col_path(self, make, shape, config):
         block = block_of(built(make(), shape), **config)
@@ -223,13 +238,13 @@ class EndToEndTest(absltest.TestCase):
 
     def test_factors_after_a_step_match_the_im2col_path(self):
         rng = np.random.default_rng(8)
-        x = rng.normal(size=(8, 9, 9, 3)).astype(np.float32)
+        x = rng.normal(size=(8, 9, 9, 8)).astype(np.float32)
         labels = rng.integers(0, 4, size=8)
         results = []
         for correlation in (True, False):
             keras.utils.set_random_seed(9)
             model = keras.Sequential([
-                keras.Input((9, 9, 3)),
+                keras.Input((9, 9, 8)),
                 L.Conv2D(8, 3, padding="same", activation="relu"),
                 L.Conv2D(6, 3, padding="valid", dilation_rate=2, use_bias=False,
                          activation="relu"),

@@ -97,38 +97,40 @@ class DenseCountTest(absltest.TestCase):
 
 
 class Conv2DCountTest(parameterized.TestCase):
-    """Conv2D(4, 3x3) with bias on 6x6x3 inputs, batch 2: a = 3·3·3 + 1 = 28, g = 4."""
+    """Conv2D(4, 3x3) with bias on 6x6xc inputs, batch 2: a = 3·3·c + 1, g = 4."""
 
     @parameterized.named_parameters(
-        # Stride 1: A from input correlations (tfkfac/blocks/conv_correlation.py). Per
-        # axis the taps' windows [k, k + 4) cut 0..6 into [0,1) (tap 0: offsets 0..2),
-        # [1,2) (taps 0-1: 4 offsets), [2,4) (all taps: 5), [4,5) (4), [5,6) (3):
-        # 3 + 4 + 2·5 + 4 + 3 = 24 (position, offset) pairs per axis, 24² per example,
-        # each c_in² = 9 multiply-adds (im2col: 16 rows · 27² = 11664 per example).
-        ("valid", dict(padding="valid"), 4 * 4, 2 * 24 * 24 * 9),
-        ("same_strided", dict(padding="same", strides=2), 3 * 3, 0))  # ceil(6 / 2) = 3
-    def test_factor_statistics_and_preconditioning(self, options, positions, correlation):
-        block = geometry(keras.layers.Conv2D(4, 3, **options), (6, 6, 3), batch_size=2)
-        rows = 2 * positions
+        # Stride 1 and 8 input channels: A from input correlations
+        # (tfkfac/blocks/conv_correlation.py). Per axis the taps' windows [k, k + 4) cut
+        # 0..6 into [0,1) (tap 0: offsets 0..2), [1,2) (taps 0-1: 4 offsets), [2,4) (all
+        # taps: 5), [4,5) (4), [5,6) (3): 3 + 4 + 2·5 + 4 + 3 = 24 (position, offset)
+        # pairs per axis, 24² per example, each c² = 64 multiply-adds (im2col: 16 rows ·
+        # 72² = 82944 per example).
+        ("valid_stride_1", dict(padding="valid"), 8, 4 * 4, 2 * 24 * 24 * 64),
+        ("same_strided", dict(padding="same", strides=2), 3, 3 * 3, 0),  # ceil(6 / 2) = 3
+        ("valid_3_channels", dict(padding="valid"), 3, 4 * 4, 0))  # im2col: few channels
+    def test_factor_statistics_and_preconditioning(self, options, c, positions, correlation):
+        block = geometry(keras.layers.Conv2D(4, 3, **options), (6, 6, c), batch_size=2)
+        rows, d, a = 2 * positions, 9 * c, 9 * c + 1
         self.assertEqual((block.product_rows, block.in_dim, block.a_dim, block.out_dim),
-                         (rows, 27, 28, 4))
-        self.assertEqual(block.patch_input, 2 * 6 * 6 * 3)
+                         (rows, d, a, 4))
+        self.assertEqual(block.patch_input, 2 * 6 * 6 * c)
         self.assertEqual(block.correlation_multiply_adds, correlation)
         kernels = block.statistics_kernels()
         if correlation:  # the input read as both operands, A written; no patch matrix
-            a_flops, a_bytes = 2 * correlation, BYTES * (2 * 2 * 6 * 6 * 3 + 28 * 28)
+            a_flops, a_bytes = 2 * correlation, BYTES * (2 * 2 * 6 * 6 * c + a * a)
         else:  # im2col moves bytes only
-            a_flops = 2 * rows * 28 * 28
-            a_bytes = BYTES * (2 * 6 * 6 * 3 + rows * 27) + BYTES * (rows * 28 + 28 * 28)
-        average = 3 * (28 * 28 + 4 * 4)
+            a_flops = 2 * rows * a * a
+            a_bytes = BYTES * (2 * 6 * 6 * c + rows * d) + BYTES * (rows * a + a * a)
+        average = 3 * (a * a + 4 * 4)
         self.assertEqual(flops(kernels), a_flops + 2 * rows * 4 * 4 + average)
         self.assertEqual(floor_model.total(kernels)[1],
-                         a_bytes + BYTES * (rows * 4 + 4 * 4) + BYTES * 3 * (28 * 28 + 4 * 4))
-        left, right = 2 * 28 * 28 * 4, 2 * 28 * 4 * 4
+                         a_bytes + BYTES * (rows * 4 + 4 * 4) + BYTES * 3 * (a * a + 4 * 4))
+        left, right = 2 * a * a * 4, 2 * a * 4 * 4
         self.assertEqual(flops(block.precondition_kernels("inverse")), left + right)
         self.assertEqual(flops(block.precondition_kernels("eigen")),
-                         2 * (left + right) + 3 * 28 * 4)
-        self.assertEqual(flops(block.forward_kernels()), 3 * 2 * rows * 27 * 4)
+                         2 * (left + right) + 3 * a * 4)
+        self.assertEqual(flops(block.forward_kernels()), 3 * 2 * rows * d * 4)
 
 
 class KernelTimeTest(absltest.TestCase):

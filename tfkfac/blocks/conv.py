@@ -30,8 +30,8 @@ faster than `tf.image.extract_patches` for 2-D (`bench/linalg_benchmark.py`).
   up with the unflipped kernel (transposed to (k..., c_in, c_out)), plus 1 for the bias;
   G is over c_out; T is the number of output positions.
 
-A stride-1, ungrouped Conv1D/2D/3D with more than one tap under the "expand" rule gets A
-from correlations of its input (`conv_correlation`: the same sum, about 3x fewer
+A stride-1, ungrouped Conv1D/2D/3D with more than one tap and 8 input channels or more,
+under the "expand" rule, gets A from correlations of its input (`conv_correlation`: the same sum, about 3x fewer
 multiply-adds than the im2col Gram for 3x3), when its spatial sizes are static.
 """
 
@@ -61,10 +61,13 @@ class ConvBlock(KroneckerBlock):
         self.in_dim = self.positions * self.group_in
         self.a_dim = self.in_dim + int(self.has_bias)
         self.kind = "depthwise_conv" if depthwise else f"conv{self.spatial}d"
-        # A from input correlations (module docstring) where that is the same sum.
+        # A from input correlations (module docstring) where that is the same sum and,
+        # with 8 input channels or more, faster (bench/conv_statistics.py: 1-4 channels
+        # measured slower, 8 and more faster, on 28x28 and 14x14 inputs).
         self.correlation_statistics = (
             weight_sharing == "expand" and not depthwise and self.groups == 1
-            and self.positions > 1 and all(s == 1 for s in layer.strides))
+            and self.positions > 1 and all(s == 1 for s in layer.strides)
+            and self.channels_in >= 8)
 
     def _channels(self):
         """(groups, input channels per group, output channels per group)."""

@@ -16,8 +16,11 @@ correlation is computed once, for the offsets its runs need: the core (covered b
 taps) for all (2K − 1)^n of them, (2K − 1)^n / K^(2n) of the im2col Gram's
 multiply-adds (25/81 for 3x3), the thin edge pieces for fewer. A piece covered by m
 taps needs m + K − 1 ≤ m·K offsets where im2col reads it m·K times, so it never costs
-more. The bias column is the sum of Σ_{q ∈ Q} x(q) over the same regions; the bias
-corner is the number of output positions.
+more. Alternatively B(k) is the whole input minus the pieces its window misses, with
+coefficients −1: over the whole input R(−δ) = R(δ)ᵀ, so only the offsets with δ_1 ≥ 0
+are computed (15 of 25 for 3x3), and the missed pieces are thin where the padding is
+"same"; the decomposition with fewer multiply-adds is taken. The bias column is the same
+signed sum of Σ_{q ∈ Q} x(q); the bias corner is the number of output positions.
 
 Example weights w_n multiply the left operand x(q), as they multiply a row of the Gram.
 """
@@ -54,8 +57,15 @@ def patch_gram(inputs, kernel_size, dilation, before, extents, has_bias, weights
             slice(start + r + lo * d, stop + r + hi * d)
             for (start, stop, lo, hi, _), r, d in zip(region, reach, dilation)]
         offsets = [hi - lo + 1 for _, _, lo, hi, _ in region]
-        correlation = _correlation(left[tuple(window)], right[tuple(reach_window)],
-                                   offsets, dilation, product_dtype)
+        if _whole(region, sizes, taps):  # offsets with δ_1 ≥ 0 only, by symmetry
+            reach_window[1] = slice(reach[0], reach[0] + sizes[0] + reach[0])
+            half = _correlation(left[tuple(window)], right[tuple(reach_window)],
+                                [taps[0]] + offsets[1:], dilation, product_dtype)
+            correlation = tf.gather(tf.concat([half, tf.transpose(half, (0, 2, 1))], 0),
+                                    _mirrored(taps))
+        else:
+            correlation = _correlation(left[tuple(window)], right[tuple(reach_window)],
+                                       offsets, dilation, product_dtype)
         coefficient = np.ones(positions)
         index = np.zeros((positions, positions), np.int64)
         for k in itertools.product(*[range(t) for t in taps]):
@@ -87,33 +97,75 @@ def patch_gram(inputs, kernel_size, dilation, before, extents, has_bias, weights
 
 def regions(sizes, taps, dilation, before, extents):
     """The regions whose correlations `patch_gram` sums: per region, per axis
-    (start, stop, lowest and highest offset in taps, coefficient per tap k)."""
-    return list(itertools.product(*[_segments(s, k, d, b, o) for s, k, d, b, o
-                                     in zip(sizes, taps, dilation, before, extents)]))
+    (start, stop, lowest and highest offset in taps, coefficient per tap k). Of the two
+    decompositions (`_segments`) the one with fewer multiply-adds."""
+    return min((list(itertools.product(*[_segments(*axis, complement) for axis in zip(
+        sizes, taps, dilation, before, extents)])) for complement in (False, True)),
+        key=lambda chosen: _cost(chosen, sizes, taps))
 
 
 def multiply_adds(sizes, taps, dilation, before, extents, channels):
     """Multiply-adds per example of `patch_gram`'s correlation products."""
-    return channels * channels * sum(
-        math.prod(stop - start for start, stop, *_ in region)
-        * math.prod(hi - lo + 1 for _, _, lo, hi, _ in region)
-        for region in regions(sizes, taps, dilation, before, extents))
+    return channels * channels * _cost(regions(sizes, taps, dilation, before, extents),
+                                       sizes, taps)
 
 
-def _segments(size, taps, dilation, before, extent):
-    """One axis's pieces between the ends of the taps' windows B(k) (clipped to the
-    input): (start, stop, lo, hi, coefficient per tap k), the coefficient 1 for the taps
-    whose window covers the piece (contiguous, as the windows' ends grow with k), which
-    need the offsets k' − k in [lo, hi]. Pieces no window covers are left out."""
+def _cost(chosen, sizes, taps):
+    """Σ over the regions of positions × offsets computed."""
+    total = 0
+    for region in chosen:
+        offsets = [hi - lo + 1 for _, _, lo, hi, _ in region]
+        if _whole(region, sizes, taps):
+            offsets[0] = taps[0]
+        total += math.prod(stop - start for start, stop, *_ in region) * math.prod(offsets)
+    return total
+
+
+def _whole(region, sizes, taps):
+    """Whether `region` is the whole input at every offset: its correlation at −δ is
+    the transpose of the one at δ (x is zero outside), so δ_1 ≥ 0 suffice."""
+    return all((start, stop, lo, hi) == (0, size, 1 - k, k - 1)
+               for (start, stop, lo, hi, _), size, k in zip(region, sizes, taps))
+
+
+def _mirrored(taps):
+    """For each offset δ (row-major, from −(K−1)), its index among the δ_1 ≥ 0 offsets
+    followed by their transposes: δ itself, or the transpose of −δ."""
+    half_shape = [taps[0]] + [2 * k - 1 for k in taps[1:]]
+    half = math.prod(half_shape)
+    index = []
+    for m in itertools.product(*[range(2 * k - 1) for k in taps]):
+        delta = [m_a - (k - 1) for m_a, k in zip(m, taps)]
+        if delta[0] >= 0:
+            index.append(np.ravel_multi_index([delta[0]] + list(m[1:]), half_shape))
+        else:
+            mirror = [-delta[0]] + [2 * (k - 1) - m_a for m_a, k in zip(m[1:], taps[1:])]
+            index.append(half + np.ravel_multi_index(mirror, half_shape))
+    return index
+
+
+def _segments(size, taps, dilation, before, extent, complement):
+    """One axis's segments: (start, stop, lo, hi, coefficient per tap k), the taps with a
+    nonzero coefficient needing the offsets k' − k in [lo, hi].
+
+    The ends of the taps' windows B(k) (clipped to the input) cut it into pieces. Either
+    each piece with coefficient 1 for the taps whose window covers it (contiguous, as
+    the windows' ends grow with k); or (`complement`) the whole input with 1 for every
+    tap, and each piece with −1 for the taps whose window misses it: fewer regions'
+    positions when the windows miss little, and the whole input's correlation is
+    symmetric (`_whole`).
+    """
     starts = [min(max(k * dilation - before, 0), size) for k in range(taps)]
     stops = [min(max(k * dilation - before + extent, 0), size) for k in range(taps)]
-    cuts = sorted(set(starts + stops))
-    segments = []
+    cuts = sorted(set([0, size] + starts + stops))
+    segments = [(0, size, 1 - taps, taps - 1, [1.0] * taps)] if complement else []
     for start, stop in zip(cuts, cuts[1:]):
-        covering = [k for k in range(taps) if starts[k] <= start and stop <= stops[k]]
-        if covering:
-            segments.append((start, stop, -max(covering), taps - 1 - min(covering),
-                             [1.0 if k in covering else 0.0 for k in range(taps)]))
+        covering = {k for k in range(taps) if starts[k] <= start and stop <= stops[k]}
+        chosen = [k for k in range(taps) if (k in covering) != complement]
+        if chosen:
+            sign = -1.0 if complement else 1.0
+            segments.append((start, stop, -max(chosen), taps - 1 - min(chosen),
+                             [sign if k in chosen else 0.0 for k in range(taps)]))
     return segments
 
 
