@@ -30,7 +30,7 @@ import every_block_net as net  # noqa: E402
 import tfkfac  # noqa: E402
 
 LR = 2.0 ** -7
-DAMPING, RHO = 0.25, 2.0  # λ exact in float32: a float64 state gets λ through float32
+DAMPING, RHO = 0.25, 2.0
 BATCH, STEPS = 16, 3
 FLOAT64_RTOL = 1e-9
 

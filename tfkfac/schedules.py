@@ -26,7 +26,13 @@ def checked_at(name, hyperparameter, step, dtype, minimum=0.0, allow_minimum=Fal
     if callable(hyperparameter):
         return tf.cast(checked(name, hyperparameter(step), step, minimum, allow_minimum,
                                integer), dtype)
-    return tf.cast(hyperparameter, dtype)
+    return tf.cast(_as_tensor(hyperparameter), dtype)
+
+
+def _as_tensor(value):
+    """`value` as a tensor, a Python float as float64: TensorFlow would make it a float32,
+    which a float64 state would then receive rounded (0.3 as 0.30000001192...)."""
+    return tf.convert_to_tensor(value, tf.float64 if isinstance(value, float) else None)
 
 
 def interval(name, value):
@@ -43,7 +49,7 @@ def checked(name, value, step, minimum=0.0, allow_minimum=False, integer=False):
     relation = ">=" if allow_minimum else ">"
     wanted = f"{'an integer' if integer else 'a finite number'} {relation} {minimum}"
     try:
-        tensor = tf.convert_to_tensor(value)
+        tensor = _as_tensor(value)
     except (TypeError, ValueError):
         tensor = None
     if tensor is None or tensor.shape.rank not in (0, None) or not (
