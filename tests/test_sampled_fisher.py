@@ -163,6 +163,26 @@ class SampledGTest(parameterized.TestCase):
             np.testing.assert_array_equal(resumed_weight, weight)
 
 
+class MixedPrecisionTest(absltest.TestCase):
+
+    def tearDown(self):
+        keras.mixed_precision.set_global_policy("float32")
+        super().tearDown()
+
+    def test_mixed_float16_unscales_the_drawn_labels_output_gradients(self):
+        """Keras's LossScaleOptimizer scales the loss (by 2^15 at first); the drawn
+        labels' output gradients must be unscaled as the observed ones are: the same
+        step then gives the float32 G up to float16 rounding (the same seeds draw the
+        same labels but where rounding moves a logit across a draw's boundary)."""
+        reference, _ = first_g("sparse_logits", fisher="sampled")
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        model, optimizer, _ = trained("sparse_logits", fisher="sampled")
+        self.assertIsInstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        for layer, g in reference.items():
+            np.testing.assert_allclose(optimizer.factors(layer)["G"], g,
+                                       atol=2e-2 * np.abs(g).max(), err_msg=layer)
+
+
 class ObservedGradientTest(absltest.TestCase):
 
     def test_update_preconditions_the_observed_label_gradient(self):
