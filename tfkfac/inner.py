@@ -133,9 +133,10 @@ class MomentumCoupling:
 
     def step(self, variables):
         """(the velocity slots of `variables`, η_max after this step, η(t)/η_max) at the
-        step the inner optimizer is about to take (0 when every rate so far is 0)."""
-        rate = tf.cast(self.optimizer.learning_rate, tf.float32)
-        peak = tf.maximum(tf.convert_to_tensor(self.peak), rate)
+        step the inner optimizer is about to take (0 when every rate so far is 0), in
+        float64: the float32 rates (η_max one of them) divide without rounding."""
+        rate = tf.cast(self.optimizer.learning_rate, tf.float64)
+        peak = tf.maximum(tf.cast(self.peak, tf.float64), rate)
         return ([self._slots[id(v)] for v in variables], peak,
                 tf.math.divide_no_nan(rate, peak))
 
