@@ -58,7 +58,7 @@ def patch_gram(inputs, kernel_size, dilation, before, extents, has_bias, weights
             for (start, stop, lo, hi, _), r, d in zip(region, reach, dilation)]
         offsets = [hi - lo + 1 for _, _, lo, hi, _ in region]
         if _whole(region, sizes, taps):  # offsets with δ_1 ≥ 0 only, by symmetry
-            reach_window[1] = slice(reach[0], reach[0] + sizes[0] + reach[0])
+            reach_window[1] = slice(reach[0], sizes[0] + 2 * reach[0])
             half = _correlation(left[tuple(window)], right[tuple(reach_window)],
                                 [taps[0]] + offsets[1:], dilation, product_dtype)
             correlation = tf.gather(tf.concat([half, tf.transpose(half, (0, 2, 1))], 0),
