@@ -18,10 +18,12 @@ eigen_adam under "owner" trains (each replica preconditions other blocks) as und
 "replicated", and `KFAC.precondition` refuses after an owner restore until a training
 step rebuilt the decompositions; in one process, every method under "owner" resumes
 exactly through a .keras file, and saves of an "owner" run by tfkfac 0.2.0 (no rebuild
-state) load and go on as that version did, with a warning.
+state) load, also by the trainer's resume, and go on as that version did, with a warning.
 """
 
+import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -47,6 +49,7 @@ import resume_matrix_worker as worker  # noqa: E402
 import tfkfac  # noqa: E402
 from every_block_net import is_eigenbasis_moment as is_moment  # noqa: E402
 from tfkfac import distributed  # noqa: E402
+from trainers import checkpoints, reporting  # noqa: E402
 from trainers.launch import run_horovod_job  # noqa: E402
 
 JOB_TIMEOUT_SECONDS = 600  # Measured 160 s on the 2-core machine at load 7.
@@ -239,6 +242,37 @@ class OlderOwnerSaveTest(absltest.TestCase):
             os.path.join(OLDER_SAVES, "ckpt"))
         with self.assertRaisesRegex(AssertionError, "decomposed"):  # names what it lacks
             status.assert_existing_objects_matched()
+        self.assert_goes_on_as_before(model)
+
+    def test_trainer_resume_loads_it_and_goes_on(self):
+        """The trainer's resume (trainers/checkpoints.py) takes it as a run's newest
+        checkpoint, as tfkfac reads it; where it lacks more than the rebuild state (into
+        placement "replicated", whose decompositions it does not hold), it refuses it."""
+        model_dir = self.create_tempdir().full_path
+        step_dir = os.path.join(model_dir, checkpoints.CHECKPOINT_SUBDIR,
+                                f"step-{older.SAVED_AFTER}")
+        os.makedirs(step_dir)
+        for name in os.listdir(OLDER_SAVES):
+            if name.startswith("ckpt."):
+                shutil.copy(os.path.join(OLDER_SAVES, name), os.path.join(
+                    step_dir, checkpoints.VARIABLES_PREFIX + name[len("ckpt"):]))
+        with open(os.path.join(step_dir, checkpoints.STATE_FILE), "w", encoding="utf-8") as f:
+            json.dump({"counters": reporting.RunCounters(steps=older.SAVED_AFTER).to_dict(),
+                       "epoch_metrics": None}, f)
+
+        def store(placement):
+            model = older.model_fn()
+            optimizer = tfkfac.KFAC(**dict(older.SETTINGS, placement=placement)).attach(model)
+            model.compile(optimizer=optimizer, loss=older.LOSS)
+            optimizer.build(model.trainable_variables)
+            return model, checkpoints.CheckpointStore(model_dir, model, optimizer)
+
+        _, replicated = store("replicated")
+        with self.assertRaises(checkpoints.CheckpointError):
+            replicated.restore(report=False)
+        model, owner = store("owner")
+        state = owner.restore()
+        self.assertEqual(state["counters"]["steps"], older.SAVED_AFTER)
         self.assert_goes_on_as_before(model)
 
 

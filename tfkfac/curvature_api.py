@@ -73,6 +73,15 @@ class CurvatureAPI:
                 "skipped": list(self._skipped), "counters": self.counters(),
                 "phase_seconds": self._clocks.values()}
 
+    def rebuild_state(self):
+        """Under placement "owner", the saved variables a restored owner rebuilds its
+        decompositions from, the last of `variables` (docs/design.md §6); none otherwise.
+        Saves of tfkfac 0.2.0 lack them: restored without them, the owner rebuilds from
+        the restored factors at its first step, with a warning."""
+        if self._counters is None:
+            return []
+        return self._curvature.rebuild_variables()
+
     def counters(self):
         """{name: int} of the steps taken and K-FAC's work so far (factor updates,
         decompositions, skipped and failed ones); empty before the state exists."""

@@ -13,7 +13,9 @@ On resume the newest checkpoint that loads is used. One that does not (a truncat
 missing file, a trainer state that is not what the trainer writes: see `check_state`) is
 reported by path with the reason, and the run falls back to the next older one with a
 warning saying how many steps of training are lost; if none loads, `CheckpointError`
-names every checkpoint tried and why. The two newest checkpoints are kept.
+names every checkpoint tried and why. The two newest checkpoints are kept. A checkpoint
+of a K-FAC run under placement "owner" by tfkfac 0.2.0, which saved no rebuild state,
+loads as tfkfac loads it (its owners rebuild from the restored factors, with a warning).
 
 Runs written before this layout (`checkpoints/epoch-<N>` with `trainer_state.json` in
 the model dir) are still found and resumed.
@@ -25,13 +27,16 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import types
 import typing
 
 from absl import logging
+import keras
 import numpy as np
 import tensorflow as tf
 
+import tfkfac
 from trainers import errors, reporting, storage
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -370,6 +375,11 @@ def read_state(model_dir):
     return find_loadable(model_dir)[0]
 
 
+def _saved_keys(prefix):
+    """The keys of the tensors a `tf.train.Checkpoint` saved at `prefix`."""
+    return {name for name, _ in tf.train.list_variables(prefix)}
+
+
 def _fault(point, step):
     wanted = os.environ.get(FAULT_ENV, "")
     name, _, at_step = wanted.partition("@")
@@ -399,6 +409,7 @@ class CheckpointStore:
         self.model_dir = model_dir
         self.directory = os.path.join(model_dir, CHECKPOINT_SUBDIR)
         self.max_to_keep = max_to_keep
+        self._optimizer = optimizer
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
         variables = {id(v): v for v in model.variables + optimizer.variables}.values()
         # What a checkpoint's data file holds (its index and state file add a few KB).
@@ -495,15 +506,42 @@ class CheckpointStore:
             if path != keep:
                 shutil.rmtree(path, ignore_errors=True)
 
+    def _restore_variables(self, prefix):
+        """Restores the variables saved at `prefix`; raises AssertionError unless every
+        variable of the model and the optimizer had a value there, but for a K-FAC
+        optimizer's rebuild state (placement "owner") when the save predates it, as
+        tfkfac 0.2.0's do: the owner then rebuilds its decompositions from the restored
+        factors at its first step, with tfkfac's warning, as after tfkfac reads it."""
+        status = self._checkpoint.read(prefix)
+        try:
+            status.assert_existing_objects_matched()
+        except AssertionError:
+            if not self._lacks_only_rebuild_state(prefix):
+                raise
+
+    def _lacks_only_rebuild_state(self, prefix):
+        """Whether the save at `prefix` holds every variable a save of the model and the
+        optimizer would, but a K-FAC optimizer's rebuild state (`KFAC.rebuild_state`, the
+        last of its variables, which a checkpoint keys `<optimizer>/_variables/<index>`:
+        docs/design.md §10)."""
+        optimizer, path = self._optimizer, "optimizer"
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer, path = optimizer.inner_optimizer, f"{path}/inner_optimizer"
+        if not isinstance(optimizer, tfkfac.KFAC) or not optimizer.rebuild_state():
+            return False
+        count = len(optimizer.variables)
+        rebuild = {f"{path}/_variables/{index}/.ATTRIBUTES/VARIABLE_VALUE"
+                   for index in range(count - len(optimizer.rebuild_state()), count)}
+        with tempfile.TemporaryDirectory() as directory:
+            wanted = _saved_keys(self._checkpoint.write(os.path.join(directory, "now")))
+        return rebuild <= wanted and _saved_keys(prefix) == wanted - rebuild
+
     def restore(self, report=True):
         """Restores the newest checkpoint that loads and returns its trainer state (None
         when the run has none). Newer ones that fail are reported (when `report`) with
         path, reason and the steps of training lost; `CheckpointError` if none loads."""
 
-        def restore_variables(prefix):
-            self._checkpoint.read(prefix).assert_existing_objects_matched()
-
-        state, path, failures = find_loadable(self.model_dir, restore_variables)
+        state, path, failures = find_loadable(self.model_dir, self._restore_variables)
         if report and failures:
             for step, failed, reason in failures:
                 logging.warning("checkpoint %s (step %d) cannot be loaded: %s", failed, step,
