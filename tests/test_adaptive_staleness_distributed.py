@@ -26,6 +26,7 @@ import job_results  # noqa: E402
 from trainers.launch import run_horovod_job  # noqa: E402
 
 JOB_TIMEOUT_SECONDS = 600
+FACTOR_TOLERANCE = 5e-5  # of a factor's largest entry
 
 
 class AdaptiveStalenessDistributedTest(absltest.TestCase):
@@ -68,11 +69,15 @@ class AdaptiveStalenessDistributedTest(absltest.TestCase):
                     for step, replayed in enumerate(worker.replay(records)):
                         self.assertEqual(records[step]["intervals"], replayed["intervals"])
                         self.assertEqual(records[step]["next_steps"], replayed["next_steps"])
-                    # The factors agree with one process's up to float32 rounding.
+                    # The factors agree with one process's up to float32 rounding, which
+                    # the weights carry from step to step (measured: 6e-6 of a factor's
+                    # largest entry after 40 steps).
                     for key in self.one_process:
                         if key.startswith("factor"):
-                            np.testing.assert_allclose(arrays[key], self.one_process[key],
-                                                       rtol=1e-4, atol=1e-6, err_msg=key)
+                            expected = self.one_process[key]
+                            np.testing.assert_allclose(
+                                arrays[key], expected, rtol=0,
+                                atol=FACTOR_TOLERANCE * np.max(np.abs(expected)), err_msg=key)
 
 
 if __name__ == "__main__":
