@@ -1,7 +1,7 @@
 """How far K-FAC's step length is from Adam's, per layer, and how often the KL clip binds:
 the diagnostic behind layer-wise grafting on the ViT.
 
-Grafting (docs/design.md §11) keeps K-FAC's direction P_ℓ per managed layer ℓ and takes
+Grafting (docs/design_options.md §11) keeps K-FAC's direction P_ℓ per managed layer ℓ and takes
 the length of Adam's r_ℓ = ∇_ℓ / (√v̂ + ε): it multiplies P_ℓ by ‖r_ℓ‖ / ‖P_ℓ‖. What it
 changes against K-FAC with the KL clip, which scales every layer by one ν, is therefore
 the spread of ρ_ℓ = ‖P_ℓ‖ / ‖r_ℓ‖ between layers and over training: a common factor
@@ -101,7 +101,7 @@ def managed_groups(optimizer, variables):
 
 
 class AdamDirections:
-    """Adam's direction r = ∇ / (√v̂ + ε) per variable (docs/design.md §11): v ← β2 v +
+    """Adam's direction r = ∇ / (√v̂ + ε) per variable (docs/design_options.md §11): v ← β2 v +
     (1-β2) ∇² from v = 0, v̂ = v / (1 - β2^t), t the 1-based count of updates; float64."""
 
     def __init__(self, beta_2, epsilon):

@@ -134,7 +134,7 @@ def loop_step(model, opt, loss_fn, x, y):
     return [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
 
 
-# ------------------------------------ grafting and eigenbasis Adam (docs/design.md §11)
+# ------------------------------------ grafting and eigenbasis Adam (docs/design_options.md §11)
 def adam_scale(value, moment, step, beta_2, epsilon):
     """(value / (√ŝ + ε), s): s = β2·`moment` + (1-β2)·value², ŝ = s / (1 - β2^step),
     `step` counted from 1, elementwise."""

@@ -44,7 +44,7 @@ FRESH_HINT = (
 
 
 class Captures(typing.NamedTuple):
-    """What one step gives the optimizer's `apply` (docs/design.md §7).
+    """What one step gives the optimizer's `apply` (docs/design_options.md §7).
 
     `calls()`: per block, the (inputs, unscaled output gradients) of every call. It
     builds the unscaling (and, for the sampled Fisher, the backward pass that gives the
@@ -263,7 +263,7 @@ def _fresh_weights(flags, mean_fresh_count):
 
     With equal batches of N per rank, w_i = flags_i · N / mean_r(n_r) has mean 1 over all
     ranks' examples, so each rank's (1/N) Σ_i w_i (...) averaged over ranks is the sum over
-    every fresh example divided by their number (docs/design.md §7). Counts are whole
+    every fresh example divided by their number (docs/design_options.md §7). Counts are whole
     numbers, exact in float32; the ratio is taken in float64 for float64 state. A rank
     without fresh examples contributes zeros; with none anywhere nothing is divided.
     """

@@ -66,7 +66,7 @@ class KFACConfig:
         "factor_update_freq, or a callable of the step.")
     stale_threshold: typing.Optional[float] = _setting(
         None, validation.optional(validation.positive, "turns it off"),
-        "Adaptive stale statistics (docs/design.md §12): each layer's factor interval "
+        "Adaptive stale statistics (docs/design_options.md §12): each layer's factor interval "
         "doubles while its factors change by less than this relative amount between "
         "refreshes and halves when they change more; None: every layer on "
         "factor_update_freq.")
@@ -78,13 +78,13 @@ class KFACConfig:
         "inverse", methods.check,
         "eigen: exact (A⊗G + λI)⁻¹ by eigendecompositions; inverse: π-corrected "
         "factored Tikhonov damping; eigen_adam: Adam's second moments in the factors' "
-        "eigenbases (no damping; docs/design.md §11); or a `tfkfac.Method` object "
+        "eigenbases (no damping; docs/design_options.md §11); or a `tfkfac.Method` object "
         "(docs/usage.md).", flag="kfac_method")
     grafting: typing.Optional[str] = _setting(
         None, validation.one_of(GRAFTING),
         "Each layer's step length from another optimizer, its direction from K-FAC: sgd "
         "(the gradient's norm) or adam (Adam's step's norm); None: K-FAC's own. The KL "
-        "clip has no effect under grafting and is not applied (docs/design.md §11).")
+        "clip has no effect under grafting and is not applied (docs/design_options.md §11).")
     adam_beta_2: float = _setting(
         0.999, validation.fraction,
         "β2 of the second moments of grafting='adam' and method='eigen_adam', in [0, 1).")

@@ -1,5 +1,5 @@
-"""The gradient noise scale, measured during training (docs/design.md, "The gradient
-noise scale").
+"""The gradient noise scale, measured during training (docs/design_options.md
+§13).
 
 McCandlish et al. (2018, appendix A): the gradient averaged over b examples, G_b, has
 E|G_b|² = |G|² + tr(Σ)/b, so its squared norm at two batch sizes b_small < b_big gives
@@ -173,7 +173,7 @@ class NoiseScaleProbe:
 class GradientNoiseScale(keras.callbacks.Callback):
     """Logs the gradient noise scale B_simple of each epoch: "noise_scale" of the plain
     gradient and, under K-FAC, "preconditioned_noise_scale" of the preconditioned one
-    (docs/design.md, "The gradient noise scale").
+    (docs/design_options.md §13).
 
     Data parallel (K-FAC's communicator over several ranks or replicas), from each
     rank's gradient and their average; on one process, and for Keras's own optimizers on
