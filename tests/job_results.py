@@ -45,3 +45,16 @@ def run_and_load(launch, out_variable, scenarios, process_label="rank", processe
         logging.info("scenario seconds on %s 0: %s", process_label,
                      {k: round(float(v), 1) for k, v in saved["timings"][0].items()})
     return returncode, output, exit_time, saved
+
+
+def save_each_placement(out_dir, placements, run):
+    """In a 2-rank Horovod job's process: saves `run(comm, placement)` of every placement
+    as `<placement>.rank<r>.npz` in `out_dir`; returns the communicator."""
+    from tfkfac import distributed  # only the job's processes need Horovod
+    comm = distributed.get_communicator("auto")
+    assert type(comm).__name__ == "HorovodCommunicator" and comm.size == 2, comm
+    for placement in placements:
+        np.savez(os.path.join(out_dir, f"{placement}.rank{comm.rank}.npz"),
+                 **run(comm, placement))
+        print(f"rank {comm.rank}: {placement} done", flush=True)
+    return comm

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distributed_kfac_worker as kfac_worker  # noqa: E402
-from tfkfac import distributed  # noqa: E402
+import job_results  # noqa: E402
 
 OUT_DIR_VARIABLE = "OSAWA_RECIPE_OUT_DIR"
 PLACEMENTS = ("replicated", "owner")
@@ -52,12 +52,7 @@ def run(comm, placement):
 
 
 def main(out_dir):
-    comm = distributed.get_communicator("auto")
-    assert type(comm).__name__ == "HorovodCommunicator" and comm.size == 2, comm
-    for placement in PLACEMENTS:
-        np.savez(os.path.join(out_dir, f"{placement}.rank{comm.rank}.npz"),
-                 **run(comm, placement))
-        print(f"rank {comm.rank}: {placement} done", flush=True)
+    job_results.save_each_placement(out_dir, PLACEMENTS, run)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import job_results  # noqa: E402
 import tfkfac  # noqa: E402
-from tfkfac import distributed, stale_steps  # noqa: E402
+from tfkfac import stale_steps  # noqa: E402
 
 OUT_DIR_VARIABLE = "STALE_STEPS_OUT_DIR"
 PLACEMENTS = ("replicated", "owner")
@@ -117,12 +118,7 @@ def run_jit(comm):
 
 
 def main(out_dir):
-    comm = distributed.get_communicator("auto")
-    assert type(comm).__name__ == "HorovodCommunicator" and comm.size == 2, comm
-    for placement in PLACEMENTS:
-        np.savez(os.path.join(out_dir, f"{placement}.rank{comm.rank}.npz"),
-                 **run_placement(comm, placement))
-        print(f"rank {comm.rank}: {placement} done", flush=True)
+    comm = job_results.save_each_placement(out_dir, PLACEMENTS, run_placement)
     np.savez(os.path.join(out_dir, f"jit.rank{comm.rank}.npz"), **run_jit(comm))
     print(f"rank {comm.rank}: jit done", flush=True)
 
