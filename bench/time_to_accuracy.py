@@ -30,10 +30,10 @@ Protocol, identical for every entry but `kfac_constant`:
 3. Measurement: the kept point with `--seeds` seeds on the full train split over the
    model's whole budget (`max_epochs`; no stop at a target: the schedule spans the
    budget and the best accuracy within it is reported), test accuracy every
-   `eval_every_steps` steps; first-order entries compile with XLA where that is
-   faster for the model (`first_order_xla`). Reported for each target: median training
-   wall time (evaluation excluded) and steps to it over the seeds (a seed that never
-   reaches it counts as infinite); the best test accuracy of each seed within the budget; the
+   `eval_every_steps` steps; first-order and K-FAC entries each compile with XLA where
+   that is faster for the model (`first_order_xla`, `kfac_xla`). Reported for each
+   target: median training wall time (evaluation excluded) and steps to it over the
+   seeds (a seed that never reaches it counts as infinite); the best test accuracy of each seed within the budget; the
    accuracy-vs-time curves; the ratios of each K-FAC entry to each first-order one and,
    per target, to the best first-order entry measured (`<entry>_over_best_first_order`).
    `--fixed_entries` adds entries measured the same way at a stated, untuned setting.
@@ -112,24 +112,27 @@ VIT_TARGETS = (0.84, 0.85, 0.86)
 # or Adam seed reached 0.90 at a constant learning rate. λ = 5e-5 is where both usual
 # recipes meet (SGD: weight decay 5e-4 at learning rate 0.1; AdamW: 0.05 at 1e-3); it is
 # not tuned (that would double every entry's budget), and the same for every model.
-# `first_order_xla`: whether the first-order entries' timed runs compile their train step
-# with XLA, each model the faster way (bench/results/step_floor.json, SGD with XLA
-# against without: ViT 49 against 55 ms, CNN 32 against 14, ResNet-20 186 against 136;
-# AdamW on the ViT, 300 steps on the idle machine: 94 against 102 ms). K-FAC keeps
-# the trainer's default (off: its CPU default). Accuracy does not depend on it, so the
-# tuning trials run without.
+# `first_order_xla` / `kfac_xla`: whether the timed runs of the first-order and of the
+# K-FAC entries compile their train step with XLA (`jit_compile=True`), each the faster
+# way for the model as measured side by side on the idle machine: ResNet-20 batch 128
+# (bench/results/step_time_idle/, 2026-11-27) SGD 435 ms with XLA against 534 without,
+# amortized eigen_adam 1.08x against 1.17x the faster SGD's step; the CNN's SGD 99 ms
+# with against 42 without (step_time.json); the ViT's AdamW 94 against 102 ms (300 steps,
+# idle), its K-FAC not measured with XLA (off). Accuracy does not depend on it, so the
+# tuning trials run without, and a recorded tuning is reused whatever these say.
 BUDGETS = {
     "cnn": dict(tune_epochs=2, max_epochs=10, eval_every_steps=100,
                 target_accuracies=(0.88, 0.89, 0.90), weight_decay=5e-5,
-                first_order_xla=False),
+                first_order_xla=False, kfac_xla=False),
     "resnet20": dict(tune_epochs=1, max_epochs=8, eval_every_steps=200,
                      target_accuracies=(0.88, 0.89, 0.90), weight_decay=5e-5,
-                     first_order_xla=False),
+                     first_order_xla=True, kfac_xla=True),
     # The ViT: a first-order step is ~0.1 s at batch 128 at load ~5, K-FAC (10/100
     # schedule) ~1.1x that; per entry 8 tuning trials of 2 epochs and 3 timed runs of
     # 10 epochs, about 25 min on 2 idle cores.
     "vit": dict(tune_epochs=2, max_epochs=10, eval_every_steps=200,
-                target_accuracies=VIT_TARGETS, weight_decay=5e-5, first_order_xla=True),
+                target_accuracies=VIT_TARGETS, weight_decay=5e-5, first_order_xla=True,
+                kfac_xla=False),
 }
 AUTOENCODER_EVAL_EVERY_STEPS = 100
 # Stated settings, constant learning rate (measured under the earlier protocol; not tuned).
@@ -194,19 +197,27 @@ def recorded_tuning(model, optimizer):
     result = previous.get("models", {}).get(model, {})
     scores = (result.get("optimizers", {}).get(optimizer, {}).get("tuning")
               or result.get("tuned_only", {}).get(optimizer, {}).get("trials"))
-    today = json.loads(json.dumps({"budget": BUDGETS[model], "entry": OPTIMIZERS[optimizer],
+    today = json.loads(json.dumps({"budget": tuning_budget(BUDGETS[model]),
+                                   "entry": OPTIMIZERS[optimizer],
                                    "grid": GRIDS[model][optimizer]}))
-    recorded = {"budget": previous["budgets"].get(model),
+    recorded = {"budget": tuning_budget(previous["budgets"].get(model) or {}),
                 "entry": previous["protocol"]["entries"].get(optimizer),
                 "grid": [score["setting"] for score in scores or ()]}
     same_schedule = previous["protocol"].get("warmup_fraction") == WARMUP_FRACTION
     return scores if scores and same_schedule and recorded == today else None
 
 
+def tuning_budget(budget):
+    """What of a model's budget the tuning trials depend on: all but the timed runs' XLA
+    choices."""
+    return {key: value for key, value in budget.items() if not key.endswith("_xla")}
+
+
 def measure(model, optimizer, setting):
     """`--seeds` runs over the model's whole budget: time and steps to each target, and
     the best test accuracy within the budget."""
-    xla = optimizer in FIRST_ORDER and BUDGETS[model]["first_order_xla"]
+    family = "first_order" if optimizer in FIRST_ORDER else "kfac"
+    xla = BUDGETS[model][f"{family}_xla"]
     runs = []
     for seed in range(FLAGS.seeds):
         summary = trial(f"{model}-{optimizer}-seed{seed}-{trials.slug(setting)}"

@@ -172,6 +172,13 @@ class RecordedTuningTest(absltest.TestCase):
             tuned = time_to_accuracy.tune("vit", "sgd")
         self.assertEqual(tuned, {"trials": scores, "best": trials.GRIDS["vit"]["sgd"][-1]})
 
+    def test_the_timed_runs_xla_choice_does_not_void_a_tuning(self):
+        budget = dict(time_to_accuracy.BUDGETS["vit"])
+        budget["kfac_xla"] = not budget["kfac_xla"]
+        output_dir, scores = self.write(budget)
+        with flagsaver.flagsaver(output_dir=output_dir):
+            self.assertEqual(time_to_accuracy.recorded_tuning("vit", "sgd"), scores)
+
     def test_trials_of_another_protocol_are_not_used(self):
         output_dir, _ = self.write(dict(time_to_accuracy.BUDGETS["vit"], tune_epochs=1))
         with flagsaver.flagsaver(output_dir=output_dir):
