@@ -120,6 +120,16 @@ class KFACConfig:
         "float32", validation.one_of(tuple(WIRE_DTYPES)),
         "dtype of decompositions and preconditioned gradients on the wire (float21 as for "
         "factors; eigen_adam's moments travel bit-exact on any wire).")
+    overlap_reduction: bool = _setting(
+        False, validation.boolean,
+        "At a factor step without decompositions, precondition the layers whose "
+        "preconditioning reads no factors while the factor reduction is in flight "
+        "(same numbers; docs/design.md §6). Needs several ranks.")
+    hierarchical_reduction: bool = _setting(
+        False, validation.boolean,
+        "Horovod: every mean in two levels, within each node then across nodes "
+        "(docs/design.md §6); needs several nodes, one with several ranks, and a wire K-FAC "
+        "can sum (not float21).", flag=False)
     state_dtype: str = _setting(
         "float32", validation.one_of(STATE_DTYPES),
         "dtype of factors, decompositions and preconditioning (float64 for checks "
@@ -176,6 +186,7 @@ class KFACConfig:
                 f"decomposition_update_freq={decomposition_freq}, "
                 f"factor_update_freq={factor_freq}")
         self._refuse_ignored_staleness_cap()
+        self._refuse_unmet_reduction_options()
         self._refuse_ignored_adam_settings()
 
     def _refuse_ignored_staleness_cap(self):
@@ -196,6 +207,23 @@ class KFACConfig:
                 "`max_factor_interval` must be an integer >= factor_update_freq (the "
                 f"smallest interval); received max_factor_interval={cap} with "
                 f"factor_update_freq={self.factor_update_freq}")
+
+    def _refuse_unmet_reduction_options(self):
+        """Overlap cannot survive phase clocks, which time the phases one after another;
+        the float21 mean is a reduce-scatter and an allgather over all ranks, which has
+        no two-level form here."""
+        if self.overlap_reduction and self.phase_clocks:
+            raise ValueError(
+                "`overlap_reduction` lets preconditioning run while the factor reduction is "
+                "in flight, and `phase_clocks` makes each phase wait for the previous one "
+                "to time it: received overlap_reduction=True with phase_clocks=True; turn "
+                "one off")
+        if self.hierarchical_reduction and self.factor_wire_dtype == "float21":
+            raise ValueError(
+                "`hierarchical_reduction` sums within nodes then across them, and the "
+                "float21 factor mean is an all-to-all and an allgather over every rank: "
+                "received hierarchical_reduction=True with factor_wire_dtype='float21'; use "
+                "float32, float16 or float64 on the wire, or hierarchical_reduction=False")
 
     def _refuse_ignored_adam_settings(self):
         """`adam_beta_2` and `adam_epsilon` act on grafting "adam" and the method named
