@@ -123,9 +123,11 @@ class UpdateChain:
                 + self.curvature.rebuild_variables()
                 + (self.coupling.variables() if self.coupling is not None else []))
 
-    def gradients(self, grads, variables, damping, step):
-        """What the inner optimizer receives for `grads` of `variables` at `step`."""
-        preconditioned = self.curvature.precondition(grads, variables, damping, step=step)
+    def gradients(self, grads, variables, damping, step, during=None):
+        """What the inner optimizer receives for `grads` of `variables` at `step`
+        (`during`: see `Curvature.precondition`)."""
+        preconditioned = self.curvature.precondition(grads, variables, damping, step=step,
+                                                     during=during)
         if self.post is None:
             return preconditioned.grads()
         return self.post.update(preconditioned, step)

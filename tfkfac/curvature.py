@@ -81,6 +81,13 @@ class Curvature:
                          adaptive_staleness.AdaptiveStaleness(config.stale_threshold,
                                                               config.max_factor_interval))
         self._frozen = set()
+        # Per block, whether its preconditioning reads its factors (then it waits for the
+        # factor update; with `overlap_reduction` the others run while it is reduced).
+        self.reads_factors = [any(self.method.reads_factors(p) for p in block.pieces())
+                              for block in blocks]
+        if config.overlap_reduction:
+            _check_overlap(self.method, blocks, self.reads_factors, comm)
+        xla = config.xla
         xla = config.xla
         jit = bool(tf.config.list_physical_devices("GPU")) if xla == "auto" else xla
         self._statistics_fn = tf.function(self._batch_statistics, jit_compile=jit)
@@ -409,6 +416,18 @@ class Curvature:
         self.decompositions_current.assign(True)
         return failed
 
+    def decompositions_settled(self, step, ready=True):
+        """Whether `update_decompositions_if_due` changes no decomposition at `step`:
+        none due, and no owner's to rebuild. Preconditioning then reads what the
+        decompositions hold now, so a block's that reads no factors needs nothing of the
+        step's factor update (`precondition`'s `during`)."""
+        due = tf.logical_and(step >= self.counters.next_decomposition_step, ready)
+        settled = tf.logical_not(due)
+        if self.decomposed_damping is not None:
+            settled = tf.logical_and(settled, tf.logical_or(
+                self.decompositions_current, self.counters.decomposition_updates <= 0))
+        return settled
+
     def update_decompositions_if_due(self, step, damping, interval, ready=True):
         """`update_decompositions` at a due and `ready` step (as for factors). Under
         "owner", at another step after a restore, `rebuild_decompositions` (the schedule
@@ -444,12 +463,17 @@ class Curvature:
                 state, step)
         return preconditioned, updated
 
-    def precondition(self, grads, variables, damping, step=0, update_state=True):
+    def precondition(self, grads, variables, damping, step=0, update_state=True,
+                     during=None):
         """`grads` of `variables` with every managed variable's gradient preconditioned,
         as `Preconditioned`; other gradients pass unchanged.
 
         A method with state (`EigenAdam`'s moments) updates it with these gradients at
         `step` (0-based) when `update_state` (a training step), else only reads it.
+        `during` (the factor update, at a step whose decompositions are settled): called
+        after the blocks whose preconditioning reads no factors were preconditioned and
+        before the others; nothing links the two, so those blocks' work runs while the
+        factor reduction is in flight (`overlap_reduction`, docs/design.md §6).
         """
         if not self.blocks:
             return Preconditioned(list(grads), list(variables), [], [], [])
@@ -462,12 +486,15 @@ class Curvature:
                         else tf.cast(tf.convert_to_tensor(grads[i]), self.dtype)
                         for i in block_slots] for block, block_slots in zip(self.blocks, slots)]
         indices = self.placement.preconditioned_blocks()
-        states = [self.states[b] for b in indices]
-        local, updated = self._precondition_fn(
-            tuple(indices), [block_grads[b] for b in indices],
-            [s.factor_values() for s in states], [s.decomposition_values() for s in states],
-            damping, [s.method_state_values() for s in states],
-            tf.cast(step, self.dtype) + 1) if indices else ({}, {})
+        if during is None:
+            local, updated = self._precondition_blocks(indices, block_grads, damping, step)
+        else:
+            local, updated = self._precondition_blocks(
+                [b for b in indices if not self.reads_factors[b]], block_grads, damping, step)
+            during()
+            late = self._precondition_blocks([b for b in indices if self.reads_factors[b]],
+                                             block_grads, damping, step)
+            local, updated = {**local, **late[0]}, {**updated, **late[1]}
         # The updated state to store: under "owner" it travels with the preconditioned
         # gradients, so that every rank holds (and saves) every block's.
         updating = update_state and self.placement.method_keeps_state
@@ -478,6 +505,16 @@ class Curvature:
                 variable.assign(value)
         return Preconditioned(list(grads), list(variables), slots, preconditioned,
                               block_grads)
+
+    def _precondition_blocks(self, indices, block_grads, damping, step):
+        """`_precondition` of the blocks `indices` (none: nothing), from their state now."""
+        if not indices:
+            return {}, {}
+        states = [self.states[b] for b in indices]
+        return self._precondition_fn(
+            tuple(indices), [block_grads[b] for b in indices],
+            [s.factor_values() for s in states], [s.decomposition_values() for s in states],
+            damping, [s.method_state_values() for s in states], tf.cast(step, self.dtype) + 1)
 
     def block_slots(self, variables):
         """Per block, the indices of its variables in `variables`; None for a block none
@@ -518,6 +555,21 @@ class Curvature:
             int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
             for v in self.variables(saved_only=False) + self.rebuild_variables())
         return {"managed": managed, "state_bytes": state_bytes}
+
+
+def _check_overlap(method, blocks, reads_factors, comm):
+    """ValueError when `overlap_reduction` could overlap nothing: one rank (no
+    reduction), or no block whose preconditioning reads no factors."""
+    if comm.size == 1:
+        raise ValueError("`overlap_reduction` overlaps the factor reduction over ranks with "
+                         f"preconditioning; received it with 1 rank ({type(comm).__name__}), "
+                         "where nothing is reduced: set overlap_reduction=False")
+    if all(reads_factors):
+        raise ValueError(
+            "`overlap_reduction` preconditions the layers whose preconditioning reads no "
+            f"factors while the factors are reduced; under method={method!r} no managed "
+            f"layer is one (managed: {[b.path for b in blocks]}): set "
+            "overlap_reduction=False")
 
 
 def kept_examples(examples, fraction, step, rank):

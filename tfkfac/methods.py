@@ -96,6 +96,12 @@ class Method:
         """
         raise NotImplementedError
 
+    def reads_factors(self, piece):
+        """Whether `precondition` of `piece` reads its factors, not only its stored
+        decompositions and state. One that does not may run while the factors are being
+        reduced (`KFACConfig.overlap_reduction`); a method that does not say is taken to."""
+        return True
+
     def get_config(self):
         """The constructor's arguments (Keras serialization)."""
         return {}
@@ -107,6 +113,12 @@ class Method:
     def __repr__(self):
         arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{type(self).__name__}({arguments})"
+
+
+def _has_diagonal(piece):
+    """Whether `piece` has a factor kept as a diagonal, which `Eigen` and `Inverse`
+    precondition with the factor itself (a lone diagonal, or one side of a pair)."""
+    return not piece.pair or any(piece.diagonal)
 
 
 def _damped_diagonal(piece, matrix, factors, damping):
@@ -141,6 +153,9 @@ class Eigen(EigenbasisMethod):
                                   for f, d in zip(factors, decompositions)]
         return linalg.eigen_precondition(matrix, q_a, v_a, q_g, v_g, damping,
                                          product_dtype), []
+
+    def reads_factors(self, piece):
+        return _has_diagonal(piece)
 
 
 @keras.saving.register_keras_serializable(package="tfkfac")
@@ -178,6 +193,9 @@ class Inverse(Method):
         return (left / (g[..., None, :] + shift_g) if g_inverse is None
                 else linalg.matmul(left, g_inverse[0], product_dtype)), []
 
+    def reads_factors(self, piece):
+        return _has_diagonal(piece)
+
 
 @keras.saving.register_keras_serializable(package="tfkfac")
 class EigenAdam(EigenbasisMethod):
@@ -209,6 +227,9 @@ class EigenAdam(EigenbasisMethod):
         rotated = linalg.to_eigenbasis(matrix, q_a, q_g, product_dtype)
         scaled, moment = self._scale(rotated, moment, step)
         return linalg.from_eigenbasis(scaled, q_a, q_g, product_dtype), [moment]
+
+    def reads_factors(self, piece):
+        return False
 
     def _scale(self, value, moment, step):
         return linalg.adam_scale(value, tf.cast(moment, value.dtype), self.beta_2,

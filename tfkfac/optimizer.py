@@ -336,14 +336,16 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         slots = [i for i, (g, v) in enumerate(zip(grads, variables))
                  if g is not None or id(v) in managed]
 
-        def kfac_step():
+        def update_factors():
+            return curvature.update_factors_if_due(step, captures.calls, factor_interval,
+                                                   captures.weights, captures.ready)
+
+        def phases():
             # With phase clocks, each phase waits for the previous one's results (the
             # first for the gradients): the clocks then time the phases one after another.
             decomposed = grads  # a stale step (tfkfac.stale_steps) has neither phase due
             if not captures.stale:
-                updated = clocks.timed("factors", lambda: curvature.update_factors_if_due(
-                    step, captures.calls, factor_interval,
-                    captures.weights, captures.ready), after=grads)
+                updated = clocks.timed("factors", update_factors, after=grads)
                 decomposed = clocks.timed(
                     "decomposition", lambda: curvature.update_decompositions_if_due(
                         step, damping, decomposition_interval, captures.ready), after=updated)
@@ -353,6 +355,21 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                 "precondition", lambda grads: chain.gradients(grads, variables, damping, step),
                 inputs=(grads,), after=decomposed)
             return [preconditioned[i] for i in slots]
+
+        def overlapped_phases():
+            # Decompositions settled: the factor update runs inside the preconditioning,
+            # beside the blocks that do not wait for it (docs/design.md §6).
+            if captures.sub_batches is not None:  # the plain gradient's: no factors read
+                self._measure_noise_scale(step, grads, variables, damping, captures.sub_batches)
+            preconditioned = chain.gradients(grads, variables, damping, step,
+                                             during=update_factors)
+            return [preconditioned[i] for i in slots]
+
+        def kfac_step():
+            if captures.stale or not config.overlap_reduction:
+                return phases()
+            return tf.cond(curvature.decompositions_settled(step, captures.ready),
+                           overlapped_phases, phases)
 
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
                                 for g in grads if g is not None])
@@ -380,6 +397,12 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                 "GradientNoiseScale: the preconditioned gradient's noise scale needs each "
                 "rank's own gradient preconditioned, and under placement='owner' a rank "
                 "holds only its own blocks' decompositions; use placement='replicated', or "
+                "GradientNoiseScale(preconditioned=False) for the plain gradient's alone")
+        if probe.preconditioned and self.config.overlap_reduction:
+            raise ValueError(
+                "GradientNoiseScale: the preconditioned gradient's noise scale reads the "
+                "factors after their update, which overlap_reduction lets preconditioning "
+                "run beside; use overlap_reduction=False, or "
                 "GradientNoiseScale(preconditioned=False) for the plain gradient's alone")
         if attachment.noise_probe is probe:
             return False
