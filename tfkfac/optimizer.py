@@ -65,7 +65,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
             raise ValueError("`communicator` must be a tfkfac.distributed communicator (from "
                              "tfkfac.distributed.get_communicator) or None; received "
                              f"{type(communicator).__name__}")
-        self._comm = communicator or distributed.get_communicator("auto")
+        self._comm = distributed.communicator_for(communicator, config.hierarchical_reduction)
         self._init_kfac_fields()
         if model is not None:
             self.attach(model)

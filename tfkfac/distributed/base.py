@@ -44,6 +44,9 @@ class Communicator:
 
     rank = 0
     size = 1
+    # Whether means are taken in two levels, within nodes then across them (Horovod's
+    # communicator can; `get_communicator(hierarchical=True)`).
+    hierarchical = False
 
     @property
     def local_ranks(self):

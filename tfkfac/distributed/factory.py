@@ -22,7 +22,7 @@ def launched_world_size():
     return 1
 
 
-def get_communicator(kind="auto"):
+def get_communicator(kind="auto", hierarchical=False):
     """A communicator of `kind`: `single`, `horovod`, `strategy`, or `auto`.
 
     `strategy` serves the replicas of the `tf.distribute` strategy in scope
@@ -31,23 +31,56 @@ def get_communicator(kind="auto"):
     it has several replicas, otherwise `SingleProcess`. Several launched ranks without an
     importable Horovod is an error rather than a silent fallback: every rank would train
     alone; so is a strategy tfkfac cannot run under.
+
+    `hierarchical`: means in two levels, within each node then across nodes; Horovod's
+    communicator only (a ValueError naming the engine otherwise).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind == "single":
-        return SingleProcess()
+        return _not_hierarchical(SingleProcess(), hierarchical)
     if kind == "strategy" or (kind == "auto" and launched_world_size() == 1):
-        return _strategy_communicator(kind)
+        return _not_hierarchical(_strategy_communicator(kind), hierarchical)
     try:
         from tfkfac.distributed.horovod_comm import HorovodCommunicator
 
-        communicator = HorovodCommunicator()
+        communicator = HorovodCommunicator(hierarchical)
     except ImportError as error:
         raise ImportError(
             f"communicator {kind!r} needs horovod.tensorflow (launched world size "
             f"{launched_world_size()}): {error}") from error
     if kind == "auto" and communicator.size == 1:
         return SingleProcess()
+    return communicator
+
+
+def communicator_for(communicator, hierarchical):
+    """`communicator`, or `get_communicator("auto", hierarchical)` when None; ValueError
+    when a given one does not reduce as `hierarchical` asks (its process sets are made
+    with it)."""
+    if communicator is None:
+        return get_communicator("auto", hierarchical)
+    if communicator.hierarchical != hierarchical:
+        raise ValueError(
+            f"hierarchical_reduction={hierarchical} but the communicator given "
+            f"({type(communicator).__name__}) was made with hierarchical="
+            f"{communicator.hierarchical}: make it with "
+            f"tfkfac.distributed.get_communicator(kind, hierarchical={hierarchical})")
+    return communicator
+
+
+def _not_hierarchical(communicator, hierarchical):
+    """`communicator`; ValueError if `hierarchical`: only Horovod's takes means in two
+    levels."""
+    if hierarchical:
+        engine = ("one process" if communicator.size == 1 else
+                  f"tf.distribute ({type(communicator.strategy).__name__})")
+        raise ValueError(
+            f"hierarchical reduction needs Horovod; this job runs on {engine}: TensorFlow's "
+            "collective ops on CPU (ring over gRPC) have no hierarchical form, and "
+            "HierarchicalCopyAllReduce is a MirroredStrategy cross-device op for GPUs, which "
+            "K-FAC's collectives inside conditionals cannot use: set "
+            "hierarchical_reduction=False")
     return communicator
 
 

@@ -17,9 +17,14 @@ inside a non-XLA `tf.function`. Two Horovod 0.28 facts shape this file:
   `parallel_iterations=1` (or a data dependency between iterations), otherwise Horovod
   fails with "a tensor with the same name as another tensor that is currently being
   processed".
+With `hierarchical`, every floating-point mean Horovod can sum is taken in two levels
+(`_node_levels`): Horovod's own hierarchical allreduce and allgather
+(HOROVOD_HIERARCHICAL_ALLREDUCE/ALLGATHER) exist only in GPU builds (NCCL, or MPI with
+GPUs); a CPU build (Gloo or MPI) turns them off.
 """
 
 import itertools
+import os
 import weakref
 
 import tensorflow as tf
@@ -36,22 +41,34 @@ _HOROVOD_DTYPES = tuple(dtype for dtype in COPY_DTYPES if dtype != tf.bfloat16)
 
 
 class HorovodCommunicator(Communicator):
-    """Collectives over every Horovod rank; calls `hvd.init()` (idempotent)."""
+    """Collectives over every Horovod rank; calls `hvd.init()` (idempotent).
 
-    def __init__(self):
+    `hierarchical`: means in two levels, within each node then across nodes (see
+    `_hierarchical_mean`), through Horovod process sets that this constructor adds on
+    every rank (Horovod initialized here with dynamic process sets, or by the caller with
+    `hvd.init(process_sets="dynamic")`).
+    """
+
+    def __init__(self, hierarchical=False):
         import horovod.tensorflow as hvd  # Lazy: tfkfac imports without Horovod.
 
+        if hierarchical and not hvd.is_initialized():
+            hvd.init(process_sets="dynamic")
         hvd.init()
         self._hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
         super().__init__()
+        self.hierarchical = hierarchical
+        self._levels = _node_levels(hvd) if hierarchical else None
 
     def _grouped_allreduce_mean(self, tensors):
         def mean(group):
             dtype = group[0].dtype
             if dtype.name in GATHERED_MEAN_DTYPES:
                 return transport.concatenated(group, self._bfloat16_mean)
+            if self._levels is not None and dtype.is_floating:
+                return transport.concatenated(group, self._hierarchical_mean)
             return self._hvd.grouped_allreduce(
                 group, op=self._hvd.Average,
                 name=_collective_name(f"allreduce_{dtype.name}"), ignore_name_scope=True)
@@ -74,6 +91,24 @@ class HorovodCommunicator(Communicator):
         return self._hvd.alltoall(tensor, name=_collective_name("alltoall"),
                                   ignore_name_scope=True)
 
+    def _hierarchical_mean(self, flat):
+        """Mean of a 1-D tensor in two levels, as NCCL's hierarchical allreduce: a
+        reduce-scatter (sum) within the node gives each of its L ranks 1/L of the node's
+        sum, the ranks with the same local rank sum their parts across nodes, and an
+        allgather within the node reassembles the total, divided by the number of ranks.
+        Each element is summed within its node, then the node sums are summed."""
+        node, cross = self._levels
+        part = self._hvd.reducescatter(flat, op=self._hvd.Sum, process_set=node,
+                                       name=_collective_name("node_reducescatter"),
+                                       ignore_name_scope=True)
+        part = self._hvd.allreduce(part, op=self._hvd.Sum, process_set=cross,
+                                   name=_collective_name("cross_allreduce"),
+                                   ignore_name_scope=True)
+        total = self._hvd.allgather(part, process_set=node,
+                                    name=_collective_name("node_allgather"),
+                                    ignore_name_scope=True)
+        return total / tf.cast(self.size, flat.dtype)
+
     def _bfloat16_mean(self, flat):
         """Mean of a 1-D bfloat16 tensor: gather every rank's bits, average in float32."""
         gathered = self._hvd.allgather(_to_wire(flat),
@@ -81,6 +116,31 @@ class HorovodCommunicator(Communicator):
                                        ignore_name_scope=True)
         per_rank = tf.reshape(transport.from_wire(gathered, tf.bfloat16), [self.size, -1])
         return tf.cast(tf.reduce_mean(tf.cast(per_rank, tf.float32), axis=0), tf.bfloat16)
+
+
+def _node_levels(hvd):
+    """(this rank's node, the ranks with its local rank on every node) as Horovod process
+    sets, added on every rank in the same order. ValueError where two levels would be one:
+    a single node, one rank per node, or nodes with different numbers of ranks."""
+    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
+        raise ValueError(
+            "hierarchical reduction adds Horovod process sets after initialization: Horovod "
+            "was initialized without dynamic process sets; call "
+            "hvd.init(process_sets='dynamic') first, or let tfkfac initialize Horovod")
+    nodes, local = hvd.cross_size(), hvd.local_size()
+    if not hvd.is_homogeneous() or nodes == 1 or local == 1:
+        raise ValueError(
+            "hierarchical reduction sums within each node, then across nodes: it needs "
+            "several nodes with the same number of ranks, more than one each; this Horovod "
+            f"job has {hvd.size()} ranks on {nodes} node(s), {local} on this one "
+            f"({'the same' if hvd.is_homogeneous() else 'not the same'} on every node), "
+            "where it would be the flat mean: set hierarchical_reduction=False")
+    layout = hvd.allgather_object((hvd.cross_rank(), hvd.local_rank()))
+    node_sets = [hvd.add_process_set([r for r, (c, _) in enumerate(layout) if c == node])
+                 for node in range(nodes)]
+    cross_sets = [hvd.add_process_set([r for r, (_, l) in enumerate(layout) if l == position])
+                  for position in range(local)]
+    return node_sets[hvd.cross_rank()], cross_sets[hvd.local_rank()]
 
 
 _GRAPH_NAMING = weakref.WeakKeyDictionary()  # graph -> (name prefix, collective counter)
