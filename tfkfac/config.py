@@ -128,8 +128,8 @@ class KFACConfig:
     hierarchical_reduction: bool = _setting(
         False, validation.boolean,
         "Horovod: every mean in two levels, within each node then across nodes "
-        "(docs/design.md §6); needs several nodes, one with several ranks, and a wire K-FAC "
-        "can sum (not float21).", flag=False)
+        "(docs/design.md §6); needs several nodes with the same number (> 1) of ranks, "
+        "and a factor wire other than float21.", flag=False)
     state_dtype: str = _setting(
         "float32", validation.one_of(STATE_DTYPES),
         "dtype of factors, decompositions and preconditioning (float64 for checks "
