@@ -25,7 +25,8 @@ sys.path.insert(0, TESTS_DIR)
 import plan_worker as worker  # noqa: E402
 import tfkfac  # noqa: E402
 from trainers.planning import floor_model  # noqa: E402
-from tfkfac import distributed  # noqa: E402
+from tfkfac import distributed, placement as placement_lib  # noqa: E402
+from tfkfac.distributed import packing  # noqa: E402
 from trainers import models  # noqa: E402
 from trainers.launch import run_horovod_job  # noqa: E402
 from trainers.planning import (collectives, hardware, recommend, step_model,  # noqa: E402
@@ -169,12 +170,87 @@ class CollectivesTest(absltest.TestCase):
                         collectives.ring_allreduce(1e3, 1024, fabric))
         self.assertAlmostEqual(collectives.broadcast(n, ranks, fabric), 1e-5 + n / 2e9)
 
+    def test_v_collectives_carry_all_pieces_but_the_smallest(self):
+        """ReduceScatterV/AllGatherV: on a ring each link carries every piece but one, so
+        the busiest carries all but the smallest; equal pieces give the even formulas."""
+        fabric = collectives.Fabric(self.link, self.nvlink, ranks_per_node=4, links_per_node=2)
+        pieces = [1e6, 4e6, 2e6, 8e6, 3e6, 5e6, 7e6, 6e6]  # 8 ranks on 2 nodes
+        expected = 1e-5 + 6 * 1e-6 + (36e6 - 1e6) / 2e9  # 1 network step of the ring's 7
+        self.assertAlmostEqual(collectives.allgather_v(pieces, fabric), expected)
+        self.assertAlmostEqual(collectives.reduce_scatter_v(pieces, fabric), expected)
+        self.assertAlmostEqual(collectives.allgather_v([4e6] * 8, fabric),
+                               collectives.allgather(32e6, 8, fabric))
+        self.assertAlmostEqual(collectives.reduce_scatter_v([4e6] * 8, fabric),
+                               collectives.reduce_scatter(32e6, 8, fabric))
+        self.assertEqual(collectives.reduce_scatter_v([5e6], fabric), 0.0)
+
     def test_bfloat16_mean_is_an_allgather(self):
         fabric = collectives.Fabric(self.link, self.nvlink)
         self.assertEqual(step_model._mean(1e6, 8, fabric, "bfloat16"),
                          collectives.allgather(8e6, 8, fabric))
         self.assertEqual(step_model._mean(1e6, 8, fabric, "float16"),
                          collectives.allreduce(1e6, 8, fabric))
+
+
+class PapersCollectivesTest(parameterized.TestCase):
+    """`collective="reduce_scatter_v"` (Osawa et al. 2019, Ueno et al. 2020): each rank's
+    piece of the factors is what the library's owners give it, from the blocks' own
+    factor shapes; what is not a collective is as under allreduce."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.work = workloads.named("cnn").at_batch(8)
+        link = collectives.Link(bandwidth=1e9, ring_step_latency=0.0, tree_level_latency=0.0)
+        cls.fabric = collectives.Fabric(link, link)
+
+    def owned_factor_bytes(self, placement, ranks):
+        blocks = self.work.blocks["expand"]
+        owners = placement_lib.owners(placement, blocks, ranks)
+        owned = [0] * ranks
+        if placement == "owner":
+            for block, owner in zip(blocks, owners):
+                owned[owner] += sum(packing.packed_size([s]) if len(s) >= 2 else s[0]
+                                    for s in block.factor_shapes())
+        else:
+            for (b, j), owner in zip(placement_lib.factor_items(blocks), owners):
+                owned[owner] += packing.packed_size([blocks[b].factor_shapes()[j]])
+        return [4 * n for n in owned]
+
+    @parameterized.parameters("owner", "replicated")
+    def test_factors_go_to_their_owners(self, placement):
+        config = step_model.Configuration(placement=placement)
+        ranks = 3
+        papers = step_model.kfac_step(self.work, config, ranks, UNIT_DEVICE, self.fabric,
+                                      collective="reduce_scatter_v")
+        library = step_model.kfac_step(self.work, config, ranks, UNIT_DEVICE, self.fabric)
+        owned = self.owned_factor_bytes(placement, ranks)
+        seconds = (sum(owned) - min(owned)) / 1e9
+        if placement == "replicated":  # the diagonal blocks' factors every rank needs
+            diagonals = 4 * sum(s[0] for block in self.work.blocks["expand"]
+                                for s in block.factor_shapes() if len(s) == 1)
+            seconds += collectives.allreduce(diagonals, ranks, self.fabric)
+        self.assertAlmostEqual(papers["factor_reduction"].seconds, seconds)
+        self.assertLess(papers["factor_reduction"].seconds,
+                        library["factor_reduction"].seconds)
+        for phase in ("forward_backward", "factor_statistics", "decomposition",
+                      "preconditioning", "update"):
+            self.assertEqual(papers[phase], library[phase], phase)
+        if placement == "owner":  # gradients to their owners too: less than an allreduce
+            self.assertLess(papers["gradient_reduction"].seconds,
+                            library["gradient_reduction"].seconds)
+
+    def test_one_rank_has_no_collective(self):
+        config = step_model.Configuration(placement="owner")
+        self.assertEqual(
+            step_model.kfac_step(self.work, config, 1, UNIT_DEVICE, self.fabric,
+                                 collective="reduce_scatter_v"),
+            step_model.kfac_step(self.work, config, 1, UNIT_DEVICE, self.fabric))
+
+    def test_unknown_collective(self):
+        with self.assertRaisesRegex(ValueError, "allreduce, reduce_scatter_v"):
+            step_model.kfac_step(self.work, step_model.Configuration(), 2, UNIT_DEVICE,
+                                 self.fabric, collective="ring")
 
 
 class BoundAndDefaultsTest(absltest.TestCase):

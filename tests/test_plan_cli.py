@@ -50,6 +50,8 @@ class OneLineErrorsTest(parameterized.TestCase):
          "positive integer"),
         ("workers", ["--model=mlp", "--workers=0,8"], "--workers", "from 1 to 1024"),
         ("methods", ["--model=mlp", "--methods=cholesky"], "--methods", "eigen, inverse"),
+        ("collective", ["--model=mlp", "--collective=ring"], "--collective",
+         "allreduce|reduce_scatter_v"),
         ("steps_alone", ["--model=mlp", "--sgd_steps=10"], "--sgd_steps and --kfac_steps"),
         ("steps_count", ["--model=mlp", "--workers=1,2", "--sgd_steps=1,2,3",
                          "--kfac_steps=3"], "--sgd_steps", "one per worker count"),
@@ -94,12 +96,16 @@ class NamesTest(absltest.TestCase):
         code, out, err = run_plan("--model=mlp", "--workers=1,2", "--device=H100",
                                   "--network=IB-EDR", "--precision=MIXED",
                                   "--placements=Owner", "--methods=Inverse",
+                                  "--collective=Reduce_Scatter_V",
                                   f"--output_dir={output_dir}")
         self.assertIsNone(code, err)
         with open(os.path.join(output_dir, "plan.json")) as f:
             setting = json.load(f)["setting"]
-        self.assertEqual((setting["device"], setting["network"], setting["precision"]),
-                         ("h100", "ib-edr", "mixed"))
+        self.assertEqual((setting["device"], setting["network"], setting["precision"],
+                          setting["collective"]),
+                         ("h100", "ib-edr", "mixed", "reduce_scatter_v"))
+        self.assertIn("tfkfac runs allreduce, so these K-FAC times are the papers' system's",
+                      out)
         # H100's forward/backward comes from A100 40 GB's measured fraction: an estimate,
         # printed as one.
         self.assertRegex(out, r"Estimated \(no published figure\): forward/backward on h100: "

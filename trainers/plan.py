@@ -39,6 +39,10 @@ flags.DEFINE_list("input_shape", None, "H,W,C of the model's input; default 28,2
                   "the trainer's models, 224,224,3 for keras.applications.")
 flags.DEFINE_integer("classes", None, "Classes of the head (default 10 / 1000).",
                      lower_bound=1)
+flags.DEFINE_enum("collective", "allreduce", list(step_model.COLLECTIVES),
+                  "K-FAC's collectives: allreduce (what tfkfac runs) or reduce_scatter_v "
+                  "(factors ReduceScatterV'd to their owners, results AllGatherV'd: the "
+                  "papers' system, which tfkfac does not run).", case_sensitive=False)
 flags.DEFINE_list("placements", list(step_model.PLACEMENTS), "Placements compared.")
 flags.DEFINE_list("factor_wires", list(step_model.WIRE_DTYPES), "Factor wire dtypes compared.")
 flags.DEFINE_list("decomposition_wires", list(step_model.WIRE_DTYPES),
@@ -221,7 +225,7 @@ def main(argv):
                           else FLAGS.forward_backward_ms / 1e3)
     results = recommend.evaluate(work, settings["configs"], workers, device, fabric,
                                  FLAGS.precision, forward_backward_s, settings["sgd_steps"],
-                                 settings["kfac_steps"])
+                                 settings["kfac_steps"], FLAGS.collective)
     # The bound of exact K-FAC (eigen, the default wires and rule) when it was compared:
     # the method whose decompositions cost most, so the one a worker count must spread.
     exact = [c for c in settings["configs"] if recommend.same_approximation(c, "eigen")]
@@ -232,6 +236,7 @@ def main(argv):
     setting = {"model": FLAGS.model, "batch": FLAGS.batch, "device": device.name,
                "network": network.name, "precision": FLAGS.precision,
                "ranks_per_node": FLAGS.workers_per_node, "links_per_node": FLAGS.links_per_node,
+               "collective": FLAGS.collective,
                "trainable_parameters": work.trainable_parameters,
                "configurations": len(settings["configs"]),
                "refused_configurations": len(settings["refused"]),

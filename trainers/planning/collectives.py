@@ -13,6 +13,15 @@ as NCCL does; the other collectives are rings.
     allgather         p-1 steps,            (p-1)/p · N / B   (N: all ranks' bytes)
     reduce-scatter    p-1 steps,            (p-1)/p · n / B
     broadcast         one pipelined chain,  n / B
+    ReduceScatterV    p-1 steps,            (N - smallest piece) / B
+    AllGatherV        p-1 steps,            (N - smallest piece) / B
+
+ReduceScatterV and AllGatherV are the collectives of Osawa et al. (CVPR'19 §3) and Ueno et
+al. (KDD'20 Algorithm 1): each rank's piece of N bytes has its own size (a layer's factors
+summed onto its owner; an owner's results gathered from it). On a ring every piece but
+one crosses each link (reduce-scatter: the piece its sender ends with stays; allgather:
+the piece its receiver started with is not sent back), so the busiest link carries N
+less the smallest piece; with equal pieces that is (p-1)/p · N, the formulas above.
 """
 
 import dataclasses
@@ -93,3 +102,18 @@ def broadcast(n, ranks, fabric):
         return 0.0
     network_steps = 1 if fabric.nodes(ranks) > 1 else 0
     return fabric._steps_latency(1, network_steps) + n / fabric.bandwidth(ranks)
+
+
+def allgather_v(pieces, fabric):
+    """Rank r's `pieces[r]` bytes reach every rank (one piece per rank)."""
+    ranks = len(pieces)
+    if ranks == 1:
+        return 0.0
+    latency = fabric._steps_latency(ranks - 1, fabric.nodes(ranks) - 1)
+    return latency + (sum(pieces) - min(pieces)) / fabric.bandwidth(ranks)
+
+
+def reduce_scatter_v(pieces, fabric):
+    """Every rank holds all of `pieces` (bytes, one per rank); rank r ends with piece r
+    summed over the ranks: the same link load as `allgather_v`."""
+    return allgather_v(pieces, fabric)

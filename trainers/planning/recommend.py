@@ -49,14 +49,16 @@ def same_approximation(config, method=step_model.LIBRARY_DEFAULTS.method):
 
 
 def evaluate(work, configs, workers, device, fabric, precision, forward_backward_s=None,
-             sgd_steps=None, kfac_steps=None):
-    """Per worker count: SGD's phases, every configuration's step time, the fastest and the
-    fastest with the default approximation, and times to target when steps are given."""
+             sgd_steps=None, kfac_steps=None, collective="allreduce"):
+    """Per worker count: SGD's phases, every configuration's step time (K-FAC's
+    collectives `collective`, step_model.COLLECTIVES), the fastest and the fastest with
+    the default approximation, and times to target when steps are given."""
     results = []
     for i, ranks in enumerate(workers):
         sgd = step_model.sgd_step(work, ranks, device, fabric, precision, forward_backward_s)
         steps = {config: step_model.kfac_step(work, config, ranks, device, fabric, precision,
-                                              forward_backward_s) for config in configs}
+                                              forward_backward_s, collective)
+                 for config in configs}
         times = {config: step_model.step_seconds(phases) for config, phases in steps.items()}
         best = min(configs, key=times.get)
         exact = [c for c in configs if same_approximation(c)]

@@ -35,6 +35,10 @@ def table(setting, results, bound, needs, device):
              f"link(s) per node; {setting['configurations']} K-FAC configurations",
              f"Times are per step, amortized over each configuration's intervals; "
              f"forward/backward: {setting['forward_backward']}."]
+    if setting["collective"] == "reduce_scatter_v":
+        lines.append("K-FAC's collectives: ReduceScatterV of the factors to their owners, "
+                     "AllGatherV of their results (Osawa et al. 2019, Ueno et al. 2020); "
+                     "tfkfac runs allreduce, so these K-FAC times are the papers' system's.")
     if setting["steps_to_target"]:
         lines.append(f"Steps to target: {setting['steps_to_target']}.")
     for entry in results:

@@ -10,6 +10,13 @@ allgather (`horovod_comm.GATHERED_MEAN_DTYPES`), a float21 mean as the reduce-sc
 allgather of `Communicator.float21_mean`, wire bytes as `packing.wire_bytes` (float21:
 three values to a 64-bit word). What is not modelled: overlap of communication with
 computation, Horovod's negotiation, input pipelines.
+
+`collective` "allreduce" is what tfkfac runs. "reduce_scatter_v" is the papers' system
+(Osawa et al. CVPR'19 §3, Ueno et al. KDD'20 Algorithm 1), which tfkfac does not run: the
+factors ReduceScatterV'd to their owners (under "owner" with the gradients, each block's
+to its owner), the decompositions or preconditioned gradients AllGatherV'd from them;
+what every rank needs (diagonal factors under "replicated", parameters without a block,
+running statistics) still allreduced.
 """
 
 import dataclasses
@@ -30,6 +37,7 @@ METHODS = ("eigen", "inverse")
 PLACEMENTS = placement_lib.PLACEMENTS
 WIRE_DTYPES = tuple(d for d in packing.WIRE_DTYPES if d != "float64")  # float64: checks only
 STATE_ITEMSIZE = 4  # float32 factors, decompositions and gradients
+COLLECTIVES = ("allreduce", "reduce_scatter_v")
 
 
 _LIBRARY = KFACConfig()  # the library's defaults
@@ -143,9 +151,51 @@ def by_rank(values, owners, ranks):
     return owned
 
 
+def _factor_elements(shapes):
+    """Elements of `shapes` on the wire: packed triangles of the matrices, diagonals whole."""
+    return (packing.packed_size([s for s in shapes if len(s) >= 2])
+            + sum(s[0] for s in shapes if len(s) == 1))
+
+
+def _owned(counts, owners, ranks, wire):
+    """Per rank, the wire bytes of the element `counts` it owns."""
+    return [packing.wire_bytes(wire, sum(c)) for c in by_rank([[c] for c in counts], owners,
+                                                               ranks)]
+
+
+def _reduce_scatter_v(work, config, owners, ranks, fabric_):
+    """(factor reduction, gradient reduction) seconds with ReduceScatterV to the owners."""
+    shapes = [g.factor_shapes() for g in work.geometries["expand"].values()]
+    metrics = _mean(STATE_ITEMSIZE, ranks, fabric_)
+    if config.placement == "owner":  # a block's factors and gradients to its owner
+        factors = collectives.reduce_scatter_v(_owned(
+            [_factor_elements(s) for s in shapes], owners, ranks, config.factor_wire), fabric_)
+        managed = work.managed_parameters()
+        rest = work.trainable_parameters - sum(managed) + work.running_statistics
+        gradients = (collectives.reduce_scatter_v(_owned(managed, owners, ranks, "float32"),
+                                                  fabric_)
+                     + _mean(STATE_ITEMSIZE * rest, ranks, fabric_))
+        return factors, gradients + metrics
+    counts = [packing.packed_size([shapes[b][j]])  # a symmetric factor to its owner
+              for b, j in placement_lib.factor_items(work.blocks[config.weight_sharing])]
+    diagonals = packing.wire_bytes(config.factor_wire, sum(s[0] for block in shapes
+                                                           for s in block if len(s) == 1))
+    factors = (collectives.reduce_scatter_v(_owned(counts, owners, ranks, config.factor_wire),
+                                            fabric_)
+               + _mean(diagonals, ranks, fabric_, config.factor_wire))
+    gradients = STATE_ITEMSIZE * (work.trainable_parameters + work.running_statistics)
+    return factors, _mean(gradients, ranks, fabric_) + metrics
+
+
 def kfac_step(work, config, ranks, device, fabric_, precision="float32",
-              forward_backward_s=None):
-    """{phase: Phase} of a K-FAC step under `config` on `ranks` workers."""
+              forward_backward_s=None, collective="allreduce"):
+    """{phase: Phase} of a K-FAC step under `config` on `ranks` workers, its collectives
+    `collective` (COLLECTIVES)."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; "
+                         f"got {collective!r}")
+    gather = collectives.allgather_v if collective == "reduce_scatter_v" else (
+        lambda pieces, fabric: collectives.allgather(sum(pieces), ranks, fabric))
     seconds = lambda kernels, phase: device.seconds(kernels, phase, "float32", ranks)
     owners = placement_lib.owners(config.placement, work.blocks[config.weight_sharing], ranks)
     kernels, elements = zip(*decomposition_units(work, config))
@@ -155,8 +205,8 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     clip = floor_model.kl_clip_kernels(sum(parameters))
     if config.placement == "replicated":  # owners decompose, every rank preconditions all
         shared = [wire_bytes(sum(e)) for e in by_rank(elements, owners, ranks)]
-        sharing = Phase(collectives.allgather(sum(shared), ranks, fabric_),
-                        config.decomposition_interval, "decompositions", tuple(shared))
+        sharing = Phase(gather(shared, fabric_), config.decomposition_interval,
+                        "decompositions", tuple(shared))
         precondition_s = seconds([k for ks in preconditioning for k in ks] + clip,
                                  "preconditioning")
         preconditioned = Phase(0.0)
@@ -166,32 +216,31 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
                              for ks in by_rank(preconditioning, owners, ranks))
         precondition_s += seconds(clip, "preconditioning")
         sent = [wire_bytes(sum(p)) for p in by_rank([[p] for p in parameters], owners, ranks)]
-        preconditioned = Phase(collectives.allgather(sum(sent), ranks, fabric_), 1,
-                               "preconditioned", tuple(sent))
+        preconditioned = Phase(gather(sent, fabric_), 1, "preconditioned", tuple(sent))
 
-    shapes = work.factor_shapes()
-    factors = packing.wire_bytes(config.factor_wire, (
-        packing.packed_size([s for s in shapes if len(s) >= 2])
-        + sum(s[0] for s in shapes if len(s) == 1)))
+    factors = packing.wire_bytes(config.factor_wire, _factor_elements(work.factor_shapes()))
     gradients = STATE_ITEMSIZE * (work.trainable_parameters + work.running_statistics)
     metrics = STATE_ITEMSIZE  # the loss, averaged over ranks for `fit`'s logs
+    if collective == "reduce_scatter_v":
+        factor_s, gradient_s = _reduce_scatter_v(work, config, owners, ranks, fabric_)
+    else:
+        factor_s = _mean(factors, ranks, fabric_, config.factor_wire)
+        gradient_s = _mean(gradients, ranks, fabric_) + _mean(metrics, ranks, fabric_)
     statistics = [k for ks in work.statistics(config.weight_sharing) for k in ks]
     return {
         "forward_backward": Phase(_forward_backward(work, device, ranks, precision,
                                                     "forward_backward", forward_backward_s)),
         "factor_statistics": Phase(seconds(statistics, "factor_statistics"),
                                    config.factor_interval),
-        "factor_reduction": Phase(_mean(factors, ranks, fabric_, config.factor_wire),
-                                  config.factor_interval, "factors", (factors,) * ranks),
+        "factor_reduction": Phase(factor_s, config.factor_interval, "factors",
+                                  (factors,) * ranks),
         "decomposition": Phase(max(seconds(ks, "decomposition")
                                    for ks in by_rank(kernels, owners, ranks)),
                                config.decomposition_interval),
         "decomposition_sharing": sharing,
         "preconditioning": Phase(precondition_s),
         "preconditioned_sharing": preconditioned,
-        "gradient_reduction": Phase(_mean(gradients, ranks, fabric_)
-                                    + _mean(metrics, ranks, fabric_), 1, "gradients",
-                                    (gradients,) * ranks),
+        "gradient_reduction": Phase(gradient_s, 1, "gradients", (gradients,) * ranks),
         "update": Phase(seconds(work.update(), "update")),
     }
 
