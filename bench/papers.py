@@ -1,54 +1,86 @@
 """The published measurements bench/plan_validation.py checks the planner against, each
-with the table, figure or section it comes from, and what of the systems behind them a
-prediction needs.
+with the table, figure or section it comes from, and the inputs derived from them.
 
 kfac_pytorch's factor layout and its assignment of decompositions to workers are
-re-implemented here because the figures depend on them: Pauloski et al.'s Table V times
-the slowest worker's eigendecompositions and Table VI the slowest and fastest workers'
-speed-ups under that round-robin, so predicting those tables needs the same assignment
-(the library's LPT assignment would give each worker other factors), and the LPT check
-sets the two side by side.
+re-implemented here because Pauloski et al.'s Table V times the slowest worker's
+eigendecompositions under that round-robin: the V100 profile's eigh rate is fitted to its
+ResNet-50 rows and checked on its ResNet-101 and ResNet-152 rows with the same assignment.
 """
 
 # Ueno et al. 2020 (KDD'20), Table 1 (128 V100s, ResNet-50, 32 images per GPU; ms per
-# step) and §3.2.4 (one GPU's throughput).
+# step) and §3.2.4 (one GPU's throughput without communication, all SGD optimizations).
 UENO = {"gpus": 128, "batch": 32, "sgd_ms": 57.0, "images_per_s_one_gpu": 744.8,
         "rows_ms": {"distributed inverse": 251.0, "+ symmetric": 199.0, "+ float21": 182.0,
                     "+ overlap": 221.0, "+ hierarchical": 192.0, "+ stale": 108.0}}
-ABCI_GPUS_PER_NODE = 4  # ABCI compute node: 4 V100s, 2 InfiniBand EDR links
-FLOAT21_BYTES = 8 / 3  # three 21-bit values in 64 bits (Ueno et al. Figure 7)
+# An ABCI compute node (both papers' cluster): 4 V100s, 2 InfiniBand EDR links.
+ABCI_GPUS_PER_NODE, ABCI_LINKS_PER_NODE = 4, 2
 # Ueno et al. §3.3.1: ResNet-34's factors inverted in 384 ms on one V100, its largest
 # layer (factors 4608 and 512) in about 36 ms.
 UENO_CHOLESKY = {"all_factors_s": 0.384, "largest_layer_s": 0.036,
                  "largest_layer_dims": (4608, 512)}
-OSAWA_STALE_INTERVAL = 20  # Osawa et al. 2019 eq. 20's largest interval
+# Ueno et al. Table 3: the 128-GPU run, 10,920 updates at a global batch of 4,096.
+UENO_RUN = {"updates": 10920, "global_batch": 4096, "imagenet_examples": 1281167}
+
+
+def forward_backward_ms(images_per_second, batch):
+    """One GPU's step at `batch` from its throughput: what --forward_backward_ms takes."""
+    return 1e3 * batch / images_per_second
+
+
+def osawa_refresh_interval():
+    """The mean refresh interval of Osawa et al. 2019 eq. 20, min(20, 5·floor(e/5) + 1) at
+    epoch e, over the epochs of Ueno et al.'s 128-GPU run (factors refreshed on 1/interval
+    of the steps): the published schedule nearest to the stale row's adaptive one."""
+    run = UENO_RUN
+    epochs = run["updates"] * run["global_batch"] / run["imagenet_examples"]
+    whole = int(epochs)
+    refreshed = sum(1 / min(20, 5 * (e // 5) + 1) for e in range(whole))
+    refreshed += (epochs - whole) / min(20, 5 * (whole // 5) + 1)
+    return epochs / refreshed
+
 
 # Pauloski et al. 2020 (SC'20): Table IV (K-FAC-opt's improvement over SGD in time to
 # solution, 55 vs 90 epochs), Table V (ms per K-FAC update: factor computation and
-# communication, eigendecomposition computation and communication), Table VI (slowest and
-# fastest worker's eigendecomposition speed-up over 16 GPUs), §VI-C2 Table III (SGD 178
-# min for 90 epochs on 64 GPUs at 32 per GPU), §VI-C3 intervals (2000 iterations between
-# eigendecompositions on 16 GPUs, scaled with the batch; factors 10x as often).
+# communication, eigendecomposition computation and communication; ResNet-50, -101, -152),
+# §VI-C2 Table III (SGD 178 min for 90 epochs on 64 GPUs at 32 per GPU), §VI-C3 intervals
+# (2000 iterations between eigendecompositions on 16 GPUs, scaled with the batch; factors
+# 10x as often). Frontera's GPU nodes: 4 V100s, one InfiniBand EDR link.
 PAULOSKI = {
     "gpus": (16, 32, 64, 128, 256), "batch": 32,
     "improvement": (0.209, 0.197, 0.252, 0.235, 0.177), "epochs": (55, 90),
     "sgd_minutes_64": 178.0, "imagenet_examples": 1281167,
     "eigen_interval_16": 2000, "factor_per_eigen": 10,
-    "table_v": {16: (36.83, 155.79, 2256.64, 117.28), 32: (43.30, 171.57, 1668.19, 149.60),
-                64: (44.90, 154.63, 1497.96, 142.93)},
-    "table_vi": {32: (1.34, 2.88), 64: (1.55, 6.61)},
-    "parameters_per_worker": {16: (1.46e6, 2.83e7), 64: (1.64e4, 2.26e7)}}
-FRONTERA_GPUS_PER_NODE = 4  # Frontera's GPU nodes: 4 V100s, InfiniBand EDR
+    "table_v_eigen_ms": {"resnet50": {16: 2256.64, 32: 1668.19, 64: 1497.96},
+                         "resnet101": {16: 3271.72, 32: 2280.38, 64: 2410.24},
+                         "resnet152": {16: 4067.69, 32: 2758.42, 64: 2212.24}}}
+FRONTERA_GPUS_PER_NODE = 4
 
-# Osawa et al. 2019 (CVPR'19): Figure 4 (factor data of ResNet-50: 1017 MiB with
-# BatchNorm's full Fisher, 587 MiB with its diagonal), §5.2 (64 GPUs 131.1% faster per
-# iteration than 1).
-OSAWA = {"mib_full_bn": 1017.0, "mib_diagonal_bn": 587.0, "speedup_64": 2.311}
 
-# An outside estimate of where keras ResNet50's decompositions stop speeding up: the
-# bound (total / largest factor) and the rank count it said LPT reaches it at
-# (docs/planner.md, "The one-factor bound").
-LPT_OUTSIDE_ESTIMATE = {"bound": 4.63, "saturation_ranks": 16}
+def pauloski_ratio(gpus):
+    """K-FAC's step over SGD's in Table IV: time to solution (1 - improvement) over the
+    epochs' ratio (55 / 90)."""
+    kfac_epochs, sgd_epochs = PAULOSKI["epochs"]
+    improvement = PAULOSKI["improvement"][PAULOSKI["gpus"].index(gpus)]
+    return (1 - improvement) * sgd_epochs / kfac_epochs
+
+
+def pauloski_sgd_step_ms():
+    """SGD's step on 64 GPUs (Table III: 178 min for 90 epochs at 32 per GPU)."""
+    steps = PAULOSKI["epochs"][1] * PAULOSKI["imagenet_examples"] / (64 * PAULOSKI["batch"])
+    return PAULOSKI["sgd_minutes_64"] * 60e3 / steps
+
+
+def pauloski_intervals(gpus):
+    """(factor, eigendecomposition) intervals on `gpus` (§VI-C3), each rounded to an
+    integer the library accepts (the decomposition interval a multiple of the factor's)."""
+    eigen = PAULOSKI["eigen_interval_16"] * 16 / gpus
+    factor = int(eigen / PAULOSKI["factor_per_eigen"])
+    return factor, factor * int(eigen // factor)
+
+
+# Osawa et al. 2019 (CVPR'19): Figure 4 (factor data of ResNet-50: 587 MiB with
+# BatchNorm's diagonal Fisher), §5.2 (64 GPUs 131.1% faster per iteration than 1).
+OSAWA = {"mib_diagonal_bn": 587.0, "speedup_64": 2.311}
 
 
 def torchvision_order(blocks):

@@ -177,11 +177,13 @@ V100_EIGH_SOURCE = (
     "eigh: 99.4 ms per call + 9n³ at 0.688 TFLOP/s, fitted to Pauloski et al. SC'20 Table V "
     "(ResNet-50, slowest worker's eigendecompositions on 16 and 64 V100s: 2256.64 and "
     "1497.96 ms under kfac_pytorch's round-robin; PyTorch 1.1's symeig); "
-    "bench/plan_validation.py fits it and checks 32 GPUs and Table VI")
+    "bench/plan_validation.py fits it and checks it on Table V's ResNet-101 and ResNet-152 "
+    "rows")
 V100_CHOLESKY_SOURCE = (
     "Cholesky inverse: 2.38 ms per call + n³ at 3.14 TFLOP/s, solved from Ueno et al. "
     "KDD'20 §3.3.1 (ResNet-34 on one V100: all factors 384 ms, its largest layer, factors "
-    "4608 and 512, about 36 ms); bench/plan_validation.py solves it")
+    "4608 and 512, about 36 ms); bench/plan_validation.py solves it, its ResNet-50 rows "
+    "check it")
 NVIDIA_RESNET50 = ("forward/backward fraction: NVIDIA DeepLearningExamples TensorFlow "
                    "ResNet-50 v1.5 README (1d4211fe), one GPU, XLA")
 # bench/plan_validation.py derives these four from the papers' figures and prints them.
