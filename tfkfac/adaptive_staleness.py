@@ -12,6 +12,8 @@ over ranks, so every rank decides the same.
 
 import tensorflow as tf
 
+from tfkfac import state as state_lib
+
 
 def relative_change(old, new):
     """max over a block's factors of ||new - old||_F / ||old||_F (Osawa et al. CVPR'19
@@ -61,11 +63,16 @@ class AdaptiveStaleness:
         self.decomposed_dampings = add_variable((blocks,), "zeros", "adaptive_decomposed_damping",
                                                 dtype)
 
-    def variables(self):
-        return [self.intervals, self.next_steps, self.undecomposed]
+    def saved_variables(self):
+        return [(state_lib.key("adaptive_staleness", name), variable) for name, variable in (
+            ("factor_intervals", self.intervals), ("next_factor_steps", self.next_steps),
+            ("undecomposed", self.undecomposed))]
 
-    def rebuild_variables(self):
-        return [] if self.decomposed_dampings is None else [self.decomposed_dampings]
+    def saved_rebuild_variables(self):
+        if self.decomposed_dampings is None:
+            return []
+        return [(state_lib.key("adaptive_staleness", "decomposed_dampings"),
+                 self.decomposed_dampings)]
 
     def due(self, step):
         """Per block, whether its factors are due at `step`."""

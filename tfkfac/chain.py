@@ -3,10 +3,11 @@ preconditioning, then one post-transform — the KL clip, grafting, or none — 
 inner optimizer, with Osawa et al.'s momentum coupling before it and weight rescaling
 after it when asked, in the spirit of optax's `chain`.
 
-Each piece owns its state and saved variables: the curvature (`tfkfac.curvature`) its
-factors, decompositions and method state, grafting its Adam v, the momentum coupling its
-peak learning rate, the inner optimizer its own. `UpdateChain` composes them in one
-place, the save format's order included.
+Each piece owns its state and saved variables, and names them (the keys of
+tfkfac/state.py): the curvature (`tfkfac.curvature`) its factors, decompositions and
+method state, grafting its Adam v, the momentum coupling its peak learning rate, the
+inner optimizer its own. `UpdateChain` composes them in one place, the order of
+`KFAC.variables` included.
 """
 
 import math
@@ -32,10 +33,10 @@ class KLClip:
     def __init__(self, kappa, learning_rate):
         self.kappa, self.learning_rate = kappa, learning_rate
 
-    def create_state(self, model_variables, add_variable):
-        del model_variables, add_variable  # nothing to keep: ν is computed every step
+    def create_state(self, model_variables, variable_paths, add_variable):
+        del model_variables, variable_paths, add_variable  # nothing to keep: ν is per step
 
-    def variables(self):
+    def saved_variables(self):
         return []
 
     def update(self, preconditioned, step):
@@ -92,6 +93,17 @@ def weight_rescaling(config, blocks):
     return WeightRescaling(kernels)
 
 
+def variable_paths(model, variables):
+    """Per variable of `variables`, "<path of its layer in `model`>/<its name>", the layer
+    paths of `keras_integration.leaf_layers` (stable across a save and load, unlike
+    Keras's variable paths, which may hold the model's name); "#<i>", its position, for
+    one no layer of `model` holds."""
+    held = {id(v): f"{path}/{v.name}"
+            for path, layer in keras_integration.leaf_layers(model).items()
+            for v in layer.weights}
+    return [held.get(id(v), f"#{i}") for i, v in enumerate(variables)]
+
+
 class UpdateChain:
     """precondition (`curvature`) → `post` (`KLClip`, `grafting.Grafting` or None) →
     `inner`, the Keras optimizer that applies the update, its momentum coupled to its
@@ -102,26 +114,28 @@ class UpdateChain:
         self.curvature, self.post, self.inner = curvature, post, inner
         self.coupling, self.rescaling = coupling, rescaling
 
-    def create_state(self, counters, add_variable, model_variables):
-        """Every piece's saved state, in `variables` order. `add_variable(shape,
-        initializer, name, dtype)` makes an optimizer variable."""
+    def create_state(self, counters, add_variable, model_variables, variable_paths):
+        """Every piece's saved state, in `saved_variables` order. `add_variable(shape,
+        initializer, name, dtype)` makes an optimizer variable; `variable_paths` name
+        `model_variables` in saved keys (`variable_paths`)."""
         self.curvature.create_state(counters, add_variable)
         if self.post is not None:
-            self.post.create_state(model_variables, lambda shape, name, dtype: add_variable(
-                shape, "zeros", name, dtype))
+            self.post.create_state(model_variables, variable_paths,
+                                   lambda shape, name, dtype: add_variable(
+                                       shape, "zeros", name, dtype))
         self.curvature.create_rebuild_state(add_variable)
         if self.coupling is not None:
             self.coupling.create_state(add_variable, model_variables)
 
-    def variables(self):
-        """The pieces' saved variables after the inner optimizer's and the counters: the
-        curvature's, the post-transform's, then an owner's rebuild state, last so that
-        saves from before it existed still line up (tfkfac/state.py), then the momentum
-        coupling's."""
-        return (self.curvature.variables(saved_only=True)
-                + (self.post.variables() if self.post is not None else [])
-                + self.curvature.rebuild_variables()
-                + (self.coupling.variables() if self.coupling is not None else []))
+    def saved_variables(self):
+        """(key, variable) of the pieces' saved variables, which come after the inner
+        optimizer's and the counters: the curvature's, the post-transform's, then an
+        owner's rebuild state, late so that saves from before it existed still line up
+        (tfkfac/state.py), then the momentum coupling's."""
+        return (self.curvature.saved_variables()
+                + (self.post.saved_variables() if self.post is not None else [])
+                + self.curvature.saved_rebuild_variables()
+                + (self.coupling.saved_variables() if self.coupling is not None else []))
 
     def gradients(self, grads, variables, damping, step, during=None):
         """What the inner optimizer receives for `grads` of `variables` at `step`
@@ -150,7 +164,7 @@ class _InnerUpdate:
         coupling, rescaling = self.chain.coupling, self.chain.rescaling
         if coupling is not None:
             slots, peak, ratio = coupling.step(variables)
-            _assign_each(coupling.variables(), lambda _, peak: peak, peak)
+            _assign_each([coupling.peak], lambda _, peak: peak, peak)
             _assign_each(slots, lambda slot, ratio: slot * tf.cast(ratio, slot.dtype), ratio)
         self.chain.inner.apply(grads, variables)
         if rescaling is not None:

@@ -176,23 +176,50 @@ class Curvature:
             return keras.Variable(keras.initializers.get(initializer)(shape, dtype),
                                   trainable=False, name=name)
 
-    def variables(self, saved_only):
-        """Per block its factors, then the decompositions and method state saved with
-        them ("replicated"); an owner's held decompositions too unless `saved_only`.
-        Then the adaptive schedule's state, if any."""
-        replicated = self.placement.saves_decompositions
-        return [v for s in self.states
-                for v in s.variables(decompositions=replicated or not saved_only,
-                                     method_state=replicated)] + (
-            self.adaptive.variables() if self.adaptive is not None else [])
+    def saved_variables(self):
+        """(key, variable) of the saved state (keys: tfkfac/state.py), in save order: per
+        block its factors, then under "replicated" its decompositions and the method's
+        state; then the adaptive schedule's state, if any."""
+        saved = []
+        for block, state in zip(self.blocks, self.states):
+            saved += self._named_factors(block, "factor", state.factors)
+            if self.placement.saves_decompositions:
+                full = [block.factor_names()[j] for j in block.symmetric_factors()]
+                saved += [(self._method_key(block, "decomposition", name, k), variable)
+                          for name, parts in zip(full, state.decompositions or [])
+                          for k, variable in enumerate(parts)]
+                saved += self._named_method_state(block, state)
+        return saved + (self.adaptive.saved_variables() if self.adaptive is not None else [])
 
-    def rebuild_variables(self):
-        """`create_rebuild_state`'s variables, in save order (none under "replicated")."""
+    def saved_rebuild_variables(self):
+        """(key, variable) of `create_rebuild_state`'s variables, in save order (none
+        under "replicated")."""
         if self.decomposed_damping is None:
             return []
-        return [v for s in self.states for v in s.rebuild_variables()] + [
-            self.decomposed_damping] + (
-            self.adaptive.rebuild_variables() if self.adaptive is not None else [])
+        saved = []
+        for block, state in zip(self.blocks, self.states):
+            saved += (self._named_factors(block, "decomposed", state.decomposed or [])
+                      + self._named_method_state(block, state))
+        return saved + [(state_lib.key("curvature", "decomposed_damping"),
+                         self.decomposed_damping)] + (
+            self.adaptive.saved_rebuild_variables() if self.adaptive is not None else [])
+
+    def rebuild_variables(self):
+        return [variable for _, variable in self.saved_rebuild_variables()]
+
+    @staticmethod
+    def _named_factors(block, kind, variables):
+        return [(state_lib.key("block", block.path, kind, name), variable)
+                for name, variable in zip(block.factor_names(), variables)]
+
+    def _named_method_state(self, block, state):
+        return [(self._method_key(block, f"{self.method.state_name}{k}"), variable)
+                for k, variable in enumerate(state.method_state or [])]
+
+    def _method_key(self, block, *parts):
+        """The key of the method's variable `parts` of `block`: under the method's name."""
+        return state_lib.key("method", self.method.name or type(self.method).__name__,
+                             block.path, *parts)
 
     def restored(self, complete):
         """After a save was loaded into the state: an owner's decompositions are stale
@@ -551,9 +578,12 @@ class Curvature:
                                      (self.adaptive.intervals, self.adaptive.next_steps)]
             for entry, interval, due in zip(managed, intervals, next_steps):
                 entry.update(factor_interval=int(interval), next_factor_step=int(due))
-        state_bytes = 0 if self.states is None else sum(
-            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
-            for v in self.variables(saved_only=False) + self.rebuild_variables())
+        state_bytes = 0
+        if self.states is not None:
+            held = ([] if self.placement.saves_decompositions else  # an owner's, not saved
+                    [v for s in self.states for d in s.decompositions or [] for v in d])
+            state_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in [
+                v for _, v in self.saved_variables() + self.saved_rebuild_variables()] + held)
         return {"managed": managed, "state_bytes": state_bytes}
 
 

@@ -9,7 +9,7 @@ P K-FAC's preconditioned gradient; P̃ = r where ‖P‖ = 0. Every other variab
 
 import tensorflow as tf
 
-from tfkfac import linalg
+from tfkfac import linalg, state as state_lib
 
 KINDS = ("sgd", "adam")
 
@@ -23,17 +23,21 @@ class Grafting:
             raise ValueError(f"`grafting` must be one of {KINDS} or None; received {kind!r}")
         self.kind, self.beta_2, self.epsilon = kind, beta_2, epsilon
         self.dtype = tf.as_dtype(dtype)
-        self.moments, self._index = [], {}
+        self.moments, self._index, self._paths = [], {}, []
 
-    def create_state(self, variables, add_variable):
-        """Adam's v, one per variable (none for "sgd"); `add_variable(shape, name, dtype)`."""
+    def create_state(self, variables, paths, add_variable):
+        """Adam's v, one per variable (none for "sgd"), saved under the variable's path of
+        `paths` (`chain.variable_paths`); `add_variable(shape, name, dtype)`."""
         if self.kind == "adam":
             self.moments = [add_variable(v.shape, f"graft_v_{i}", self.dtype)
                             for i, v in enumerate(variables)]
             self._index = {id(v): i for i, v in enumerate(variables)}
+            self._paths = list(paths)
 
-    def variables(self):
-        return list(self.moments)
+    def saved_variables(self):
+        """Each v under "grafting:adam_v:<its variable's path>" (tfkfac/state.py)."""
+        return [(state_lib.key("grafting", "adam_v", path), moment)
+                for path, moment in zip(self._paths, self.moments)]
 
     def update(self, preconditioned, step):
         """The grafted gradients of a step's `curvature.Preconditioned` gradients at

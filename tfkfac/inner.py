@@ -11,7 +11,7 @@ import copy
 import keras
 import tensorflow as tf
 
-from tfkfac import schedules, validation
+from tfkfac import schedules, state as state_lib, validation
 
 # Keras optimizer arguments that belong to the optimizer applying the update.
 INNER_ONLY = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
@@ -128,8 +128,8 @@ class MomentumCoupling:
                 "it through KFAC (pass it unbuilt).")
         self._slots = {id(v): slot for v, slot in zip(model_variables, slots)}
 
-    def variables(self):
-        return [self.peak]
+    def saved_variables(self):
+        return [(state_lib.key("momentum_coupling", "peak_learning_rate"), self.peak)]
 
     def step(self, variables):
         """(the velocity slots of `variables`, η_max after this step, η(t)/η_max) at the

@@ -104,7 +104,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        """The inner optimizer's variables, then K-FAC's (the save format's order)."""
+        """The inner optimizer's variables, then K-FAC's (the order of tf.train.Checkpoint
+        and of .keras files before the keys of tfkfac/state.py)."""
         return self.inner_optimizer.variables + self._kfac_variables()
 
     def _kfac_variables(self):
@@ -294,20 +295,28 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
             return
         self._state.create(lambda shape, initializer, name, dtype: self.add_variable(
             shape, initializer=initializer, dtype=dtype, name=name), self._chain,
-            self._built_variables)
+            self._built_variables,
+            chain_lib.variable_paths(self._attachment.model, self._built_variables))
         # Each counter is also an attribute of its own, as in 0.1: tf.train.Checkpoint
         # keys name a variable by its shortest path (`optimizer/_factor_updates/...`).
         for name, variable in zip(self._counters.NAMES, self._counters.variables()):
             setattr(self, f"_{name}", variable)
 
+    def save_own_variables(self, store):
+        """Write every variable under its key (tfkfac/state.py): the inner optimizer's,
+        then K-FAC's."""
+        for key, variable in self._state.saved_variables(self.inner_optimizer.variables):
+            store[key] = variable.numpy()
+
     def load_own_variables(self, store):
-        """Load a save: the inner optimizer's variables, then K-FAC's (which wait for
-        `attach` if the model is not known yet)."""
-        values = [store[str(i)][...] for i in range(len(store.keys()))]
-        inner_variables = self.inner_optimizer.variables
-        for variable, value in zip(inner_variables, values):
-            variable.assign(value)
-        self._state.load(values[len(inner_variables):])
+        """Load a save by its keys (a ValueError names those that do not match, before
+        anything is assigned): the inner optimizer's variables, then K-FAC's (which wait
+        for `attach` if the model is not known yet). A save from before the keys holds
+        them in `variables` order."""
+        keys = list(store.keys())
+        values = ([store[str(i)][...] for i in range(len(keys))] if state_lib.indexed(keys)
+                  else {key: store[key][...] for key in keys})
+        self._state.load(values, self.inner_optimizer.variables)
 
     # ---------------------------------------------------------------- update
     def apply(self, grads, trainable_variables=None):

@@ -1,15 +1,38 @@
-"""K-FAC's state: per-block factors and decompositions, and the step counters.
+"""K-FAC's state: per-block factors and decompositions, the step counters, and how the
+optimizer's variables are saved.
 
-Checkpoints save optimizer variables by creation order, so the order here is part of the
-save format: counters first (in `Counters.NAMES` order), then per block its factors and,
-when saved ("replicated"), its decompositions and the method's state (`EigenAdam`'s
-eigenbasis moments), then grafting's moments, then under "owner" the state a resumed
-owner rebuilds from (per block the decomposed factors and the method's state, then the
-damping of the decompositions).
-That last group comes last so that saves written before it existed still line up
+A .keras file (`KFAC.save_own_variables`) holds every saved variable under a key its
+owner names, "<owner>:<parts>" (`key`: a nested layer's path "mha/query" is written
+"mha.query"; a key repeated is suffixed "#2", "#3", ...):
+- "inner:<i>": the inner optimizer's variables, in its order (Keras's layout for it);
+- "counters:<counter>": the step counters (`Counters.NAMES`);
+- "block:<layer>:factor:<A|G|F>": a block's running factors (`Block.factor_names`);
+- "method:<method>:<layer>:decomposition:<factor>:<k>": under "replicated", tensor k of
+  a full factor's decomposition (`Method.decomposition_parts`; <method> the `method`
+  setting's name, or the class name of a method object);
+- "method:<method>:<layer>:<state><k>": the method's state of a block (`EigenAdam`'s
+  "moment0", ...);
+- "adaptive_staleness:<name>": the per-block schedule of adaptive stale statistics;
+- "grafting:adam_v:<layer>.<variable>": grafting's Adam v of a model variable (of a
+  variable no layer holds: "#<i>", its position among the model's variables);
+- under "owner", the state a resumed owner rebuilds from: "block:<layer>:decomposed:<factor>",
+  the method's state under its key above, "curvature:decomposed_damping",
+  "adaptive_staleness:decomposed_dampings";
+- "momentum_coupling:peak_learning_rate".
+A load matches keys, not positions: a key the model lacks or a missing one (another
+architecture, method, placement or setting) is a ValueError naming them.
+
+Saves from before the keys (.keras files with keys "0", "1", ...) and every
+`tf.train.Checkpoint` (`keras_integration.checkpoint_children`) hold the variables in
+`KFAC.variables` order, which is therefore kept: the inner optimizer's, the counters,
+per block its factors and, under "replicated", its decompositions and the method's
+state, grafting's moments, then under "owner" the rebuild state (per block the decomposed
+factors and the method's state, then the damping), then the momentum coupling's; the
+rebuild state comes late so that saves written before it existed still line up
 (tests/test_saved_state_compat.py and tests/test_resume_matrix.py guard the order).
 """
 
+import collections
 import dataclasses
 
 import tensorflow as tf
@@ -41,17 +64,6 @@ class BlockState:
     def method_state_values(self):
         return [v.value for v in self.method_state or []]
 
-    def variables(self, decompositions=True, method_state=True):
-        """Factors, then the held decompositions and the method's state (each if asked)."""
-        held = self.decompositions if decompositions and self.decompositions else []
-        state = self.method_state if method_state and self.method_state else []
-        return list(self.factors) + [v for d in held for v in d] + list(state)
-
-    def rebuild_variables(self):
-        """The decomposed factors and the method's state ("owner": saved after everything
-        else)."""
-        return list(self.decomposed or []) + list(self.method_state or [])
-
 
 class Counters:
     """int64 step counters, each an optimizer variable named as its attribute."""
@@ -67,6 +79,9 @@ class Counters:
 
     def variables(self):
         return [getattr(self, name) for name in self.NAMES]
+
+    def saved_variables(self):
+        return [(key("counters", name), getattr(self, name)) for name in self.NAMES]
 
     def values(self):
         """The counters as Python ints (eager)."""
@@ -118,40 +133,121 @@ def _tensors(structure):
 
 
 class KFACState:
-    """K-FAC's variables inside its optimizer, in the save format's order: the counters,
-    then the update chain's pieces (`chain.UpdateChain.variables`). Values loaded before
-    the state exists (a save loaded before `attach`) wait here until it is created."""
+    """K-FAC's variables inside its optimizer, named and in `KFAC.variables` order: the
+    counters, then the update chain's pieces (`chain.UpdateChain.saved_variables`).
+    Values loaded before the state exists (a save loaded before `attach`) wait here
+    until it is created."""
 
     def __init__(self):
         self.counters, self._chain, self._waiting = None, None, None
 
-    def create(self, add_variable, chain, model_variables):
-        """`add_variable(shape, initializer, name, dtype)` makes an optimizer variable."""
+    def create(self, add_variable, chain, model_variables, variable_paths):
+        """`add_variable(shape, initializer, name, dtype)` makes an optimizer variable;
+        `variable_paths` name `model_variables` in keys (`chain.variable_paths`)."""
         self.counters = Counters(lambda shape, initializer, dtype, name: add_variable(
             shape, initializer, name, dtype))
         self._chain = chain
-        chain.create_state(self.counters, add_variable, model_variables)
+        chain.create_state(self.counters, add_variable, model_variables, variable_paths)
         if self._waiting is not None:
             self.load(self._waiting)
 
-    def variables(self):
-        if self.counters is None:
-            return []
-        return self.counters.variables() + self._chain.variables()
+    def saved_variables(self, inner=()):
+        """(key, variable) of `inner` (the inner optimizer's variables) under "inner:<i>",
+        then of every variable of K-FAC's, in `variables` order."""
+        own = [] if self.counters is None else unique_keys(
+            self.counters.saved_variables() + self._chain.saved_variables())
+        return [(key(INNER, i), variable) for i, variable in enumerate(inner)] + own
 
-    def load(self, values):
-        """Assign saved `values`, or keep them until `create`. A save without an owner's
-        rebuild state (written before tfkfac saved it) loads the rest; the owner then
-        recomputes its decompositions from the restored factors (`Curvature.restored`)."""
-        if self.counters is None:
-            self._waiting = list(values) or None
-            return
+    def variables(self):
+        return [variable for _, variable in self.saved_variables()]
+
+    def load(self, values, inner=()):
+        """Assign saved `values` to `inner` (the inner optimizer's variables) and to
+        K-FAC's: {key: value} by key, each checked before any is assigned
+        (`assign_by_key`), or from a save written before the keys a list, `inner`'s then
+        K-FAC's in `variables` order. K-FAC's wait until `create` if the state does not
+        exist yet. A list without an owner's rebuild state (written before tfkfac saved
+        it) loads the rest; the owner then recomputes its decompositions from the
+        restored factors (`Curvature.restored`)."""
+        if isinstance(values, dict):
+            own = {name: v for name, v in values.items() if not name.startswith(INNER + ":")}
+            if self.counters is None:
+                assign_by_key(self.saved_variables(inner), {
+                    name: v for name, v in values.items() if name not in own})
+                self._waiting = own or None
+                return
+            assign_by_key(self.saved_variables(inner), values)
+            complete = True
+        else:
+            for variable, value in zip(inner, values):
+                variable.assign(value)
+            values = values[len(inner):]
+            if self.counters is None:
+                self._waiting = values or None
+                return
+            variables = self.variables()
+            rebuild = len(self._chain.curvature.rebuild_variables())
+            complete = not rebuild or len(values) != len(variables) - rebuild
+            restore(variables if complete else variables[:-rebuild], values)
         self._waiting = None
-        variables = self.variables()
-        rebuild = len(self._chain.curvature.rebuild_variables())
-        complete = not rebuild or len(values) != len(variables) - rebuild
-        restore(variables if complete else variables[:-rebuild], values)
         self._chain.curvature.restored(complete)
+
+
+INNER = "inner"  # the owner of the inner optimizer's saved variables
+
+
+def key(*parts):
+    """A saved variable's key: `parts` joined by ":", "/" (of a nested layer's or a
+    variable's path) written "." (a key holds no "/": an HDF5 store reads that as groups)."""
+    return ":".join(str(part).replace("/", ".") for part in parts)
+
+
+def unique_keys(saved):
+    """(key, variable) pairs `saved` with each repeat of a key suffixed "#<n>", n ≥ 2 its
+    occurrence (layer paths "a/b" and "a.b" both read "a.b")."""
+    seen = collections.Counter()
+    unique = []
+    for name, variable in saved:
+        seen[name] += 1
+        unique.append((name if seen[name] == 1 else f"{name}#{seen[name]}", variable))
+    return unique
+
+
+def indexed(keys):
+    """Whether a .keras file's optimizer `keys` are positions ("0", "1", ...: a save
+    from before the keys) rather than names."""
+    return all(k.isdigit() for k in keys)
+
+
+def assign_by_key(saved, values):
+    """Assign each of `values` ({key: array}) to the variable of `saved` ((key, variable)
+    pairs) under its key, cast to its dtype; a ValueError naming the keys that are not in
+    both, or whose shapes differ, before anything is assigned."""
+    variables = dict(saved)
+    missing = [name for name in variables if name not in values]
+    unexpected = [name for name in values if name not in variables]
+    if missing or unexpected:
+        raise ValueError(
+            "The saved optimizer state does not match this KFAC's: "
+            + "; ".join(f"{what} {_listed(names)}" for what, names in (
+                ("missing from the save:", missing),
+                ("in the save but not here:", unexpected)) if names)
+            + ". Load it into the architecture and K-FAC settings (method, placement, "
+            "grafting, ...) it was saved with.")
+    reshaped = [f"{name} (saved {tuple(values[name].shape)}, here {tuple(variable.shape)})"
+                for name, variable in saved
+                if tuple(values[name].shape) != tuple(variable.shape)]
+    if reshaped:
+        raise ValueError("The saved optimizer state does not match this KFAC's: shapes "
+                         f"differ for {_listed(reshaped)}. Load it into the architecture "
+                         "it was saved with.")
+    for name, variable in saved:
+        variable.assign(tf.cast(values[name], variable.dtype))
+
+
+def _listed(names, most=20):
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def restore(variables, values):
