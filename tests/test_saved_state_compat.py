@@ -13,6 +13,7 @@ files written before the keys of tfkfac/state.py.
 
 import io
 import os
+import sys
 import zipfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -25,7 +26,9 @@ from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata", "saved_v0_1")
+TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
+DATA = os.path.join(TESTDATA, "saved_v0_1")
+sys.path.insert(0, TESTDATA)
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 # model_fn's blocks and their factors, and its variables ("<layer>.<name>"), in order.
 FACTORS = {"conv": "AG", "bn": "F", "hidden": "AG", "logits": "AG"}
@@ -96,6 +99,31 @@ class SavedStateCompatTest(parameterized.TestCase):
         tf.train.Checkpoint(model=model, optimizer=optimizer).read(
             os.path.join(DATA, f"{method}_ckpt")).assert_existing_objects_matched()
         self.check_resumes(model, optimizer, expected)
+
+
+class IndexKeysTest(parameterized.TestCase):
+    """.keras files with index keys, as tfkfac wrote them just before the keys, with every
+    piece that holds state (tests/testdata/index_keys_save.py wrote them): they load in
+    `KFAC.variables` order and go on as that tfkfac's loaded run did."""
+
+    @parameterized.parameters("replicated", "owner")
+    def test_keras_file_with_index_keys_loads_in_order_and_goes_on(self, placement):
+        # Here, not at the top: it imports this module's model_fn.
+        import index_keys_save as older  # pylint: disable=import-outside-toplevel
+        directory = os.path.join(TESTDATA, "index_keys")
+        expected = np.load(os.path.join(directory, f"{placement}_expected.npz"))
+        model = keras.models.load_model(os.path.join(directory, f"{placement}.keras"))
+        model.optimizer.attach(model)
+        variables = model.optimizer.variables
+        self.assertLen([k for k in expected if k.startswith("optimizer")], len(variables))
+        for i, variable in enumerate(variables):
+            np.testing.assert_array_equal(variable.numpy(), expected[f"optimizer{i:03d}"],
+                                          err_msg=variable.path)
+        rest = slice(older.SAVED_AFTER * older.BATCH, None)
+        older.fit(model, expected["x"][rest], expected["y"][rest])
+        for i, weight in enumerate(model.get_weights()):
+            np.testing.assert_allclose(weight, expected[f"next_weight{i:03d}"], rtol=0,
+                                       atol=1e-6, err_msg=f"weight {i}")
 
 
 def expected_keys(method, placement):
