@@ -11,8 +11,9 @@ Run it with that tfkfac first on the path:
 
 One process, per placement: method "eigen_adam" with Adam grafting, adaptive stale
 statistics and momentum coupling, on tests/test_saved_state_compat.py's Conv2D +
-BatchNorm + Dense model, SAVED_AFTER steps, saved as `<placement>.keras`; that file,
-loaded (`load_model` + `attach`), takes the remaining steps on the same batches.
+BatchNorm + Dense model, SAVED_AFTER steps of owner_save_v0_2.py's examples, saved as
+`<placement>.keras`; that file, loaded (`load_model` + `attach`), takes the remaining
+steps on the same batches.
 `<placement>_expected.npz` holds the optimizer's variables when saved (`optimizer<i>`,
 in order), the examples (`x`, `y`) and the weights the loaded run ended with
 (`next_weight<i>`).
@@ -29,23 +30,13 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tfkfac  # noqa: E402
+from owner_save_v0_2 import BATCH, SAVED_AFTER, examples, fit  # noqa: E402 (the same run)
 from test_saved_state_compat import LOSS, model_fn  # noqa: E402 (the same model)
 
-STEPS, SAVED_AFTER, BATCH = 4, 2, 16
 PLACEMENTS = ("replicated", "owner")
 SETTINGS = dict(learning_rate=0.05, damping=1e-2, method="eigen_adam", grafting="adam",
                 stale_threshold=0.1, couple_momentum_to_lr=True, factor_update_freq=1,
                 decomposition_update_freq=2, xla=False)
-
-
-def examples():
-    rng = np.random.default_rng(0)
-    return (rng.normal(size=(STEPS * BATCH, 6, 6, 1)).astype(np.float32),
-            rng.integers(0, 4, size=STEPS * BATCH))
-
-
-def fit(model, x, y):
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
 
 
 def main(directory):
