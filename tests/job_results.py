@@ -4,6 +4,7 @@ the horovodrun jobs (label "rank") and the MultiWorkerMirroredStrategy ones ("wo
 `run_and_load` runs the job (`trainers.launch.run_horovod_job` or `run_multi_worker_job`:
 killed whole after their timeout, a hang is a failure) with an environment variable
 naming a fresh directory every process writes to, then loads what each saved there.
+`TwoRankJob` is that for a test class whose tests all read one 2-rank Horovod job.
 """
 
 import os
@@ -45,6 +46,30 @@ def run_and_load(launch, out_variable, scenarios, process_label="rank", processe
         logging.info("scenario seconds on %s 0: %s", process_label,
                      {k: round(float(v), 1) for k, v in saved["timings"][0].items()})
     return returncode, output, exit_time, saved
+
+
+class TwoRankJob:
+    """Mixin of an absltest.TestCase whose tests read one 2-rank Horovod job of the worker
+    module `WORKER`, run once in setUpClass, killed after `JOB_TIMEOUT_SECONDS`: sets
+    `returncode`, `output` and `saved` ({scenario: [rank 0's arrays, rank 1's]}, the
+    `SCENARIOS` the worker saves to its $`WORKER.OUT_DIR_VARIABLE`). Not a TestCase
+    itself, so that no test module collects it."""
+
+    WORKER = None
+    SCENARIOS = ()
+    JOB_TIMEOUT_SECONDS = 400
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        from trainers.launch import run_horovod_job  # the test process's alone
+        script = os.path.splitext(os.path.abspath(cls.WORKER.__file__))[0] + ".py"
+        cls.returncode, cls.output, _, cls.saved = run_and_load(
+            lambda: run_horovod_job(script, num_ranks=2, timeout=cls.JOB_TIMEOUT_SECONDS),
+            cls.WORKER.OUT_DIR_VARIABLE, list(cls.SCENARIOS))
+
+    def test_job_exits_cleanly(self):
+        self.assertEqual(self.returncode, 0, self.output[-4000:])
 
 
 def save_each_placement(out_dir, placements, run):

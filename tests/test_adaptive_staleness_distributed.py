@@ -23,29 +23,22 @@ sys.path.insert(0, TESTS_DIR)
 
 import adaptive_staleness_worker as worker  # noqa: E402
 import job_results  # noqa: E402
-from trainers.launch import run_horovod_job  # noqa: E402
 
-JOB_TIMEOUT_SECONDS = 600
 FACTOR_TOLERANCE = 5e-5  # of a factor's largest entry
 
 
-class AdaptiveStalenessDistributedTest(absltest.TestCase):
+class AdaptiveStalenessDistributedTest(job_results.TwoRankJob, absltest.TestCase):
+
+    WORKER, SCENARIOS, JOB_TIMEOUT_SECONDS = worker, worker.PLACEMENTS, 600
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.returncode, cls.output, _, cls.saved = job_results.run_and_load(
-            lambda: run_horovod_job(os.path.join(TESTS_DIR, "adaptive_staleness_worker.py"),
-                                    num_ranks=2, timeout=JOB_TIMEOUT_SECONDS),
-            worker.OUT_DIR_VARIABLE, list(worker.PLACEMENTS))
         x, y = worker.global_batches()
         _, _, records, ran = worker.train(x.reshape((-1, 8, 8, 1)), y.reshape(-1),
                                           2 * worker.BATCH)
         cls.one_process = worker.flat_record(records, ran)
         cls.shape = ([len(factors) for factors in records[0]["factors"]])
-
-    def test_job_exits_cleanly(self):
-        self.assertEqual(self.returncode, 0, self.output[-4000:])
 
     def test_every_rank_decides_alike(self):
         for placement in worker.PLACEMENTS:

@@ -26,23 +26,11 @@ import job_results  # noqa: E402
 import osawa_recipe_worker as worker  # noqa: E402
 from distributed_checks import EQUIVALENCE_RTOL  # noqa: E402
 from tfkfac import distributed  # noqa: E402
-from trainers.launch import run_horovod_job  # noqa: E402
-
-JOB_TIMEOUT_SECONDS = 400
 
 
-class OsawaRecipeDistributedTest(absltest.TestCase):
+class OsawaRecipeDistributedTest(job_results.TwoRankJob, absltest.TestCase):
 
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.returncode, cls.output, _, cls.saved = job_results.run_and_load(
-            lambda: run_horovod_job(os.path.join(TESTS_DIR, "osawa_recipe_worker.py"),
-                                    num_ranks=2, timeout=JOB_TIMEOUT_SECONDS),
-            worker.OUT_DIR_VARIABLE, list(worker.PLACEMENTS))
-
-    def test_job_exits_cleanly(self):
-        self.assertEqual(self.returncode, 0, self.output[-4000:])
+    WORKER, SCENARIOS = worker, worker.PLACEMENTS
 
     def test_ranks_hold_identical_rescaled_weights_and_state(self):
         for placement in worker.PLACEMENTS:

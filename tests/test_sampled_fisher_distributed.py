@@ -23,26 +23,18 @@ sys.path.insert(0, TESTS_DIR)
 import job_results  # noqa: E402
 import sampled_fisher_worker as worker  # noqa: E402
 from tfkfac import distributed  # noqa: E402
-from trainers.launch import run_horovod_job  # noqa: E402
-
-JOB_TIMEOUT_SECONDS = 400
 
 
-class SampledFisherDistributedTest(absltest.TestCase):
+class SampledFisherDistributedTest(job_results.TwoRankJob, absltest.TestCase):
+
+    WORKER, SCENARIOS = worker, ["sampled"]
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.returncode, cls.output, _, saved = job_results.run_and_load(
-            lambda: run_horovod_job(os.path.join(TESTS_DIR, "sampled_fisher_worker.py"),
-                                    num_ranks=2, timeout=JOB_TIMEOUT_SECONDS),
-            worker.OUT_DIR_VARIABLE, ["sampled"])
-        cls.ranks = saved["sampled"]
+        cls.ranks = cls.saved["sampled"]
         # After the job, so that it does not compete with it.
         cls.rank0_alone, _, _ = worker.first_step_and_rest(distributed.SingleProcess())
-
-    def test_job_exits_cleanly(self):
-        self.assertEqual(self.returncode, 0, self.output[-4000:])
 
     def test_every_variable_identical_on_both_ranks(self):
         rank0, rank1 = self.ranks

@@ -27,25 +27,14 @@ sys.path.insert(0, TESTS_DIR)
 
 import job_results  # noqa: E402
 import stale_steps_worker as worker  # noqa: E402
-from trainers.launch import run_horovod_job  # noqa: E402
 
-JOB_TIMEOUT_SECONDS = 400
 CHOSEN = ["factor" if step % worker.FACTOR_FREQ == 0 else "stale"
           for step in range(worker.STEPS)]
 
 
-class StaleStepsDistributedTest(absltest.TestCase):
+class StaleStepsDistributedTest(job_results.TwoRankJob, absltest.TestCase):
 
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.returncode, cls.output, _, cls.saved = job_results.run_and_load(
-            lambda: run_horovod_job(os.path.join(TESTS_DIR, "stale_steps_worker.py"),
-                                    num_ranks=2, timeout=JOB_TIMEOUT_SECONDS),
-            worker.OUT_DIR_VARIABLE, list(worker.PLACEMENTS) + ["jit"])
-
-    def test_job_exits_cleanly(self):
-        self.assertEqual(self.returncode, 0, self.output[-4000:])
+    WORKER, SCENARIOS = worker, list(worker.PLACEMENTS) + ["jit"]
 
     def test_ranks_choose_alike_and_end_bit_identical_to_the_factor_step_alone(self):
         for placement in worker.PLACEMENTS:
