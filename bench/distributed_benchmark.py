@@ -15,6 +15,15 @@ Measured after warm-up steps (XLA compiles, first factor and inverse steps):
 for "replicated" and "owner" placements, float32 wires (timed) and float16/bfloat16
 wires (bytes only, warm-up steps). Each rank uses cores/ranks intra-op threads.
 
+A configuration may end in a reduction option (docs/design.md §6):
+- `:overlap` (`overlap_reduction=True`, both engines): without phase clocks, which would
+  serialize the phases it overlaps, so its row has step times and no decomposition phase;
+- `:hierarchical` (`hierarchical_reduction=True`, Horovod only; the other engine skips
+  it): needs nodes of several ranks, e.g. 4 ranks as 2 "nodes" of this machine:
+    .venv/bin/python bench/distributed_benchmark.py --engines=horovod --num_ranks=4 \
+        --horovod_hosts=localhost:2,127.0.0.1:2 --bytes_configs= \
+        --timed_configs=replicated:float32:float32,replicated:float32:float32:hierarchical
+
 Run (about 5 minutes on 2 loaded cores; in the background):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/distributed_benchmark.py \\
       > /tmp/distributed_benchmark.log 2>&1 &
@@ -44,11 +53,16 @@ flags.DEFINE_integer("warmup_steps", 6, "Untimed steps (include a factor and an 
 flags.DEFINE_integer("timed_steps", 40, "Timed steps per configuration.")
 flags.DEFINE_integer("factor_update_freq", 5, "K-FAC factor update interval.")
 flags.DEFINE_integer("decomposition_update_freq", 10, "K-FAC decomposition interval.")
-flags.DEFINE_list("timed_configs", ["replicated:float32:float32", "owner:float32:float32"],
-                  "2-rank configurations timed: placement:factor_wire:eigen_wire.")
+flags.DEFINE_list("timed_configs", ["replicated:float32:float32", "owner:float32:float32",
+                                    "replicated:float32:float32:overlap",
+                                    "owner:float32:float32:overlap"],
+                  "2-rank configurations timed: placement:factor_wire:eigen_wire, optionally "
+                  "then :overlap or :hierarchical (REDUCTION_OPTIONS).")
 flags.DEFINE_list("bytes_configs", ["replicated:float16:float16", "owner:float16:float16"],
                   "2-rank configurations run for the warm-up steps only (bytes).")
 flags.DEFINE_integer("num_ranks", 2, "Ranks of the distributed run.")
+flags.DEFINE_string("horovod_hosts", None, "horovodrun -H of the Horovod run (default "
+                    "localhost:<num_ranks>); several host names make several nodes.")
 flags.DEFINE_list("engines", list(ENGINES), "Engines of the distributed runs.")
 flags.DEFINE_string("engine", None, "Internal: the engine a worker runs under.")
 flags.DEFINE_integer("timeout", 900, "Seconds before a run is killed.")
@@ -57,6 +71,18 @@ flags.DEFINE_string("replot", None, "Only redraw the PNG and reprint the figures
 flags.DEFINE_string("worker_out", None, "Internal: run as a worker, write results here.")
 
 PHASES = ("factors", "decomposition", "precondition", "update")
+# A configuration's last field: the KFAC settings it adds, and the engines that run it.
+REDUCTION_OPTIONS = {"overlap": ({"overlap_reduction": True}, ENGINES),
+                     "hierarchical": ({"hierarchical_reduction": True}, ("horovod",))}
+
+
+def parse_config(config):
+    """(placement, factor_wire, eigen_wire, option or None) of a configuration string."""
+    fields = config.split(":")
+    if len(fields) not in (3, 4) or (len(fields) == 4 and fields[3] not in REDUCTION_OPTIONS):
+        raise ValueError(f"a configuration is placement:factor_wire:eigen_wire[:option], "
+                         f"option one of {sorted(REDUCTION_OPTIONS)}; received {config!r}")
+    return tuple(fields) + (None,) * (4 - len(fields))
 _ENGINE_LABELS = {"horovod": "Horovod ranks", "multi_worker": "MWMS workers"}
 
 
@@ -79,8 +105,16 @@ def worker_main(out_path):
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     strategy = (tf.distribute.MultiWorkerMirroredStrategy() if FLAGS.engine == "multi_worker"
                 else tf.distribute.get_strategy())
+    options = {parse_config(c)[3] for c in FLAGS.timed_configs + FLAGS.bytes_configs}
+    communicators = {}
+    if "hierarchical" in options and FLAGS.engine == "horovod":
+        # First: it initializes Horovod with the dynamic process sets it adds (for every
+        # row of this run, which costs Horovod "some slight extra synchronization").
+        communicators["hierarchical"] = distributed.get_communicator("horovod",
+                                                                     hierarchical=True)
     with strategy.scope():
         comm = distributed.get_communicator("auto")
+    communicator = lambda option: communicators.get(option, comm)
     local_batch = FLAGS.global_batch // comm.size
     total_steps = FLAGS.warmup_steps + FLAGS.timed_steps
     ds = idx_dataset.load_idx("fashion_mnist", f"train[:{total_steps * FLAGS.global_batch}]")
@@ -97,51 +131,54 @@ def worker_main(out_path):
     class Probe(keras.callbacks.Callback):
         """Per-step bytes in the warm-up; time, phases and bytes over the timed window."""
 
-        def __init__(self, optimizer, warmup):
+        def __init__(self, optimizer, comm, warmup):
             super().__init__()
-            self.optimizer, self.warmup = optimizer, warmup
+            self.optimizer, self.comm, self.warmup = optimizer, comm, warmup
             self.warmup_bytes, self.marks = [], {}
             self.times, self.decomposition = [], []  # After every step.
 
         def snapshot(self):
             summary = self.optimizer.summary()
-            return {"time": time.perf_counter(), "bytes": comm.bytes_sent(),
-                    "calls": comm.collective_calls(), "phases": summary["phase_seconds"],
-                    "counters": summary["counters"]}
+            return {"time": time.perf_counter(), "bytes": self.comm.bytes_sent(),
+                    "calls": self.comm.collective_calls(),
+                    "phases": summary["phase_seconds"], "counters": summary["counters"]}
 
         def on_train_begin(self, logs=None):
-            comm.reset_counters()
+            self.comm.reset_counters()
 
         def on_train_batch_end(self, batch, logs=None):
             self.times.append(time.perf_counter())
+            # None without phase clocks (an overlapped configuration)
             self.decomposition.append(
-                self.optimizer.summary()["phase_seconds"]["decomposition"])
+                self.optimizer.summary()["phase_seconds"].get("decomposition"))
             if batch < self.warmup:
-                self.warmup_bytes.append(comm.bytes_sent())
+                self.warmup_bytes.append(self.comm.bytes_sent())
             if batch == self.warmup - 1:
                 self.marks["start"] = self.snapshot()
 
         def on_train_end(self, logs=None):
             self.marks["end"] = self.snapshot()
 
-    def measure(model_name, placement, factor_wire, eigen_wire, steps):
+    def measure(model_name, placement, factor_wire, eigen_wire, option, steps):
+        settings = REDUCTION_OPTIONS[option][0] if option else {}
         with strategy.scope():
             model = models.build_model(model_name, (28, 28, 1), 10, seed=0)
             optimizer = tfkfac.KFAC(
                 learning_rate=0.02, damping=1e-2, placement=placement,
                 factor_wire_dtype=factor_wire, decomposition_wire_dtype=eigen_wire,
                 factor_update_freq=FLAGS.factor_update_freq,
-                decomposition_update_freq=FLAGS.decomposition_update_freq, phase_clocks=True,
-                communicator=comm).attach(model)
+                decomposition_update_freq=FLAGS.decomposition_update_freq,
+                phase_clocks=option != "overlap", communicator=communicator(option),
+                **settings).attach(model)
+            probe = Probe(optimizer, communicator(option), FLAGS.warmup_steps)
             model.compile(optimizer=optimizer,
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        probe = Probe(optimizer, FLAGS.warmup_steps)
         start = time.perf_counter()
         model.fit(x[: steps * fit_batch], y[: steps * fit_batch], batch_size=fit_batch,
                   epochs=1, shuffle=False, verbose=0, callbacks=[probe])
         result = {
             "model": model_name, "placement": placement, "factor_wire": factor_wire,
-            "eigen_wire": eigen_wire, "rank": comm.rank, "size": comm.size,
+            "eigen_wire": eigen_wire, "option": option, "rank": comm.rank, "size": comm.size,
             "threads": threads, "local_batch": local_batch, "steps": steps,
             "wall_seconds": time.perf_counter() - start,
             "parameters": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
@@ -156,7 +193,8 @@ def worker_main(out_path):
             result["timed"] = {
                 "steps": timed,
                 "step_seconds": (b["time"] - a["time"]) / timed,
-                "phase_seconds": {p: b["phases"][p] - a["phases"][p] for p in PHASES},
+                "phase_seconds": {p: b["phases"][p] - a["phases"][p] for p in PHASES
+                                  if p in b["phases"]},
                 "factor_updates": b["counters"]["factor_updates"]
                 - a["counters"]["factor_updates"],
                 "decomposition_updates": b["counters"]["decomposition_updates"]
@@ -169,22 +207,26 @@ def worker_main(out_path):
                 # its decomposition-phase seconds.
                 "step_seconds_each": list(np.diff(probe.times[FLAGS.warmup_steps - 1:])),
                 "decomposition_seconds_each":
+                    None if probe.decomposition[0] is None else
                     list(np.diff(probe.decomposition[FLAGS.warmup_steps - 1:])),
             }
         print(f"rank {comm.rank}/{comm.size}: {model_name} {placement} {factor_wire}/"
-              f"{eigen_wire} {steps} steps in {result['wall_seconds']:.1f} s", flush=True)
+              f"{eigen_wire} {option or ''} {steps} steps in {result['wall_seconds']:.1f} s",
+              flush=True)
         return result
 
     results = []
     total = FLAGS.warmup_steps + FLAGS.timed_steps
     for model_name in FLAGS.models:
         if comm.size == 1:
-            results.append(measure(model_name, "replicated", "float32", "float32", total))
+            results.append(measure(model_name, "replicated", "float32", "float32", None,
+                                   total))
             continue
-        for config in FLAGS.timed_configs:
-            results.append(measure(model_name, *config.split(":"), total))
-        for config in FLAGS.bytes_configs:
-            results.append(measure(model_name, *config.split(":"), FLAGS.warmup_steps))
+        for configs, steps in ((FLAGS.timed_configs, total),
+                               (FLAGS.bytes_configs, FLAGS.warmup_steps)):
+            for config in map(parse_config, configs):
+                if config[3] is None or FLAGS.engine in REDUCTION_OPTIONS[config[3]][1]:
+                    results.append(measure(model_name, *config, steps))
     with open(f"{out_path}.rank{comm.rank}.json", "w") as f:
         json.dump(results, f)
 
@@ -224,8 +266,11 @@ def run_all(work_dir):
         out = os.path.join(work_dir, engine)
         args = _worker_args(out) + [f"--engine={engine}"]
         if engine == "horovod":
-            lines = _run(f"{n} Horovod ranks", lambda: launch.run_job(
-                launch.horovodrun_command(args, n, env), FLAGS.timeout, env))
+            command = launch.horovodrun_command(args, n, env)
+            if FLAGS.horovod_hosts:
+                command[command.index("-H") + 1] = FLAGS.horovod_hosts
+            lines = _run(f"{n} Horovod ranks", lambda: launch.run_job(command, FLAGS.timeout,
+                                                                       env))
         else:
             lines = _run(f"{n} MultiWorkerMirroredStrategy workers",
                          lambda: launch.run_multi_worker_job(args, n, FLAGS.timeout, env))
@@ -252,7 +297,8 @@ def _timing(timed_ranks):
     slowest = lambda key, i: max(t[key][i] for t in timed_ranks)
     inverse = [i for i in steps
                if (FLAGS.warmup_steps + i) % FLAGS.decomposition_update_freq == 0]
-    decomposition = [slowest("decomposition_seconds_each", i) for i in inverse]
+    decomposition = ([] if timed_ranks[0]["decomposition_seconds_each"] is None else
+                     [slowest("decomposition_seconds_each", i) for i in inverse])
     spread = harness.spread(decomposition) if decomposition else {}
     return {
         "step_seconds": max(t["step_seconds"] for t in timed_ranks),
@@ -322,7 +368,7 @@ def _rows(name, engine, per_rank, single_row):
     for index, config in enumerate(configs):
         ranks = [[r for r in results if r["model"] == name][index] for results in per_rank]
         row = {"engine": engine, "placement": config["placement"],
-               "factor_wire": config["factor_wire"],
+               "factor_wire": config["factor_wire"], "option": config["option"],
                "eigen_wire": config["eigen_wire"], "batch_per_rank": config["local_batch"],
                "threads_per_rank": config["threads"],
                "kfac_state_bytes_per_rank": [r["kfac_state_bytes"] for r in ranks]}
@@ -359,7 +405,6 @@ def plot(report):
     names = list(report["models"])
     fig, axes = harness.subplots(2, 2, figsize=(13, 9))
     axes = axes.ravel()
-    width = 0.18
     # (1) mean step time, (2) median step time, (3) decomposition per inverse step.
     for ax, key, title in (
             (axes[0], "step_seconds", "mean time per training step (s)"),
@@ -372,13 +417,13 @@ def plot(report):
             rows = [r for r in entry["distributed"] if key in r]
             bars = [("1 process", entry["single"][key])] + [
                 (f"{FLAGS.num_ranks} {_ENGINE_LABELS[r['engine']]} "
-                 f"{r['placement']}", r[key]) for r in rows]
+                 f"{r['placement']} {r.get('option') or ''}", r[key]) for r in rows]
+            width = 0.9 / len(bars)
             for j, (label, value) in enumerate(bars):
-                value = value or 0.0  # No inverse step in the timed window.
-                ax.bar(i + (j - 2) * width, value, width, color=f"C{j}",
-                       label=label if i == 0 else None)
-                ax.text(i + (j - 2) * width, value, f"{value:.3g}", ha="center",
-                        va="bottom", fontsize=6)
+                value = value or 0.0  # No inverse step in the window, or no phase clocks.
+                x = i + (j - (len(bars) - 1) / 2) * width
+                ax.bar(x, value, width, color=f"C{j}", label=label if i == 0 else None)
+                ax.text(x, value, f"{value:.3g}", ha="center", va="bottom", fontsize=6)
         ax.set_xticks(range(len(names)), names)
         ax.set_title(title)
         ax.legend(fontsize=8)
@@ -389,7 +434,8 @@ def plot(report):
     for name in names:
         for row in report["models"][name]["distributed"]:
             labels.append(f"{name} {row['engine'][:5]}\n"
-                          f"{row['placement'][:5]}\n{row['factor_wire']}")
+                          f"{row['placement'][:5]}\n{row['factor_wire']}"
+                          f"{' ' + row['option'][:4] if row.get('option') else ''}")
             stacks.append([row["amortized_bytes_per_step_per_rank"][c] / 1e6
                            for c in categories])
     bottom = [0.0] * len(labels)
@@ -461,7 +507,7 @@ def main():
               f"{_megabytes(single_row['kfac_state_bytes'])} MB")
         for row in entry["distributed"]:
             label = (f"{row['engine']:>12} {row['placement']:>10} "
-                     f"{row['factor_wire']}/{row['eigen_wire']}")
+                     f"{row['factor_wire']}/{row['eigen_wire']} {row['option'] or ''}")
             text = (f"  {FLAGS.num_ranks} ranks {label}: "
                     f"{row['amortized_bytes_per_step_per_rank']['total'] / 1e3:.1f} kB/step/rank"
                     f" (factor step {row['factor_bytes_per_factor_step'] / 1e3:.1f} kB), "
