@@ -10,13 +10,15 @@ steps between take the overlapped path. It saves the weights, the factors and th
 communicator's bytes and calls per category after the fit.
 - Overlap jobs (2 Horovod ranks, or 2 MultiWorkerMirroredStrategy workers): OVERLAP_RUNS,
   each placement and method with the option off and on.
-- The hierarchical job (Horovod, 2 nodes of 2 ranks: HOSTS): `exchange`
+- The hierarchical jobs (Horovod, 2 nodes of 2 ranks: HOSTS; or 4
+  MultiWorkerMirroredStrategy workers, the last two on host 127.0.0.1): `exchange`
   (`exchange_flat` without the option), a mean of `rank_vector`s in float32 and float64
   (counted as "factors"), and HIERARCHICAL_RUNS.
 `main` saves `<run>.rank<r>.npz` to $REDUCTION_OPTIONS_OUT_DIR.
 """
 
 import contextlib
+import json
 import os
 import re
 import sys
@@ -107,28 +109,57 @@ def run_exchange(comm):
     return saved
 
 
+def as_two_hosts(tf_config):
+    """`tf_config` (JSON) with its second half of workers on host 127.0.0.1: the same
+    machine under another name, a second node to the communicator."""
+    config = json.loads(tf_config)
+    workers = config["cluster"]["worker"]
+    config["cluster"]["worker"] = [
+        address if i < len(workers) // 2 else "127.0.0.1:" + address.rsplit(":", 1)[1]
+        for i, address in enumerate(workers)]
+    return json.dumps(config)
+
+
+def overlap_runs(comm, strategy):
+    return {name: (lambda p=placement, m=method, o=overlap: run_fit(
+        comm, strategy, placement=p, method=m, overlap_reduction=o))
+        for name, (placement, method, overlap) in OVERLAP_RUNS.items()}
+
+
+def hierarchical_runs(make_comm, strategy):
+    """The exchange on a hierarchical and a flat communicator, then a fit on each; each
+    fit makes its own: a second hierarchical one in the process shares the first one's
+    groups."""
+    comms = {hierarchical: make_comm(hierarchical) for hierarchical in (True, False)}
+    return {"exchange": lambda: run_exchange(comms[True]),
+            "exchange_flat": lambda: run_exchange(comms[False]), **{
+                name: (lambda h=hierarchical: run_fit(make_comm(h), strategy,
+                                                      hierarchical_reduction=h))
+                for name, hierarchical in HIERARCHICAL_RUNS.items()}}
+
+
 def runs():
     """(rank, {run: function returning what this process saves}) of this process's job."""
-    if "TF_CONFIG" in os.environ:
+    job = os.environ[JOB_VARIABLE]
+    if "TF_CONFIG" in os.environ:  # a MultiWorkerMirroredStrategy worker
+        if job == "hierarchical":
+            os.environ["TF_CONFIG"] = as_two_hosts(os.environ["TF_CONFIG"])
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        with strategy.scope():
-            comm = distributed.StrategyCommunicator(strategy)
-        return comm.local_ranks[0], {
-            name: (lambda p=placement, m=method, o=overlap: run_fit(
-                comm, strategy, placement=p, method=m, overlap_reduction=o))
-            for name, (placement, method, overlap) in OVERLAP_RUNS.items()}
-    if os.environ[JOB_VARIABLE] == "overlap":
-        comm = distributed.get_communicator("horovod")
-        return comm.rank, {
-            name: (lambda p=placement, m=method, o=overlap: run_fit(
-                comm, None, placement=p, method=m, overlap_reduction=o))
-            for name, (placement, method, overlap) in OVERLAP_RUNS.items()}
-    comms = {hierarchical: distributed.get_communicator("horovod", hierarchical=hierarchical)
-             for hierarchical in (True, False)}
-    return comms[True].rank, {"exchange": lambda: run_exchange(comms[True]),
-                              "exchange_flat": lambda: run_exchange(comms[False]), **{
-        name: (lambda h=hierarchical: run_fit(comms[h], None, hierarchical_reduction=h))
-        for name, hierarchical in HIERARCHICAL_RUNS.items()}}
+
+        def make_comm(hierarchical=False):
+            with strategy.scope():
+                return distributed.StrategyCommunicator(strategy, hierarchical)
+
+        rank = make_comm().local_ranks[0]
+        if job == "overlap":
+            return rank, overlap_runs(make_comm(), strategy)
+        return rank, hierarchical_runs(make_comm, strategy)
+    make_comm = lambda hierarchical=False: distributed.get_communicator("horovod", hierarchical)
+    if job == "overlap":
+        comm = make_comm()
+        return comm.rank, overlap_runs(comm, None)
+    scheduled = hierarchical_runs(make_comm, None)  # initializes Horovod, dynamic sets
+    return make_comm().rank, scheduled
 
 
 def main(out_dir):

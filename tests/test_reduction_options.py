@@ -3,9 +3,9 @@
 preconditioning of the blocks that read no factors has no path to the factor reduction;
 and the jobs of tests/reduction_options_worker.py — overlap on 2 Horovod ranks and on 2
 MultiWorkerMirroredStrategy workers bit for bit the run without it, and the two-level mean
-on 4 Horovod ranks as 2 nodes of 2: its exchange the numpy sum within nodes then across
-them bit for bit, a fit the flat one within float32 rounding, the bytes and calls counted
-unchanged.
+on 4 ranks as 2 nodes of 2 (Horovod, and MultiWorkerMirroredStrategy): its exchange the
+numpy sum within nodes then across them bit for bit, a fit the flat one within float32
+rounding, the bytes and calls counted unchanged.
 """
 
 import os
@@ -94,12 +94,12 @@ class RefusedTest(absltest.TestCase):
             optimizer.measure_noise_scale(NoiseScaleProbe(1, preconditioned=True))
         self.assertTrue(optimizer.measure_noise_scale(NoiseScaleProbe(1, preconditioned=False)))
 
-    def test_hierarchical_refused_without_horovod(self):
-        with self.assertRaisesRegex(ValueError, "needs Horovod.*one process"):
+    def test_hierarchical_refused_without_several_nodes(self):
+        with self.assertRaisesRegex(ValueError, "hierarchical.*one process"):
             tfkfac.KFAC(hierarchical_reduction=True)
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         with strategy.scope(), self.assertRaisesRegex(
-                ValueError, r"needs Horovod.*tf.distribute \(MirroredStrategy\)"):
+                ValueError, r"several hosts.*MirroredStrategy has 2 replica"):
             distributed.get_communicator("strategy", hierarchical=True)
 
     def test_given_communicator_must_reduce_as_asked(self):
@@ -193,6 +193,11 @@ def job_results(launch, names, ranks, job):
     return saved
 
 
+def multi_worker(workers):
+    """`launch` of `job_results` for `workers` MultiWorkerMirroredStrategy workers."""
+    return lambda script, timeout: run_multi_worker_job([script], workers, timeout)
+
+
 class OverlapChecks:
     """Checks of an overlap job's `saved` ({run: {rank: saved}}), either engine."""
 
@@ -233,9 +238,7 @@ class MultiWorkerOverlapTest(OverlapChecks, absltest.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.saved = job_results(
-            lambda script, timeout: run_multi_worker_job([script], 2, timeout),
-            worker.OVERLAP_RUNS, 2, "overlap")
+        cls.saved = job_results(multi_worker(2), worker.OVERLAP_RUNS, 2, "overlap")
 
 
 def run_two_node_job(script, timeout):
@@ -246,15 +249,13 @@ def run_two_node_job(script, timeout):
     return run_job(command, timeout, env)
 
 
-class HorovodHierarchicalTest(absltest.TestCase):
-    """A `horovodrun --gloo -np 4 -H localhost:2,127.0.0.1:2` job."""
+HIERARCHICAL_SAVES = ["exchange", "exchange_flat", *worker.HIERARCHICAL_RUNS]
 
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.saved = job_results(run_two_node_job,
-                                ["exchange", "exchange_flat", *worker.HIERARCHICAL_RUNS], 4,
-                                "hierarchical")
+
+class HierarchicalChecks:
+    """Checks of a hierarchical job's `saved` ({run: {rank: saved}}), either engine."""
+
+    saved = None
 
     def test_mean_sums_within_nodes_then_across_them(self):
         """Ranks 0, 1 on one node, 2, 3 on the other: ((v0 + v1) + (v2 + v3)) / 4, bit
@@ -296,6 +297,25 @@ class HorovodHierarchicalTest(absltest.TestCase):
                 np.testing.assert_allclose(
                     got[key], want[key], rtol=0,
                     atol=ROUNDING_RTOL * np.max(np.abs(want[key])), err_msg=key)
+
+
+
+class HorovodHierarchicalTest(HierarchicalChecks, absltest.TestCase):
+    """A `horovodrun --gloo -np 4 -H localhost:2,127.0.0.1:2` job."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.saved = job_results(run_two_node_job, HIERARCHICAL_SAVES, 4, "hierarchical")
+
+
+class MultiWorkerHierarchicalTest(HierarchicalChecks, absltest.TestCase):
+    """4 MultiWorkerMirroredStrategy workers, 2 on localhost and 2 on 127.0.0.1."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.saved = job_results(multi_worker(4), HIERARCHICAL_SAVES, 4, "hierarchical")
 
 
 if __name__ == "__main__":

@@ -127,9 +127,9 @@ class KFACConfig:
         "(same numbers; docs/design.md §6). Needs several ranks.")
     hierarchical_reduction: bool = _setting(
         False, validation.boolean,
-        "Horovod: every mean in two levels, within each node then across nodes "
-        "(docs/design.md §6); needs several nodes with the same number (> 1) of ranks, "
-        "and a factor wire other than float21.", flag=False)
+        "Every mean in two levels, within each node then across nodes (docs/design.md "
+        "§6): Horovod, or MultiWorkerMirroredStrategy over several hosts, with the same "
+        "number (> 1) of ranks per node; not with a float21 factor wire.", flag=False)
     state_dtype: str = _setting(
         "float32", validation.one_of(STATE_DTYPES),
         "dtype of factors, decompositions and preconditioning (float64 for checks "

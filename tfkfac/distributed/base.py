@@ -44,8 +44,8 @@ class Communicator:
 
     rank = 0
     size = 1
-    # Whether means are taken in two levels, within nodes then across them (Horovod's
-    # communicator can; `get_communicator(hierarchical=True)`).
+    # Whether means are taken in two levels, within nodes then across them
+    # (`get_communicator(hierarchical=True)`).
     hierarchical = False
 
     @property

@@ -32,15 +32,15 @@ def get_communicator(kind="auto", hierarchical=False):
     importable Horovod is an error rather than a silent fallback: every rank would train
     alone; so is a strategy tfkfac cannot run under.
 
-    `hierarchical`: means in two levels, within each node then across nodes; Horovod's
-    communicator only (a ValueError naming the engine otherwise).
+    `hierarchical`: means in two levels, within each node (host) then across nodes
+    (Horovod, or MultiWorkerMirroredStrategy over several hosts; a ValueError otherwise).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind == "single":
         return _not_hierarchical(SingleProcess(), hierarchical)
     if kind == "strategy" or (kind == "auto" and launched_world_size() == 1):
-        return _not_hierarchical(_strategy_communicator(kind), hierarchical)
+        return _strategy_communicator(kind, hierarchical)
     try:
         from tfkfac.distributed.horovod_comm import HorovodCommunicator
 
@@ -56,7 +56,7 @@ def get_communicator(kind="auto", hierarchical=False):
 
 def communicator_for(communicator, hierarchical):
     """`communicator`, or `get_communicator("auto", hierarchical)` when None; ValueError
-    when a given one does not reduce as `hierarchical` asks (its process sets are made
+    when a given one does not reduce as `hierarchical` asks (its node groups are made
     with it)."""
     if communicator is None:
         return get_communicator("auto", hierarchical)
@@ -70,22 +70,16 @@ def communicator_for(communicator, hierarchical):
 
 
 def _not_hierarchical(communicator, hierarchical):
-    """`communicator`; ValueError if `hierarchical`: only Horovod's takes means in two
-    levels."""
+    """`communicator` (one process); ValueError if `hierarchical`."""
     if hierarchical:
-        engine = ("one process" if communicator.size == 1 else
-                  f"tf.distribute ({type(communicator.strategy).__name__})")
-        raise ValueError(
-            f"hierarchical reduction needs Horovod; this job runs on {engine}: TensorFlow's "
-            "collective ops on CPU (ring over gRPC) have no hierarchical form, and "
-            "HierarchicalCopyAllReduce is a MirroredStrategy cross-device op for GPUs, which "
-            "K-FAC's collectives inside conditionals cannot use: set "
-            "hierarchical_reduction=False")
+        raise ValueError("hierarchical reduction sums within nodes then across them; this "
+                         "job is one process, with nothing to reduce: set "
+                         "hierarchical_reduction=False")
     return communicator
 
 
-def _strategy_communicator(kind):
+def _strategy_communicator(kind, hierarchical):
     strategy = tf.distribute.get_strategy()
     if check_supported(strategy) == 1 and kind == "auto":
-        return SingleProcess()
-    return StrategyCommunicator(strategy)
+        return _not_hierarchical(SingleProcess(), hierarchical)
+    return StrategyCommunicator(strategy, hierarchical)

@@ -23,6 +23,7 @@ With `hierarchical`, every floating-point mean Horovod can sum is taken in two l
 GPUs); a CPU build (Gloo or MPI) turns them off.
 """
 
+import functools
 import itertools
 import os
 import weakref
@@ -54,7 +55,8 @@ class HorovodCommunicator(Communicator):
 
         if hierarchical and not hvd.is_initialized():
             hvd.init(process_sets="dynamic")
-        hvd.init()
+        else:
+            hvd.init()
         self._hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
@@ -118,10 +120,12 @@ class HorovodCommunicator(Communicator):
         return tf.cast(tf.reduce_mean(tf.cast(per_rank, tf.float32), axis=0), tf.bfloat16)
 
 
+@functools.lru_cache(maxsize=None)
 def _node_levels(hvd):
     """(this rank's node, the ranks with its local rank on every node) as Horovod process
-    sets, added on every rank in the same order. ValueError where two levels would be one:
-    a single node, one rank per node, or nodes with different numbers of ranks."""
+    sets, added on every rank in the same order, once per process (Horovod refuses a set
+    twice). ValueError where two levels would be one: a single node, one rank per node,
+    or nodes with different numbers of ranks."""
     if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
         raise ValueError(
             "hierarchical reduction adds Horovod process sets after initialization: Horovod "

@@ -21,6 +21,9 @@
 - The ops take fewer dtypes than Horovod's (`_OP_DTYPES`); the others a communicator
   carries (base.py) travel widened, exactly (transport.py): bool and the small integers
   as int32, and bfloat16, which only the reduction takes, as its bits in float16.
+With `hierarchical` (MultiWorkerMirroredStrategy over several hosts), every floating-point
+mean is taken in two levels (`_hierarchical_mean`), in collective groups of its own: the
+replicas of one host, and those at the same position on every host.
 With more than one replica per process (MirroredStrategy), one Python object serves all
 of them: `rank` is read from the replica context while tracing, and every variable is a
 mirrored one, so each replica updates its own copy. Rank-specific state (the "owner"
@@ -97,17 +100,20 @@ class StrategyCommunicator(Communicator):
     first replica's, so `rank == 0` still picks one chief process.
     """
 
-    def __init__(self, strategy=None):
+    def __init__(self, strategy=None, hierarchical=False):
         strategy = strategy or tf.distribute.get_strategy()
         self.size = check_supported(strategy)
         self.strategy = strategy
+        self.hierarchical = hierarchical
         replica_ids = strategy.experimental_local_results(strategy.run(
             lambda: tf.distribute.get_replica_context().replica_id_in_sync_group))
         self._local_ranks = tuple(int(r) for r in replica_ids)
         layout = (type(strategy).__name__, self.size, tuple(
             tf.DeviceSpec.from_string(d).replace(job=None, replica=None, task=None).to_string()
             for d in strategy.extended.worker_devices))
-        self._group_key = _GROUP_KEYS.setdefault(layout, GROUP_KEY_BASE + len(_GROUP_KEYS))
+        self._group_key = _group_key(layout)
+        # rank -> its (node group, cross-node group), each (group key, size, position).
+        self._levels = _node_levels(strategy, layout) if hierarchical else None
         with strategy.scope():  # counters and ordering tokens: one copy per replica
             super().__init__()
             self._ordering_token = tf.Variable(0.0, trainable=False, name="collective_order")
@@ -162,10 +168,35 @@ class StrategyCommunicator(Communicator):
     # ------------------------------------------------------------ collectives
     def _grouped_allreduce_mean(self, tensors):
         def mean(flat, keys):
+            if self._levels is not None and flat.dtype.is_floating:
+                return self._hierarchical_mean(flat)
             return transport.from_wire(tf.raw_ops.CollectiveReduceV2(
                 input=_to_wire(flat, "reduce"), merge_op="Add", final_op="Div", **keys),
                 flat.dtype)
         return self._per_dtype(tensors, mean)
+
+    def _hierarchical_mean(self, flat):
+        """Mean of a 1-D tensor in two levels: the node's sum (an allreduce among its L
+        replicas; TensorFlow's reduce-scatter runs on NCCL only), of which each replica
+        sums its 1/L part across nodes with the replicas at its position, gathered
+        within the node and divided by the number of ranks. Each element is summed within
+        its node, then the node sums are summed, as in the Horovod communicator."""
+        (node, node_size, position), (cross, cross_size, _) = self._levels[self.rank]
+        part = -(-tf.size(flat) // node_size)  # elements per replica of the node
+        total = tf.raw_ops.CollectiveReduceV2(
+            input=tf.pad(flat, [[0, part * node_size - tf.size(flat)]]), merge_op="Add",
+            final_op="Id", **self._keys(node, node_size))
+        mine = tf.raw_ops.CollectiveReduceV2(
+            input=total[position * part:(position + 1) * part], merge_op="Add",
+            final_op="Id", **self._keys(cross, cross_size))
+        # Each part behind its position: a gather's order is TensorFlow's order of the
+        # group's devices, not necessarily the ranks'.
+        rows = tf.reshape(transport.from_wire(tf.raw_ops.CollectiveGatherV2(
+            input=_to_wire(tf.concat([[tf.cast(position, flat.dtype)], mine], axis=0),
+                           "gather"), **self._keys(node, node_size)), flat.dtype),
+            [node_size, -1])
+        ordered = tf.reshape(tf.gather(rows[:, 1:], tf.argsort(rows[:, 0])), [-1])
+        return ordered[:tf.size(flat)] / tf.cast(self.size, flat.dtype)
 
     def _broadcast(self, tensors, root_rank):
         def broadcast(flat, keys):
@@ -204,11 +235,47 @@ class StrategyCommunicator(Communicator):
         context = tf.distribute.get_replica_context()
         return context is not None and context.strategy is self.strategy
 
-    def _keys(self):
-        """Group and next instance key of the current replica, and its ordering token."""
-        return {"group_size": self.size, "group_key": self._group_key,
-                "instance_key": next(_INSTANCE_KEYS[self._group_key, self.rank]),
+    def _keys(self, group_key=None, group_size=None):
+        """Group (default: every replica) and next instance key of the current replica,
+        and its ordering token."""
+        group_key = group_key or self._group_key
+        return {"group_size": group_size or self.size, "group_key": group_key,
+                "instance_key": next(_INSTANCE_KEYS[group_key, self.rank]),
                 "ordering_token": [self._ordering_token.handle]}
+
+
+def _group_key(name):
+    """The group key of `name`, in order of first use (the same on every worker)."""
+    return _GROUP_KEYS.setdefault(name, GROUP_KEY_BASE + len(_GROUP_KEYS))
+
+
+def _node_levels(strategy, layout):
+    """{rank: ((node group key, size, position in it), (cross-node group key, size,
+    position))}: a node is a host of the cluster (MultiWorkerMirroredStrategy's workers
+    by the host of their address; a worker's replicas are on its host), ranks numbered as
+    the strategy does, chief first. ValueError where two levels would be one: a single
+    host, one replica per host, or hosts with different numbers of replicas."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    addresses = [address for job in ("chief", "worker") for address in spec.get(job, [])]
+    per_worker = len(strategy.extended.worker_devices)
+    hosts = [address.rsplit(":", 1)[0] for address in addresses for _ in range(per_worker)]
+    nodes = list(dict.fromkeys(hosts))
+    counts = {node: hosts.count(node) for node in nodes}
+    if len(nodes) < 2 or len(set(counts.values())) != 1 or min(counts.values()) < 2:
+        raise ValueError(
+            "hierarchical reduction sums within each host, then across hosts: it needs "
+            "several hosts with the same number of replicas, more than one each; this "
+            f"{type(strategy).__name__} has {strategy.num_replicas_in_sync} replica(s) on "
+            f"hosts {counts or '(one process)'}, where it would be the flat mean: set "
+            "hierarchical_reduction=False")
+    ranks = {node: [r for r, host in enumerate(hosts) if host == node] for node in nodes}
+    positions = range(counts[nodes[0]])
+    node_groups = {node: _group_key((layout, "node", node)) for node in nodes}
+    cross_groups = {p: _group_key((layout, "cross", p)) for p in positions}
+    return {rank: ((node_groups[node], len(members), p),
+                   (cross_groups[p], len(nodes), nodes.index(node)))
+            for node, members in ranks.items() for p, rank in enumerate(members)}
 
 
 def _unordered(keys):
