@@ -18,8 +18,9 @@ wires (bytes only, warm-up steps). Each rank uses cores/ranks intra-op threads.
 A configuration may end in a reduction option (docs/design.md §6):
 - `:overlap` (`overlap_reduction=True`, both engines): without phase clocks, which would
   serialize the phases it overlaps, so its row has step times and no decomposition phase;
-- `:hierarchical` (`hierarchical_reduction=True`, Horovod only; the other engine skips
-  it): needs nodes of several ranks, e.g. 4 ranks as 2 "nodes" of this machine:
+- `:hierarchical` (`hierarchical_reduction=True`): needs nodes of several ranks. Run by
+  Horovod only (MultiWorkerMirroredStrategy takes a node from each worker address's host,
+  and trainers.launch starts every worker on localhost); e.g. 4 ranks as 2 "nodes":
     .venv/bin/python bench/distributed_benchmark.py --engines=horovod --num_ranks=4 \
         --horovod_hosts=localhost:2,127.0.0.1:2 --bytes_configs= \
         --timed_configs=replicated:float32:float32,replicated:float32:float32:hierarchical
