@@ -130,7 +130,7 @@ def printed(text, figure):
     """The figure `figure` (see `rows`) as the binary printed it in `text`."""
     line, column, workers = figure
     if line == "factors GB":
-        return float(re.search(r"factors (\d+\.\d+)", text).group(1))
+        return float(re.search(r"\(SGD's too\), factors (\d+\.\d+)", text).group(1))
     if line == "speed-up":
         one, many = (printed(text, ("step", column, p)) for p in workers)
         return one / many
@@ -331,14 +331,14 @@ def plot(report):
         plan_measurement.plot_this_machine(axes[0], report["this_machine"])
     axis = axes[1]
     shown = [row for row in report["papers"] if not row["paper"].startswith("Pauloski")]
-    positions = range(len(shown))
-    axis.bar([i - 0.2 for i in positions], [row["value"] for row in shown], 0.38,
-             label="paper")
-    axis.bar([i + 0.2 for i in positions], [row["predicted"] for row in shown], 0.38,
-             label="trainers.plan")
-    axis.set_xticks(list(positions), [f"{row['paper']}\n{row['row'][:24]}" for row in shown],
-                    fontsize=6)
-    axis.set_yscale("log")
+    axis.bar(range(len(shown)), [row["predicted"] / row["value"] for row in shown], 0.6,
+             zorder=2)
+    axis.axhspan(1 - TOLERANCE, 1 + TOLERANCE, color="0.9", label=f"±{TOLERANCE:.0%}",
+                 zorder=1)
+    axis.axhline(1.0, color="0.5", lw=0.8)
+    axis.set_xticks(range(len(shown)), [f"{row['paper']}\n{row['row'].split(' (')[0]}"
+                                        for row in shown], fontsize=6, rotation=20)
+    axis.set_ylabel("printed / paper")
     axis.set_title("Ueno et al. (ms per step), Osawa et al. (speed-up, GB)", fontsize=9)
     axis.legend(fontsize=8)
     axis = axes[2]
