@@ -107,6 +107,18 @@ class RefusedTest(absltest.TestCase):
             tfkfac.KFAC(hierarchical_reduction=True, communicator=distributed.SingleProcess())
 
 
+class SavedTest(absltest.TestCase):
+
+    def test_neither_option_is_saved(self):
+        """How one job's ranks communicate: a job that loads the save chooses anew (one
+        process would refuse either)."""
+        config = tfkfac.KFACConfig(overlap_reduction=True, hierarchical_reduction=True,
+                                   damping=0.2).to_config()
+        self.assertNotIn("overlap_reduction", config)
+        self.assertNotIn("hierarchical_reduction", config)
+        self.assertEqual(tfkfac.KFACConfig.from_config(config), tfkfac.KFACConfig(damping=0.2))
+
+
 def function_library():
     """{name: FunctionDef} of every function this process has traced."""
     runtime = context.context()

@@ -29,11 +29,13 @@ RENAMED = {"inv_update_freq": "decomposition_update_freq",
            "eigen_wire_dtype": "decomposition_wire_dtype"}
 
 
-def _setting(default, check, doc, flag=True):
+def _setting(default, check, doc, flag=True, saved=True):
     """A field of `KFACConfig`. `flag`: whether the trainer exposes it as an absl flag
-    (True: under the setting's name; a string: under that name; False: not a flag)."""
+    (True: under the setting's name; a string: under that name; False: not a flag).
+    `saved`: whether `to_config` (the optimizer's saved config) holds it; False for how
+    one job's ranks communicate, which another job that loads the save chooses anew."""
     return dataclasses.field(default=default, metadata={"check": check, "doc": doc,
-                                                        "flag": flag})
+                                                        "flag": flag, "saved": saved})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,12 +126,13 @@ class KFACConfig:
         False, validation.boolean,
         "At a factor step without decompositions, precondition the layers whose "
         "preconditioning reads no factors while the factor reduction is in flight "
-        "(same numbers; docs/design.md §6). Needs several ranks.")
+        "(same numbers; docs/design.md §6). Needs several ranks; not saved.", saved=False)
     hierarchical_reduction: bool = _setting(
         False, validation.boolean,
         "Every mean in two levels, within each node then across nodes (docs/design.md "
         "§6): Horovod, or MultiWorkerMirroredStrategy over several hosts, with the same "
-        "number (> 1) of ranks per node; not with a float21 factor wire.", flag=False)
+        "number (> 1) of ranks per node; not with a float21 factor wire. Not saved.",
+        flag=False, saved=False)
     state_dtype: str = _setting(
         "float32", validation.one_of(STATE_DTYPES),
         "dtype of factors, decompositions and preconditioning (float64 for checks "
@@ -266,7 +269,7 @@ class KFACConfig:
     def to_config(self):
         """The settings as Keras config entries (schedules Keras-serialized)."""
         config = {field.name: schedules.serialize(getattr(self, field.name))
-                  for field in dataclasses.fields(self)}
+                  for field in dataclasses.fields(self) if field.metadata["saved"]}
         config["skip_layers"] = list(self.skip_layers)
         config["method"] = methods.serialize(self.method)
         return config
