@@ -159,9 +159,8 @@ def _miss_note(row, plan):
                 f"paper's adaptive rule refreshed more often, its {saving:.0f} ms saving "
                 f"({before:.0f} to {paper['+ stale']:.0f}) is {saving / over_sgd:.0%} of its "
                 f"{over_sgd:.0f} ms over SGD, an interval near "
-                f"{1 / (1 - saving / over_sgd):.1f}; and the factor collective, faster in "
-                "the model than in the papers (float21_effect); overlap and hierarchical "
-                "reduction (in the paper's row) are not modelled")
+                f"{1 / (1 - saving / over_sgd):.1f}; overlap and hierarchical reduction "
+                "(in the paper's row) are not modelled")
     if row["figure"][0] == "speed-up":
         one, many = (_phases_ms(plan, p) for p in (1, 64))
         rest = lambda phases: sum(phases.values()) - phases["forward_backward"]

@@ -172,16 +172,19 @@ class CollectivesTest(absltest.TestCase):
 
     def test_v_collectives_carry_all_pieces_but_the_smallest(self):
         """ReduceScatterV/AllGatherV: on a ring each link carries every piece but one, so
-        the busiest carries all but the smallest; equal pieces give the even formulas."""
+        the busiest carries all but the smallest; across nodes rank to rank (every step
+        over the network, a node's links shared by its ranks), within a node the even
+        formulas when the pieces are equal."""
         fabric = collectives.Fabric(self.link, self.nvlink, ranks_per_node=4, links_per_node=2)
         pieces = [1e6, 4e6, 2e6, 8e6, 3e6, 5e6, 7e6, 6e6]  # 8 ranks on 2 nodes
-        expected = 1e-5 + 6 * 1e-6 + (36e6 - 1e6) / 2e9  # 1 network step of the ring's 7
+        expected = 7 * 1e-5 + (36e6 - 1e6) / (2e9 / 4)
         self.assertAlmostEqual(collectives.allgather_v(pieces, fabric), expected)
         self.assertAlmostEqual(collectives.reduce_scatter_v(pieces, fabric), expected)
-        self.assertAlmostEqual(collectives.allgather_v([4e6] * 8, fabric),
-                               collectives.allgather(32e6, 8, fabric))
-        self.assertAlmostEqual(collectives.reduce_scatter_v([4e6] * 8, fabric),
-                               collectives.reduce_scatter(32e6, 8, fabric))
+        one_node = collectives.Fabric(self.link, self.nvlink, ranks_per_node=8)
+        self.assertAlmostEqual(collectives.allgather_v([2e6] * 4, one_node),
+                               collectives.allgather(8e6, 4, one_node))
+        self.assertAlmostEqual(collectives.reduce_scatter_v([2e6] * 4, one_node),
+                               collectives.reduce_scatter(8e6, 4, one_node))
         self.assertEqual(collectives.reduce_scatter_v([5e6], fabric), 0.0)
 
     def test_bfloat16_mean_is_an_allgather(self):
