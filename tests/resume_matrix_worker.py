@@ -14,7 +14,8 @@ built first (as trainers/ does), read it and take the remaining steps.
 `Engine(comm)` runs a cell on Horovod (this rank's part of every global batch) or in one
 process (`SingleProcess`, the global batch); `Engine(strategy=...)` under a tf.distribute
 strategy (Keras splits the global batch). `main` is one rank of the test's Horovod job:
-every cell, and `run_narrow_wire`, saved to $RESUME_MATRIX_OUT_DIR/<scenario>.rank<r>.npz.
+every cell (also through a .keras file), and `run_narrow_wire`, saved to
+$RESUME_MATRIX_OUT_DIR/<scenario>.rank<r>.npz.
 """
 
 import os
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(TESTS_DIR))
 
 import distributed_kfac_worker as horovod_suite  # noqa: E402
 import every_block_net  # noqa: E402
+from test_saved_state_compat import saved_optimizer_state  # noqa: E402
 import tfkfac  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 
@@ -128,15 +130,25 @@ def snapshot(engine, model, optimizer):
     return arrays
 
 
-def run_cell(engine, cell, directory):
+def run_cell(engine, cell, directory, keras_file=False):
     """{"uninterrupted/<key>", "resumed/<key>": `snapshot`} of `cell`: STEPS steps, and
     RESUME_AT steps, a checkpoint (written by the chief into `directory`), a fresh model
-    and optimizer restored from it, STEPS - RESUME_AT more."""
+    and optimizer restored from it, STEPS - RESUME_AT more. With `keras_file`, the chief
+    also saves a .keras file there, and every process loads it (`load_model` +
+    `attach`) and takes the same steps: "keras_resumed/<key>", and "keras_keys", the
+    keys of the optimizer's variables in the file."""
     x, y, batch = engine.examples()
     path = os.path.join(directory, name(cell))
     model, optimizer, checkpoint = engine.fresh(cell)
-    save = CallAfter(RESUME_AT, lambda: engine.chief and checkpoint.write(path))
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[save])
+
+    def save():
+        if engine.chief:
+            checkpoint.write(path)
+            if keras_file:
+                model.save(f"{path}.keras")
+
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[CallAfter(RESUME_AT, save)])
     arrays = {f"uninterrupted/{k}": v for k, v in snapshot(engine, model, optimizer).items()}
     engine.barrier()
     model, optimizer, checkpoint = engine.fresh(cell)
@@ -144,6 +156,13 @@ def run_cell(engine, cell, directory):
     rest = slice(RESUME_AT * batch, None)
     model.fit(x[rest], y[rest], batch_size=batch, epochs=1, shuffle=False, verbose=0)
     arrays.update({f"resumed/{k}": v for k, v in snapshot(engine, model, optimizer).items()})
+    if keras_file:
+        arrays["keras_keys"] = np.array(sorted(saved_optimizer_state(f"{path}.keras")))
+        model = keras.models.load_model(f"{path}.keras")
+        model.optimizer.attach(model)
+        model.fit(x[rest], y[rest], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        arrays.update({f"keras_resumed/{k}": v
+                       for k, v in snapshot(engine, model, model.optimizer).items()})
     return arrays
 
 
@@ -168,7 +187,8 @@ def main(out_dir):
     comm = distributed.get_communicator("auto")
     assert type(comm).__name__ == "HorovodCommunicator" and comm.size == 2, comm
     engine = Engine(comm)
-    runs = [(name(cell), lambda cell=cell: run_cell(engine, cell, out_dir)) for cell in CELLS]
+    runs = [(name(cell), lambda cell=cell: run_cell(engine, cell, out_dir, keras_file=True))
+            for cell in CELLS]
     for scenario, run in runs + [("narrow_wire", lambda: run_narrow_wire(engine))]:
         start = time.time()
         np.savez(os.path.join(out_dir, f"{scenario}.rank{comm.rank}.npz"), **run())
