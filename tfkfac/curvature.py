@@ -88,7 +88,6 @@ class Curvature:
         if config.overlap_reduction:
             _check_overlap(self.method, blocks, self.reads_factors, comm)
         xla = config.xla
-        xla = config.xla
         jit = bool(tf.config.list_physical_devices("GPU")) if xla == "auto" else xla
         self._statistics_fn = tf.function(self._batch_statistics, jit_compile=jit)
         self._decompose_fn = tf.function(self._decompose)
