@@ -52,6 +52,12 @@ flags.DEFINE_list("decomposition_intervals", ["10", "100"],
                   "Decomposition intervals compared.")
 flags.DEFINE_list("weight_sharing", list(workloads.WEIGHT_SHARING), "Weight-sharing rules.")
 flags.DEFINE_list("methods", list(step_model.METHODS), "Decomposition methods compared.")
+flags.DEFINE_list("overlap_reduction", ["false"], "Compared values of tfkfac's "
+                  "overlap_reduction (false, true); with --collective=reduce_scatter_v the "
+                  "papers' overlap of A's reduction with the backward pass.")
+flags.DEFINE_list("hierarchical_reduction", ["false"], "Compared values of tfkfac's "
+                  "hierarchical_reduction (false, true): means summed within each node, "
+                  "then across nodes.")
 flags.DEFINE_float("forward_backward_ms", None, "Measured forward/backward of one worker "
                    "at --batch (replaces the device model's; required for a model with "
                    "weight products the planner cannot count, e.g. an LSTM).")
@@ -108,6 +114,10 @@ def _integers(name, values, low=1, high=None):
     return numbers
 
 
+def _booleans(name, values):
+    return [value == "true" for value in _choices(name, values, ("false", "true"))]
+
+
 def _steps(name, values, count):
     if values is None:
         return None
@@ -146,7 +156,10 @@ def _settings():
         _integers("factor_intervals", FLAGS.factor_intervals),
         _integers("decomposition_intervals", FLAGS.decomposition_intervals),
         _choices("weight_sharing", FLAGS.weight_sharing, workloads.WEIGHT_SHARING),
-        _choices("methods", FLAGS.methods, step_model.METHODS))
+        _choices("methods", FLAGS.methods, step_model.METHODS),
+        _booleans("overlap_reduction", FLAGS.overlap_reduction),
+        _booleans("hierarchical_reduction", FLAGS.hierarchical_reduction),
+        FLAGS.collective.lower())
     if not configs:
         config, why = refused[0]
         raise ValueError(f"tfkfac refuses every configuration compared, e.g. "
@@ -197,6 +210,19 @@ def _output_dir(path):
     return path
 
 
+def _refused_by_workers(work, configs, workers, fabric):
+    """{workers: [(config, why)]} of the configurations tfkfac refuses at that worker
+    count; ValueError when it refuses all of them at one."""
+    refused = {}
+    for count in workers:
+        kept, refused[count] = recommend.usable(work, configs, count, fabric)
+        if not kept:
+            config, why = refused[count][0]
+            raise ValueError(f"--workers={count}: tfkfac refuses every configuration "
+                             f"compared there, e.g. {config.label()}: {why}")
+    return refused
+
+
 def _check_countable(work):
     """A model whose weight products the planner cannot count needs a measured
     forward/backward (an LSTM's would otherwise be 0 ms)."""
@@ -217,10 +243,12 @@ def main(argv):
         work = workloads.named(FLAGS.model, settings["input_shape"],
                                FLAGS.classes).at_batch(FLAGS.batch)
         _check_countable(work)
+        device, network, workers = settings["device"], settings["network"], settings["workers"]
+        fabric = step_model.fabric(device, network, FLAGS.workers_per_node,
+                                   FLAGS.links_per_node)
+        refused_here = _refused_by_workers(work, settings["configs"], workers, fabric)
     except ValueError as error:
         usage_error(str(error))
-    device, network, workers = settings["device"], settings["network"], settings["workers"]
-    fabric = step_model.fabric(device, network, FLAGS.workers_per_node, FLAGS.links_per_node)
     forward_backward_s = (None if FLAGS.forward_backward_ms is None
                           else FLAGS.forward_backward_ms / 1e3)
     results = recommend.evaluate(work, settings["configs"], workers, device, fabric,
@@ -228,7 +256,7 @@ def main(argv):
                                  settings["kfac_steps"], FLAGS.collective)
     # The bound of exact K-FAC (eigen, the default wires and rule) when it was compared:
     # the method whose decompositions cost most, so the one a worker count must spread.
-    exact = [c for c in settings["configs"] if recommend.same_approximation(c, "eigen")]
+    exact = [c for c in results[-1]["times"] if recommend.same_approximation(c, "eigen")]
     bounded = min(exact, key=results[-1]["times"].get) if exact else results[-1]["best"]
     bound = dict(recommend.one_factor_bound(work, bounded, workers, device),
                  configuration=bounded)
@@ -248,6 +276,11 @@ def main(argv):
         config, why = settings["refused"][0]
         print(f"Left out {len(settings['refused'])} configuration(s) tfkfac refuses, e.g. "
               f"{config.label()}: {why}")
+    for count, refused in refused_here.items():
+        if refused:
+            config, why = refused[0]
+            print(f"At {count} worker(s) left out {len(refused)} configuration(s) tfkfac "
+                  f"refuses there, e.g. {config.label()}: {why}")
     print(report.table(setting, results, bound, needs, device))
     if work.skipped and forward_backward_s is None:
         print(f"Not counted in forward/backward: {len(work.skipped)} layer(s) without a "

@@ -26,6 +26,19 @@ has no V collective, and the papers' ran rank to rank: every step crosses the ne
 a node's ranks share its links (B / ranks per node), as Ueno et al.'s Table 1 measures
 it: packing the factors (308 MB less per rank) saved 52 ms and float21 (103 MB less) 17
 ms, 6 GB/s each, a quarter of ABCI's two EDR links for its 4 GPUs a node.
+
+Hierarchical (two levels, L ranks on each of `nodes` nodes), as tfkfac's
+`hierarchical_reduction` and NCCL's hierarchical allreduce run it (Ueno & Yokota,
+CCGRID'19): within each node a reduce-scatter leaves each rank 1/L of the node's sum; the
+L ranks with the same local rank reduce their parts across nodes at once (L rings sharing
+the node's links); within each node an allgather reassembles the result:
+
+    hierarchical allreduce    2(L-1)/L · n / B_node + allreduce of n/L over nodes at B / L
+    hierarchical V collective (L-1)/L · N / B_node + (N - smallest node's pieces) / B
+                              + (L-1)/L · largest piece / B_node
+
+The V collective's middle term is the rank-to-rank one above with the node, not the rank,
+as the unit: the node's pieces leave it once, over all its links.
 """
 
 import dataclasses
@@ -126,3 +139,49 @@ def reduce_scatter_v(pieces, fabric):
     """Every rank holds all of `pieces` (bytes, one per rank); rank r ends with piece r
     summed over the ranks: the same link load as `allgather_v`."""
     return allgather_v(pieces, fabric)
+
+
+def _levels(ranks, fabric):
+    """(ranks per node, nodes) of a two-level collective; ValueError where two levels
+    would be one (the refusal of tfkfac's communicators)."""
+    local, nodes = min(ranks, fabric.ranks_per_node), fabric.nodes(ranks)
+    if nodes == 1 or local == 1 or ranks % local:
+        raise ValueError(f"a hierarchical collective needs several nodes with the same "
+                         f"number of ranks, more than one each; got {ranks} rank(s), "
+                         f"{local} per node")
+    return local, nodes
+
+
+def _within_node(n, local, fabric):
+    """A reduce-scatter (or allgather) of `n` bytes among a node's `local` ranks."""
+    return (fabric.base_latency + (local - 1) * fabric.intra_node.ring_step_latency
+            + (local - 1) / local * n / fabric.intra_node.bandwidth)
+
+
+def _across_nodes(local, fabric):
+    """One of the `local` concurrent cross-node collectives: one rank per node, a
+    1/local share of the node's links."""
+    network = fabric.network
+    share = Link(network.bandwidth * fabric.links_per_node / local,
+                 network.ring_step_latency, network.tree_level_latency)
+    return Fabric(share, fabric.intra_node, 1, 1, fabric.base_latency)
+
+
+def hierarchical_allreduce(n, ranks, fabric):
+    """`n` bytes on every rank, summed in two levels (see the module's docstring)."""
+    local, nodes = _levels(ranks, fabric)
+    return (2 * _within_node(n, local, fabric)
+            + allreduce(n / local, nodes, _across_nodes(local, fabric)))
+
+
+def hierarchical_v(pieces, fabric):
+    """ReduceScatterV (or AllGatherV) of `pieces` (bytes, one per rank, ranks numbered
+    node by node) in two levels (see the module's docstring)."""
+    ranks = len(pieces)
+    local, nodes = _levels(ranks, fabric)
+    node_pieces = [sum(pieces[i:i + local]) for i in range(0, ranks, local)]
+    across = _across_nodes(local, fabric)
+    network = (across._steps_latency(nodes - 1, nodes - 1)
+               + (sum(pieces) - min(node_pieces)) / fabric.bandwidth(ranks))
+    return (_within_node(sum(pieces), local, fabric) + network
+            + _within_node(max(pieces), local, fabric))

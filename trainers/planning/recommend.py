@@ -8,10 +8,11 @@ may change the steps to target, which the user's estimates must account for; the
 configuration with the library's default approximation is reported beside it.
 """
 
+import dataclasses
 import itertools
 
 from tfkfac import placement as placement_lib
-from tfkfac.distributed import assignment
+from tfkfac.distributed import assignment, packing
 from trainers.planning import step_model
 
 # What a remedy for the one-factor bound assumes (docs/planner.md): the largest factors'
@@ -21,22 +22,41 @@ SPLIT_RANKS, SPLIT_EFFICIENCY, REFRESH_EVERY = 4, 0.5, 4
 
 
 def grid(placements, factor_wires, decomposition_wires, factor_intervals,
-         decomposition_intervals, weight_sharing, methods):
+         decomposition_intervals, weight_sharing, methods, overlap=(False,),
+         hierarchical=(False,), collective="allreduce"):
     """(every combination the library accepts, [(combination, why)] of those
     `tfkfac.KFACConfig` refuses): the planner never ranks a configuration tfkfac would
-    not run."""
+    not run. Under the papers' collectives ("reduce_scatter_v") float21 factors summed
+    hierarchically are accepted: Ueno et al. ran them (§4.1); tfkfac's communicators do
+    not."""
     accepted, refused = [], []
     for values in itertools.product(placements, factor_wires, decomposition_wires,
                                     factor_intervals, decomposition_intervals,
-                                    weight_sharing, methods):
+                                    weight_sharing, methods, overlap, hierarchical):
         config = step_model.Configuration(*values)
+        checked = config
+        if collective == "reduce_scatter_v" and config.factor_wire == packing.FLOAT21:
+            checked = dataclasses.replace(config, hierarchical_reduction=False)
         try:
-            config.library_config()
+            checked.library_config()
         except ValueError as error:
             refused.append((config, str(error)))
         else:
             accepted.append(config)
     return accepted, refused
+
+
+def usable(work, configs, ranks, fabric):
+    """(the `configs` tfkfac runs on `ranks` workers of `fabric`, [(config, why)] of the
+    others)."""
+    kept, refused = [], []
+    for config in configs:
+        why = step_model.refusal(work, config, ranks, fabric)
+        if why is None:
+            kept.append(config)
+        else:
+            refused.append((config, why))
+    return kept, refused
 
 
 def same_approximation(config, method=step_model.LIBRARY_DEFAULTS.method):
@@ -50,18 +70,20 @@ def same_approximation(config, method=step_model.LIBRARY_DEFAULTS.method):
 
 def evaluate(work, configs, workers, device, fabric, precision, forward_backward_s=None,
              sgd_steps=None, kfac_steps=None, collective="allreduce"):
-    """Per worker count: SGD's phases, every configuration's step time (K-FAC's
-    collectives `collective`, step_model.COLLECTIVES), the fastest and the fastest with
-    the default approximation, and times to target when steps are given."""
+    """Per worker count: SGD's phases, the step time of every configuration tfkfac runs
+    there (`usable`; K-FAC's collectives `collective`, step_model.COLLECTIVES), the
+    fastest and the fastest with the default approximation, and times to target when
+    steps are given."""
     results = []
     for i, ranks in enumerate(workers):
         sgd = step_model.sgd_step(work, ranks, device, fabric, precision, forward_backward_s)
+        here, _ = usable(work, configs, ranks, fabric)
         steps = {config: step_model.kfac_step(work, config, ranks, device, fabric, precision,
                                               forward_backward_s, collective)
-                 for config in configs}
+                 for config in here}
         times = {config: step_model.step_seconds(phases) for config, phases in steps.items()}
-        best = min(configs, key=times.get)
-        exact = [c for c in configs if same_approximation(c)]
+        best = min(here, key=times.get)
+        exact = [c for c in here if same_approximation(c)]
         entry = {"workers": ranks, "global_batch": ranks * work.batch, "sgd": sgd,
                  "sgd_step_s": step_model.step_seconds(sgd), "times": times, "best": best,
                  "best_phases": steps[best],

@@ -8,8 +8,18 @@ unit: the test checks them against a real 2-rank job). The work is the library's
 for who decomposes and who preconditions, the Horovod communicator's bfloat16 mean as an
 allgather (`horovod_comm.GATHERED_MEAN_DTYPES`), a float21 mean as the reduce-scatter and
 allgather of `Communicator.float21_mean`, wire bytes as `packing.wire_bytes` (float21:
-three values to a 64-bit word). What is not modelled: overlap of communication with
-computation, Horovod's negotiation, input pipelines.
+three values to a 64-bit word). Not modelled: Horovod's negotiation, input pipelines,
+and a collective slowing the computation it overlaps (on GPUs NCCL computes its sums on
+the streaming multiprocessors the backward pass uses: Ueno et al. §4.1).
+
+`overlap_reduction` hides factor reduction behind computation that does not read it: in
+tfkfac (`collective` "allreduce") the preconditioning of the blocks whose method reads no
+factors, at factor steps with no decomposition due (docs/design.md §6); in the papers'
+system the A factors' ReduceScatterV behind the backward pass (Ueno et al. §3.3.4), taken
+as BACKWARD_SHARE of the forward/backward. `hierarchical_reduction` sums in two levels
+(`collectives.hierarchical_allreduce`, `hierarchical_v`) every floating-point mean of
+the K-FAC step (tfkfac: factors, gradients, metrics; allgathers stay flat) and, in the
+papers' system, the V collectives.
 
 `collective` "allreduce" is what tfkfac runs. "reduce_scatter_v" is the papers' system
 (Osawa et al. CVPR'19 §3, Ueno et al. KDD'20 Algorithm 1), which tfkfac does not run: the
@@ -21,7 +31,7 @@ running statistics) still allreduced.
 
 import dataclasses
 
-from tfkfac import placement as placement_lib
+from tfkfac import methods as methods_lib, placement as placement_lib
 from tfkfac.config import KFACConfig
 from tfkfac.distributed import packing
 from tfkfac.distributed.horovod_comm import GATHERED_MEAN_DTYPES
@@ -38,6 +48,8 @@ PLACEMENTS = placement_lib.PLACEMENTS
 WIRE_DTYPES = tuple(d for d in packing.WIRE_DTYPES if d != "float64")  # float64: checks only
 STATE_ITEMSIZE = 4  # float32 factors, decompositions and gradients
 COLLECTIVES = ("allreduce", "reduce_scatter_v")
+# The backward pass's share of forward/backward (twice the forward's products).
+BACKWARD_SHARE = 2 / 3
 
 
 _LIBRARY = KFACConfig()  # the library's defaults
@@ -47,7 +59,8 @@ _LIBRARY = KFACConfig()  # the library's defaults
 class Configuration:
     """The K-FAC settings the planner compares (tfkfac.KFAC's arguments of the same
     meaning: placement, factor_wire_dtype, decomposition_wire_dtype, factor_update_freq,
-    the decomposition interval, weight_sharing, method)."""
+    the decomposition interval, weight_sharing, method, overlap_reduction,
+    hierarchical_reduction)."""
 
     placement: str = _LIBRARY.placement
     factor_wire: str = _LIBRARY.factor_wire_dtype
@@ -56,6 +69,8 @@ class Configuration:
     decomposition_interval: int = _LIBRARY.decomposition_update_freq
     weight_sharing: str = _LIBRARY.weight_sharing
     method: str = _LIBRARY.method
+    overlap_reduction: bool = _LIBRARY.overlap_reduction
+    hierarchical_reduction: bool = _LIBRARY.hierarchical_reduction
 
     def library_config(self):
         """The `tfkfac.KFACConfig` of these settings; a ValueError when the library
@@ -64,12 +79,17 @@ class Configuration:
                           decomposition_wire_dtype=self.decomposition_wire,
                           factor_update_freq=self.factor_interval,
                           decomposition_update_freq=self.decomposition_interval,
-                          weight_sharing=self.weight_sharing, method=self.method)
+                          weight_sharing=self.weight_sharing, method=self.method,
+                          overlap_reduction=self.overlap_reduction,
+                          hierarchical_reduction=self.hierarchical_reduction)
 
     def label(self):
+        options = "".join(f" {name}" for name, on in (
+            ("overlap", self.overlap_reduction),
+            ("hierarchical", self.hierarchical_reduction)) if on)
         return (f"{self.placement} {self.factor_wire}/{self.decomposition_wire} "
                 f"f={self.factor_interval} d={self.decomposition_interval} "
-                f"{self.weight_sharing} {self.method}")
+                f"{self.weight_sharing} {self.method}{options}")
 
 
 LIBRARY_DEFAULTS = Configuration()
@@ -101,13 +121,15 @@ def fabric(device, network, ranks_per_node=1, links_per_node=1):
                               network.base_latency)
 
 
-def _mean(payload, ranks, fabric_, wire="float32"):
+def _mean(payload, ranks, fabric_, wire="float32", hierarchical=False):
     """Time of the communicator's mean of `payload` bytes per rank."""
     if wire == packing.FLOAT21:
         return (collectives.reduce_scatter(payload, ranks, fabric_)
                 + collectives.allgather(payload, ranks, fabric_))
     if wire in GATHERED_MEAN_DTYPES:
         return collectives.allgather(payload * ranks, ranks, fabric_)
+    if hierarchical:
+        return collectives.hierarchical_allreduce(payload, ranks, fabric_)
     return collectives.allreduce(payload, ranks, fabric_)
 
 
@@ -165,32 +187,76 @@ def _owned(counts, owners, ranks, wire):
 
 def _reduce_scatter_v(work, config, owners, ranks, fabric_):
     """(factor reduction, gradient reduction) seconds with ReduceScatterV to the owners."""
+    hierarchical = config.hierarchical_reduction
+    v = collectives.hierarchical_v if hierarchical else collectives.reduce_scatter_v
+    mean = lambda payload, wire="float32": _mean(payload, ranks, fabric_, wire, hierarchical)
     shapes = [g.factor_shapes() for g in work.geometries["expand"].values()]
-    metrics = _mean(STATE_ITEMSIZE, ranks, fabric_)
+    metrics = mean(STATE_ITEMSIZE)
     if config.placement == "owner":  # a block's factors and gradients to its owner
-        factors = collectives.reduce_scatter_v(_owned(
-            [_factor_elements(s) for s in shapes], owners, ranks, config.factor_wire), fabric_)
+        factors = v(_owned([_factor_elements(s) for s in shapes], owners, ranks,
+                           config.factor_wire), fabric_)
         managed = work.managed_parameters()
         rest = work.trainable_parameters - sum(managed) + work.running_statistics
-        gradients = (collectives.reduce_scatter_v(_owned(managed, owners, ranks, "float32"),
-                                                  fabric_)
-                     + _mean(STATE_ITEMSIZE * rest, ranks, fabric_))
+        gradients = (v(_owned(managed, owners, ranks, "float32"), fabric_)
+                     + mean(STATE_ITEMSIZE * rest))
         return factors, gradients + metrics
     counts = [packing.packed_size([shapes[b][j]])  # a symmetric factor to its owner
               for b, j in placement_lib.factor_items(work.blocks[config.weight_sharing])]
     diagonals = packing.wire_bytes(config.factor_wire, sum(s[0] for block in shapes
                                                            for s in block if len(s) == 1))
-    factors = (collectives.reduce_scatter_v(_owned(counts, owners, ranks, config.factor_wire),
-                                            fabric_)
-               + _mean(diagonals, ranks, fabric_, config.factor_wire))
+    factors = (v(_owned(counts, owners, ranks, config.factor_wire), fabric_)
+               + mean(diagonals, config.factor_wire))
     gradients = STATE_ITEMSIZE * (work.trainable_parameters + work.running_statistics)
-    return factors, _mean(gradients, ranks, fabric_) + metrics
+    return factors, mean(gradients) + metrics
+
+
+def refusal(work, config, ranks, fabric_):
+    """Why tfkfac refuses `config` on `ranks` workers of `fabric_` (None: it runs it):
+    the checks its communicators and curvature make once the job's ranks are known."""
+    if config.overlap_reduction:
+        if ranks == 1:
+            return "overlap_reduction with 1 worker, where nothing is reduced"
+        method = methods_lib.resolve(config.method, None, None)
+        if all(any(method.reads_factors(p) for p in block.pieces())
+               for block in work.blocks[config.weight_sharing]):
+            return (f"overlap_reduction under method {config.method}: every layer's "
+                    "preconditioning reads its factors")
+    if config.hierarchical_reduction:
+        try:
+            collectives.hierarchical_allreduce(1, ranks, fabric_)
+        except ValueError as error:
+            return f"hierarchical_reduction: {error}"
+    return None
+
+
+def _overlapped(work, config, owners, ranks, seconds, factor_s, forward_backward_s,
+                collective):
+    """Seconds of each factor reduction that `overlap_reduction` hides, averaged over
+    the factor steps (module docstring)."""
+    if not config.overlap_reduction:
+        return 0.0
+    if collective == "reduce_scatter_v":  # A's factors during the backward pass
+        shapes = [g.factor_shapes() for g in work.geometries["expand"].values()]
+        share = (_factor_elements([s[0] for s in shapes if len(s) == 2])
+                 / _factor_elements([s for block in shapes for s in block]))
+        return min(share * factor_s, BACKWARD_SHARE * forward_backward_s)
+    method = methods_lib.resolve(config.method, None, None)
+    early = [[] if any(method.reads_factors(p) for p in block.pieces()) else kernels
+             for block, kernels in zip(work.blocks[config.weight_sharing],
+                                       work.preconditioning(config.method))]
+    if config.placement == "replicated":
+        early_s = seconds([k for ks in early for k in ks], "preconditioning")
+    else:
+        early_s = max(seconds(ks, "preconditioning") for ks in by_rank(early, owners, ranks))
+    # No overlap at factor steps that decompose (one in d/f of them).
+    return min(factor_s, early_s) * (1 - config.factor_interval
+                                     / config.decomposition_interval)
 
 
 def kfac_step(work, config, ranks, device, fabric_, precision="float32",
               forward_backward_s=None, collective="allreduce"):
     """{phase: Phase} of a K-FAC step under `config` on `ranks` workers, its collectives
-    `collective` (COLLECTIVES)."""
+    `collective` (COLLECTIVES). "factor_reduction" is the part not overlapped."""
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; "
                          f"got {collective!r}")
@@ -224,12 +290,17 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     if collective == "reduce_scatter_v":
         factor_s, gradient_s = _reduce_scatter_v(work, config, owners, ranks, fabric_)
     else:
-        factor_s = _mean(factors, ranks, fabric_, config.factor_wire)
-        gradient_s = _mean(gradients, ranks, fabric_) + _mean(metrics, ranks, fabric_)
+        mean = lambda payload, wire="float32": _mean(payload, ranks, fabric_, wire,
+                                                     config.hierarchical_reduction)
+        factor_s = mean(factors, config.factor_wire)
+        gradient_s = mean(gradients) + mean(metrics)
     statistics = [k for ks in work.statistics(config.weight_sharing) for k in ks]
+    forward_backward = _forward_backward(work, device, ranks, precision, "forward_backward",
+                                         forward_backward_s)
+    factor_s -= _overlapped(work, config, owners, ranks, seconds, factor_s, forward_backward,
+                            collective)
     return {
-        "forward_backward": Phase(_forward_backward(work, device, ranks, precision,
-                                                    "forward_backward", forward_backward_s)),
+        "forward_backward": Phase(forward_backward),
         "factor_statistics": Phase(seconds(statistics, "factor_statistics"),
                                    config.factor_interval),
         "factor_reduction": Phase(factor_s, config.factor_interval, "factors",
