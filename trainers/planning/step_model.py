@@ -210,15 +210,21 @@ def _reduce_scatter_v(work, config, owners, ranks, fabric_):
     return factors, mean(gradients) + metrics
 
 
+def _reads_factors(work, config):
+    """Per block, whether its method's preconditioning reads its factors
+    (`Method.reads_factors`), so cannot run beside their reduction."""
+    method = methods_lib.resolve(config.method, None, None)
+    return [any(method.reads_factors(p) for p in block.pieces())
+            for block in work.blocks[config.weight_sharing]]
+
+
 def refusal(work, config, ranks, fabric_):
     """Why tfkfac refuses `config` on `ranks` workers of `fabric_` (None: it runs it):
     the checks its communicators and curvature make once the job's ranks are known."""
     if config.overlap_reduction:
         if ranks == 1:
             return "overlap_reduction with 1 worker, where nothing is reduced"
-        method = methods_lib.resolve(config.method, None, None)
-        if all(any(method.reads_factors(p) for p in block.pieces())
-               for block in work.blocks[config.weight_sharing]):
+        if all(_reads_factors(work, config)):
             return (f"overlap_reduction under method {config.method}: every layer's "
                     "preconditioning reads its factors")
     if config.hierarchical_reduction:
@@ -240,10 +246,8 @@ def _overlapped(work, config, owners, ranks, seconds, factor_s, forward_backward
         share = (_factor_elements([s[0] for s in shapes if len(s) == 2])
                  / _factor_elements([s for block in shapes for s in block]))
         return min(share * factor_s, BACKWARD_SHARE * forward_backward_s)
-    method = methods_lib.resolve(config.method, None, None)
-    early = [[] if any(method.reads_factors(p) for p in block.pieces()) else kernels
-             for block, kernels in zip(work.blocks[config.weight_sharing],
-                                       work.preconditioning(config.method))]
+    early = [[] if late else kernels for late, kernels in
+             zip(_reads_factors(work, config), work.preconditioning(config.method))]
     if config.placement == "replicated":
         early_s = seconds([k for ks in early for k in ks], "preconditioning")
     else:
