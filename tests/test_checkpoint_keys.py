@@ -58,7 +58,7 @@ class CheckpointKeysTest(absltest.TestCase):
         _, optimizer, _ = self.store(("first", "second"))
         with open(self.keys_file, encoding="utf-8") as f:
             keys = json.load(f)["keys"]
-        self.assertEqual(keys, optimizer.saved_keys())
+        self.assertEqual([tuple(pair) for pair in keys], optimizer.saved_keys())
         self.assertLen(keys, len(optimizer.variables))
         self.assertIn(["block:first:factor:A", [7, 7]], keys)  # 6 inputs and the bias
 
