@@ -11,7 +11,9 @@ process (a global batch is what data-parallel workers would share):
 - Entries (ENTRIES): SGD with Nesterov momentum 0.9, AdamW, Lamb, Muon (the trainer's
   `--optimizer=muon`: the output layer and biases on its AdamW step, as its docstring
   asks), the best K-FAC variant at batch 128 on the CNN (inverse method with the KL
-  clip) and, where the budget allows, eigen_adam.
+  clip) and, where the budget allows, eigen_adam; ablations of the K-FAC entry: Osawa et
+  al.'s recipe pieces (weight rescaling, momentum coupled to the learning rate) and the
+  sampled Fisher (`--entries=kfac_inverse_recipe,kfac_inverse_sampled_fisher`).
 - Tuning: the learning rate alone, on the same number of trials per (entry, batch):
   GRID_POINTS points of the 1-2-5 series around the entry's batch-128 pick scaled by
   √(B/128) (the scaled pick rounded to the series on a log scale, GRID_BELOW points below
@@ -114,6 +116,17 @@ ENTRIES = {
     "muon": dict(base="muon", extra={}, pick=dict(learning_rate=0.005)),
     "kfac_eigen_adam": dict(base="kfac_eigen_adam", extra={}, pick=dict(learning_rate=1e-3)),
 }
+# Ablations of the K-FAC entry (not in the default --entries; run at 128 and the largest
+# batch): Osawa et al.'s weight rescaling and momentum coupled to the learning rate
+# (docs/large_batch.md), and the sampled (true) Fisher in place of the empirical one,
+# each tuned around kfac_inverse's pick like the entry itself.
+ENTRIES.update({
+    "kfac_inverse_recipe": dict(base="kfac_inverse",
+                                extra=dict(weight_rescaling=True, couple_momentum_to_lr=True),
+                                pick=ENTRIES["kfac_inverse"]["pick"]),
+    "kfac_inverse_sampled_fisher": dict(base="kfac_inverse", extra=dict(fisher="sampled"),
+                                        pick=ENTRIES["kfac_inverse"]["pick"]),
+})
 FIRST_ORDER = ("sgd_nesterov", "adamw", "lamb", "muon")
 DIVERGED_FILE = "diverged.json"
 

@@ -267,9 +267,7 @@ def run_all(work_dir):
         out = os.path.join(work_dir, engine)
         args = _worker_args(out) + [f"--engine={engine}"]
         if engine == "horovod":
-            command = launch.horovodrun_command(args, n, env)
-            if FLAGS.horovod_hosts:
-                command[command.index("-H") + 1] = FLAGS.horovod_hosts
+            command = launch.horovodrun_command(args, n, env, FLAGS.horovod_hosts)
             lines = _run(f"{n} Horovod ranks", lambda: launch.run_job(command, FLAGS.timeout,
                                                                        env))
         else:

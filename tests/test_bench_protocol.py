@@ -186,6 +186,34 @@ class RecordedTuningTest(absltest.TestCase):
             self.assertIsNone(time_to_accuracy.recorded_tuning("vit", "adamw"))
 
 
+class StopAtLastTargetTest(absltest.TestCase):
+    """`--stop_at_last_target`: the timed runs ask the trainer to stop at the model's
+    highest target, and each run records whether it did; without it, no stop."""
+
+    def test_timed_runs_stop_at_the_highest_target_only_when_asked(self):
+        asked = []
+
+        def run(work_dir, name, **settings):
+            del work_dir, name
+            asked.append(settings)
+            stopped = settings.get("stop_at_target", False)
+            return {"config": {"stop_at_target": stopped}, "to_target": 900 if stopped else None,
+                    "mean_step_time_s": {"all": 0.1},
+                    "evaluations": [{"train_time_s": 90.0, "steps": 900,
+                                     "val_accuracy": 0.905}]}
+
+        stopped = {}
+        for flag in (False, True):
+            with flagsaver.flagsaver(stop_at_last_target=flag, seeds=1), \
+                    mock.patch.object(time_to_accuracy.trials, "run", side_effect=run):
+                result = time_to_accuracy.measure("cnn", "sgd", {"learning_rate": 0.1})
+            stopped[flag] = result["runs"][0]["stopped_at_target"]
+            self.assertEqual(result["to_target"]["0.9"]["median_steps"], 900)
+        self.assertNotIn("stop_at_target", asked[0])
+        self.assertEqual((asked[1]["target_accuracy"], asked[1]["stop_at_target"]), (0.9, True))
+        self.assertEqual(stopped, {False: False, True: True})
+
+
 class SaveTest(absltest.TestCase):
     """A measured entry is written with the entries the JSON already held and the ratios
     between them, and the run's own report is left as it was."""

@@ -36,8 +36,7 @@ import reduction_options_worker as worker  # noqa: E402
 import tfkfac  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 from tfkfac.noise_scale import NoiseScaleProbe  # noqa: E402
-from trainers.launch import (horovodrun_command, job_environment, run_horovod_job,  # noqa: E402
-                             run_job, run_multi_worker_job)
+from trainers.launch import run_horovod_job, run_multi_worker_job  # noqa: E402
 
 JOB_TIMEOUT_SECONDS = 600  # 6 short fits on 2 ranks, or 2 on 4 ranks, on 2 loaded cores
 # 4 ranks vs 4 ranks, sums in another order: the 2-rank suites' bound (distributed_checks).
@@ -255,10 +254,7 @@ class MultiWorkerOverlapTest(OverlapChecks, absltest.TestCase):
 
 def run_two_node_job(script, timeout):
     """`horovodrun --gloo -np 4` as 2 nodes of 2 ranks (two host names of this machine)."""
-    env = job_environment()
-    command = horovodrun_command([script], 4, env)
-    command[command.index("-H") + 1] = worker.HOSTS
-    return run_job(command, timeout, env)
+    return run_horovod_job(script, 4, timeout, hosts=worker.HOSTS)
 
 
 HIERARCHICAL_SAVES = ["exchange", "exchange_flat", *worker.HIERARCHICAL_RUNS]

@@ -91,6 +91,10 @@ class FlagValidationTest(parameterized.TestCase):
         (["--resume"], "resume needs the model_dir"),
         (["--dataset=no_such_dataset"], "dataset must be one of fashion_mnist, mnist"),
         (["--train_split=validation"], "train_split must be one of test, train.*'validation'"),
+        (["--hierarchical_reduction"],
+         "this job is one process, with nothing to reduce: set hierarchical_reduction=False"),
+        (["--optimizer=sgd", "--hierarchical_reduction"],
+         "hierarchical_reduction only applies to optimizer=kfac"),
     )
     def test_inconsistent_settings_raise(self, argv, message):
         config, explicitly_set = config_from_argv(*argv)

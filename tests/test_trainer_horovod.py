@@ -36,6 +36,7 @@ from trainers.launch import run_horovod_job  # noqa: E402
 
 NUM_RANKS = 2
 JOB_TIMEOUT_SECONDS = 280
+TWO_NODES = "localhost:2,127.0.0.1:2"  # 4 ranks as 2 nodes to Horovod
 RANK_WORKER = os.path.join(TESTS_DIR, "trainer_rank_worker.py")
 # The K-FAC run of trainer_worker.py as flags of the binary (its model_dir aside).
 KFAC_FLAGS = [f"--{name}={value}" for name, value in worker.SETTINGS.items()]
@@ -93,9 +94,11 @@ class TrainerHorovodTest(absltest.TestCase):
             self.assertLen(os.listdir(os.path.join(model_dir, "tensorboard")), 1)
             checkpoint_dir = os.path.join(model_dir, "checkpoints")
             self.assertEqual(os.listdir(checkpoint_dir), [f"step-{worker.STEPS}"])
+            # K-FAC's checkpoints also name its variables (optimizer_keys.json).
+            keys = ["optimizer_keys.json"] if optimizer == "kfac" else []
             self.assertEqual(sorted(os.listdir(os.path.join(checkpoint_dir, f"step-{worker.STEPS}"))),
-                             ["trainer_state.json", "variables.data-00000-of-00001",
-                              "variables.index"])
+                             keys + ["trainer_state.json", "variables.data-00000-of-00001",
+                                     "variables.index"])
         # One summary line per run, from rank 0 (horovodrun prefixes lines with [rank]).
         summaries = [line for line in self.output.splitlines() if "logs: " in line]
         self.assertLen(summaries, len(worker.OPTIMIZERS), self.output[-4000:])
@@ -150,6 +153,25 @@ class TrainerHorovodTest(absltest.TestCase):
             f"own model_dir (rank 0: \"{rank_0}\", rank 1: \"{rank_1}\"), which rank 0 "
             "writes: give every rank the same storage; every rank must run with the same "
             "settings")
+
+    def test_hierarchical_reduction_on_two_nodes_trains_as_the_flat_mean(self):
+        """`--hierarchical_reduction` on 4 ranks as 2 nodes (two host names of this
+        machine) reaches K-FAC's communicator: the job ends with the flat job's weights
+        within float32 rounding (the means sum in another order). On one process the flag
+        is refused with one line (tests/test_trainer.py)."""
+        saved = {}
+        for name, extra in (("flat", []), ("hierarchical", ["--hierarchical_reduction"])):
+            model_dir = os.path.join(tempfile.mkdtemp(dir=self.out_dir), "run")
+            returncode, output = run_horovod_job(
+                RANK_WORKER, 4, JOB_TIMEOUT_SECONDS,
+                [*KFAC_FLAGS, f"--model_dir={model_dir}", *extra], hosts=TWO_NODES)
+            self.assertEqual(returncode, 0, output[-3000:])
+            saved[name] = tt.step_tensors(model_dir, worker.STEPS)
+        self.assertEqual(sorted(saved["flat"]), sorted(saved["hierarchical"]))
+        for key, want in saved["flat"].items():
+            if key.startswith("model/"):
+                np.testing.assert_allclose(saved["hierarchical"][key], want, rtol=0,
+                                           atol=1e-4 * np.max(np.abs(want)), err_msg=key)
 
     def test_sigterm_to_one_rank_stops_both_after_one_step_and_resume_is_exact(self):
         model_dir = os.path.join(tempfile.mkdtemp(dir=self.out_dir), "run")

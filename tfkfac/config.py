@@ -132,7 +132,7 @@ class KFACConfig:
         "Every mean in two levels, within each node then across nodes (docs/design.md "
         "§6): Horovod, or MultiWorkerMirroredStrategy over several hosts, with the same "
         "number (> 1) of ranks per node; not with a float21 factor wire. Not saved.",
-        flag=False, saved=False)
+        saved=False)
     state_dtype: str = _setting(
         "float32", validation.one_of(STATE_DTYPES),
         "dtype of factors, decompositions and preconditioning (float64 for checks "

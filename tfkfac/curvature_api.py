@@ -82,6 +82,30 @@ class CurvatureAPI:
             return []
         return self._curvature.rebuild_variables()
 
+    def saved_keys(self):
+        """[(key, shape)] of the variables a save of this optimizer holds, in `variables`
+        order: a .keras file's keys (tfkfac/state.py). A checkpoint holding them by
+        position (`tf.train.Checkpoint`) can record these to check a restore by name
+        (`check_saved_keys`)."""
+        return [(key, list(variable.shape)) for key, variable in
+                self._state.saved_variables(self.inner_optimizer.variables)]
+
+    def check_saved_keys(self, saved):
+        """ValueError unless `saved` (another optimizer's `saved_keys`) names the variables
+        this one has, with their shapes, in the same order: each key missing on either
+        side or with another shape is named, as a .keras load names them."""
+        here = self.saved_keys()
+        state_lib.check_keys({key: tuple(shape) for key, shape in saved},
+                             {key: tuple(shape) for key, shape in here})
+        order = [key for key, _ in saved]
+        if order != [key for key, _ in here]:
+            position = next(i for i, (a, (b, _)) in enumerate(zip(order, here)) if a != b)
+            raise ValueError(
+                "The saved optimizer state holds this KFAC's variables in another order "
+                f"(position {position}: saved {order[position]}, here {here[position][0]}): "
+                "a save by position would load them into the wrong variables. Load it into "
+                "the architecture it was saved with.")
+
     def counters(self):
         """{name: int} of the steps taken and K-FAC's work so far (factor updates,
         decompositions, skipped and failed ones); empty before the state exists."""

@@ -223,9 +223,17 @@ def assign_by_key(saved, values):
     """Assign each of `values` ({key: array}) to the variable of `saved` ((key, variable)
     pairs) under its key, cast to its dtype; a ValueError naming the keys that are not in
     both, or whose shapes differ, before anything is assigned."""
-    variables = dict(saved)
-    missing = [name for name in variables if name not in values]
-    unexpected = [name for name in values if name not in variables]
+    check_keys({name: tuple(value.shape) for name, value in values.items()},
+               {name: tuple(variable.shape) for name, variable in saved})
+    for name, variable in saved:
+        variable.assign(tf.cast(values[name], variable.dtype))
+
+
+def check_keys(saved, here):
+    """A ValueError naming the keys that are not in both `saved` and `here` ({key:
+    shape}: a save's and this optimizer's), or whose shapes differ."""
+    missing = [name for name in here if name not in saved]
+    unexpected = [name for name in saved if name not in here]
     if missing or unexpected:
         raise ValueError(
             "The saved optimizer state does not match this KFAC's: "
@@ -234,15 +242,12 @@ def assign_by_key(saved, values):
                 ("in the save but not here:", unexpected)) if names)
             + ". Load it into the architecture and K-FAC settings (method, placement, "
             "grafting, ...) it was saved with.")
-    reshaped = [f"{name} (saved {tuple(values[name].shape)}, here {tuple(variable.shape)})"
-                for name, variable in saved
-                if tuple(values[name].shape) != tuple(variable.shape)]
+    reshaped = [f"{name} (saved {saved[name]}, here {shape})"
+                for name, shape in here.items() if saved[name] != shape]
     if reshaped:
         raise ValueError("The saved optimizer state does not match this KFAC's: shapes "
                          f"differ for {_listed(reshaped)}. Load it into the architecture "
                          "it was saved with.")
-    for name, variable in saved:
-        variable.assign(tf.cast(values[name], variable.dtype))
 
 
 def _listed(names, most=20):

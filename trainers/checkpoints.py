@@ -3,7 +3,12 @@
 Each checkpoint is one directory `<model_dir>/checkpoints/step-<N>` (N = training steps
 done) holding the variables (`tf.train.Checkpoint`: weights, BatchNorm statistics, the
 optimizer's slots and K-FAC factors and decompositions, its step counter) and
-`trainer_state.json` (counters, history, the epoch's running metrics). It is written
+`trainer_state.json` (counters, history, the epoch's running metrics); with a K-FAC
+optimizer also `optimizer_keys.json`, the name and shape of each optimizer variable the
+checkpoint holds by position (`KFAC.saved_keys`), so that a restore into an optimizer
+whose variables differ (another architecture or setting, even with the same shapes) is
+refused naming them instead of loading values into the wrong variables; checkpoints
+written before it are restored by position as before. It is written
 under a temporary name and renamed into place only when complete, so a crash during a
 write never leaves a half-written checkpoint that looks like the newest; leftovers of
 such a write are removed when the next run starts and before every save. A write that
@@ -45,6 +50,7 @@ CONFIG_FILE = "config.json"
 # What each start of the run set differently from config.json (see runner.py).
 RUN_HISTORY_FILE = "run_history.json"
 VARIABLES_PREFIX = "variables"
+OPTIMIZER_KEYS_FILE = "optimizer_keys.json"
 _DIR_NAME = re.compile(r"^step-(\d+)$")
 _TEMP_MARK = ".partial-"
 # Test hook: "<point>" or "<point>@<step>" kills this process with SIGKILL at that point
@@ -435,11 +441,17 @@ class CheckpointStore:
         name = os.path.basename(final)
         temporary = os.path.join(self.directory, f"{_TEMP_MARK}{name}")
         replaced = os.path.join(self.directory, f"{_TEMP_MARK}old-{name}")
-        with storage.failing_cleanly(final, self._variable_bytes + 8192,
+        kfac, _ = _kfac_of(self._optimizer)
+        keys = None if kfac is None else json.dumps({"keys": kfac.saved_keys()})
+        with storage.failing_cleanly(final, self._variable_bytes + len(keys or "") + 8192,
                                      leftovers=[temporary], advice=self.space_advice):
             try:
                 os.makedirs(temporary)
                 self._checkpoint.write(os.path.join(temporary, VARIABLES_PREFIX))
+                if keys is not None:
+                    with open(os.path.join(temporary, OPTIMIZER_KEYS_FILE), "w",
+                              encoding="utf-8") as f:
+                        f.write(keys)
                 _fault("after_variables", step)
                 # No temp file of its own: the directory is renamed into place whole.
                 with open(os.path.join(temporary, STATE_FILE), "w", encoding="utf-8") as f:
@@ -507,11 +519,14 @@ class CheckpointStore:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _restore_variables(self, prefix):
-        """Restores the variables saved at `prefix`; raises AssertionError unless every
-        variable of the model and the optimizer had a value there, but for a K-FAC
-        optimizer's rebuild state (placement "owner") when the save predates it, as
-        tfkfac 0.2.0's do: the owner then rebuilds its decompositions from the restored
-        factors at its first step, with tfkfac's warning, as after tfkfac reads it."""
+        """Restores the variables saved at `prefix`; refuses (before assigning any) a
+        K-FAC optimizer whose variables are not those the checkpoint's
+        `optimizer_keys.json` names; raises AssertionError unless every variable of the
+        model and the optimizer had a value there, but for a K-FAC optimizer's rebuild
+        state (placement "owner") when the save predates it, as tfkfac 0.2.0's do: the
+        owner then rebuilds its decompositions from the restored factors at its first
+        step, with tfkfac's warning, as after tfkfac reads it."""
+        self._check_optimizer_keys(os.path.join(os.path.dirname(prefix), OPTIMIZER_KEYS_FILE))
         status = self._checkpoint.read(prefix)
         try:
             status.assert_existing_objects_matched()
@@ -519,15 +534,26 @@ class CheckpointStore:
             if not self._lacks_only_rebuild_state(prefix):
                 raise
 
+    def _check_optimizer_keys(self, keys_file):
+        """`_Unloadable` naming the variables that differ when `keys_file` (absent in
+        checkpoints written before it) does not name this K-FAC optimizer's variables."""
+        optimizer, _ = _kfac_of(self._optimizer)
+        if optimizer is None or not os.path.exists(keys_file):
+            return
+        try:
+            with open(keys_file, encoding="utf-8") as f:
+                saved = json.load(f)["keys"]
+            optimizer.check_saved_keys(saved)
+        except (ValueError, KeyError, TypeError) as error:
+            raise _Unloadable(f"{keys_file}: {error}") from None
+
     def _lacks_only_rebuild_state(self, prefix):
         """Whether the save at `prefix` holds every variable a save of the model and the
         optimizer would, but a K-FAC optimizer's rebuild state (`KFAC.rebuild_state`, the
         last of its variables, which a checkpoint keys `<optimizer>/_variables/<index>`:
         docs/design.md §10)."""
-        optimizer, path = self._optimizer, "optimizer"
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            optimizer, path = optimizer.inner_optimizer, f"{path}/inner_optimizer"
-        if not isinstance(optimizer, tfkfac.KFAC) or not optimizer.rebuild_state():
+        optimizer, path = _kfac_of(self._optimizer)
+        if optimizer is None or not optimizer.rebuild_state():
             return False
         count = len(optimizer.variables)
         rebuild = {f"{path}/_variables/{index}/.ATTRIBUTES/VARIABLE_VALUE"
@@ -552,3 +578,12 @@ class CheckpointStore:
                             "steps of training (steps %d to %d) are lost and will be redone",
                             path, step, newest - step, step, newest)
         return state
+
+
+def _kfac_of(optimizer):
+    """(the K-FAC optimizer of `optimizer`, unwrapped from a LossScaleOptimizer, and its
+    path in a checkpoint), or (None, None)."""
+    path = "optimizer"
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer, path = optimizer.inner_optimizer, f"{path}/inner_optimizer"
+    return (optimizer, path) if isinstance(optimizer, tfkfac.KFAC) else (None, None)

@@ -58,7 +58,8 @@ RESUME_MAY_CHANGE_FIELDS = (
     "target_accuracy", "stop_at_target",
     "data_dir", "idx_dir", "model_dir", "verbose", "resume", "auto_resume", "phase_clocks",
     "preemption_grace_seconds", "distribution", "startup_timeout_seconds",
-    "overlap_reduction",  # how the ranks communicate, not what they compute
+    # How the ranks communicate, not what they compute.
+    "overlap_reduction", "hierarchical_reduction",
 )
 
 

@@ -299,15 +299,19 @@ def _strategy(name, startup_timeout_seconds):
 class Engine:
     """The run's strategy (the default one for none/horovod) and communicator; build the
     model and optimizer inside `strategy.scope()`. Under multi_worker, making the first
-    Engine of a process waits (up to `startup_timeout_seconds`) for every worker."""
+    Engine of a process waits (up to `startup_timeout_seconds`) for every worker.
+    `hierarchical`: the communicator takes means within nodes, then across them
+    (`--hierarchical_reduction`; a ValueError where the job has one level)."""
 
-    def __init__(self, distribution, startup_timeout_seconds=DEFAULT_STARTUP_TIMEOUT_SECONDS):
+    def __init__(self, distribution, startup_timeout_seconds=DEFAULT_STARTUP_TIMEOUT_SECONDS,
+                 hierarchical=False):
         validation.one_of(DISTRIBUTIONS)("distribution", distribution)
         self.name = resolve(distribution)
         self.strategy = _strategy(self.name, startup_timeout_seconds)
         # The communicator's variables are the first collective every worker answers.
         with self.strategy.scope(), reporting_lost_workers("after joining, during start-up"):
-            self.communicator = distributed.get_communicator(_COMMUNICATORS[self.name])
+            self.communicator = distributed.get_communicator(_COMMUNICATORS[self.name],
+                                                             hierarchical)
         local = len(self.communicator.local_ranks)
         self.replicas_per_process = local
         self.process_index = self.communicator.local_ranks[0] // local

@@ -42,13 +42,14 @@ def job_environment():
     return env
 
 
-def horovodrun_command(argv, num_ranks, env):
-    """`horovodrun --gloo` running `python argv...` as `num_ranks` ranks on localhost."""
+def horovodrun_command(argv, num_ranks, env, hosts=None):
+    """`horovodrun --gloo` running `python argv...` as `num_ranks` ranks on localhost, or
+    on `hosts` (horovodrun's -H, e.g. "localhost:2,127.0.0.1:2": two nodes to Horovod)."""
     horovodrun = shutil.which("horovodrun", path=env["PATH"])
     if horovodrun is None:
         raise FileNotFoundError(f"horovodrun not found on {env['PATH']}: run `make bootstrap`")
-    return [horovodrun, "--gloo", "-np", str(num_ranks), "-H", f"localhost:{num_ranks}",
-            sys.executable] + list(argv)
+    return [horovodrun, "--gloo", "-np", str(num_ranks), "-H",
+            hosts or f"localhost:{num_ranks}", sys.executable] + list(argv)
 
 
 def run_job(command, timeout, env):
@@ -65,10 +66,11 @@ def run_job(command, timeout, env):
     return job.returncode, output
 
 
-def run_horovod_job(script, num_ranks, timeout, args=()):
-    """`python script args...` as `num_ranks` Horovod ranks on localhost: (exit code, output)."""
+def run_horovod_job(script, num_ranks, timeout, args=(), hosts=None):
+    """`python script args...` as `num_ranks` Horovod ranks on localhost (or `hosts`, as
+    `horovodrun_command`): (exit code, output)."""
     env = job_environment()
-    return run_job(horovodrun_command([script, *args], num_ranks, env), timeout, env)
+    return run_job(horovodrun_command([script, *args], num_ranks, env, hosts), timeout, env)
 
 
 def free_ports(count):

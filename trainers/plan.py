@@ -210,19 +210,6 @@ def _output_dir(path):
     return path
 
 
-def _refused_by_workers(work, configs, workers, fabric):
-    """{workers: [(config, why)]} of the configurations tfkfac refuses at that worker
-    count; ValueError when it refuses all of them at one."""
-    refused = {}
-    for count in workers:
-        kept, refused[count] = recommend.usable(work, configs, count, fabric)
-        if not kept:
-            config, why = refused[count][0]
-            raise ValueError(f"--workers={count}: tfkfac refuses every configuration "
-                             f"compared there, e.g. {config.label()}: {why}")
-    return refused
-
-
 def _check_countable(work):
     """A model whose weight products the planner cannot count needs a measured
     forward/backward (an LSTM's would otherwise be 0 ms)."""
@@ -246,14 +233,14 @@ def main(argv):
         device, network, workers = settings["device"], settings["network"], settings["workers"]
         fabric = step_model.fabric(device, network, FLAGS.workers_per_node,
                                    FLAGS.links_per_node)
-        refused_here = _refused_by_workers(work, settings["configs"], workers, fabric)
+        forward_backward_s = (None if FLAGS.forward_backward_ms is None
+                              else FLAGS.forward_backward_ms / 1e3)
+        results = recommend.evaluate(work, settings["configs"], workers, device, fabric,
+                                     FLAGS.precision, forward_backward_s,
+                                     settings["sgd_steps"], settings["kfac_steps"],
+                                     FLAGS.collective)
     except ValueError as error:
         usage_error(str(error))
-    forward_backward_s = (None if FLAGS.forward_backward_ms is None
-                          else FLAGS.forward_backward_ms / 1e3)
-    results = recommend.evaluate(work, settings["configs"], workers, device, fabric,
-                                 FLAGS.precision, forward_backward_s, settings["sgd_steps"],
-                                 settings["kfac_steps"], FLAGS.collective)
     # The bound of exact K-FAC (eigen, the default wires and rule) when it was compared:
     # the method whose decompositions cost most, so the one a worker count must spread.
     exact = [c for c in results[-1]["times"] if recommend.same_approximation(c, "eigen")]
@@ -276,11 +263,11 @@ def main(argv):
         config, why = settings["refused"][0]
         print(f"Left out {len(settings['refused'])} configuration(s) tfkfac refuses, e.g. "
               f"{config.label()}: {why}")
-    for count, refused in refused_here.items():
-        if refused:
-            config, why = refused[0]
-            print(f"At {count} worker(s) left out {len(refused)} configuration(s) tfkfac "
-                  f"refuses there, e.g. {config.label()}: {why}")
+    for entry in results:
+        if entry["refused"]:
+            config, why = entry["refused"][0]
+            print(f"At {entry['workers']} worker(s) left out {len(entry['refused'])} "
+                  f"configuration(s) tfkfac refuses there, e.g. {config.label()}: {why}")
     print(report.table(setting, results, bound, needs, device))
     if work.skipped and forward_backward_s is None:
         print(f"Not counted in forward/backward: {len(work.skipped)} layer(s) without a "

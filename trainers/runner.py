@@ -72,7 +72,8 @@ def prepare(config, explicitly_set=None):
     """
     given = set(explicitly_set) if explicitly_set is not None else None
     config.validate(given or ())
-    engine = distribution.Engine(config.distribution, config.startup_timeout_seconds)
+    engine = distribution.Engine(config.distribution, config.startup_timeout_seconds,
+                                 hierarchical=config.hierarchical_reduction)
     model_dir = config.resolved_model_dir()
     _check_model_dir_usable(model_dir)
     resuming = _resuming(config, model_dir)

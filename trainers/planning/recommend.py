@@ -71,13 +71,18 @@ def same_approximation(config, method=step_model.LIBRARY_DEFAULTS.method):
 def evaluate(work, configs, workers, device, fabric, precision, forward_backward_s=None,
              sgd_steps=None, kfac_steps=None, collective="allreduce"):
     """Per worker count: SGD's phases, the step time of every configuration tfkfac runs
-    there (`usable`; K-FAC's collectives `collective`, step_model.COLLECTIVES), the
-    fastest and the fastest with the default approximation, and times to target when
-    steps are given."""
+    there (`usable`; K-FAC's collectives `collective`, step_model.COLLECTIVES) and the
+    [(config, why)] it refuses there, the fastest and the fastest with the default
+    approximation, and times to target when steps are given. ValueError when tfkfac
+    refuses every configuration at one worker count."""
     results = []
     for i, ranks in enumerate(workers):
+        here, refused = usable(work, configs, ranks, fabric)
+        if not here:
+            config, why = refused[0]
+            raise ValueError(f"--workers={ranks}: tfkfac refuses every configuration "
+                             f"compared there, e.g. {config.label()}: {why}")
         sgd = step_model.sgd_step(work, ranks, device, fabric, precision, forward_backward_s)
-        here, _ = usable(work, configs, ranks, fabric)
         steps = {config: step_model.kfac_step(work, config, ranks, device, fabric, precision,
                                               forward_backward_s, collective)
                  for config in here}
@@ -85,7 +90,8 @@ def evaluate(work, configs, workers, device, fabric, precision, forward_backward
         best = min(here, key=times.get)
         exact = [c for c in here if same_approximation(c)]
         entry = {"workers": ranks, "global_batch": ranks * work.batch, "sgd": sgd,
-                 "sgd_step_s": step_model.step_seconds(sgd), "times": times, "best": best,
+                 "sgd_step_s": step_model.step_seconds(sgd), "times": times,
+                 "refused": refused, "best": best,
                  "best_phases": steps[best],
                  "best_default_approximation": min(exact, key=times.get) if exact else None}
         if entry["best_default_approximation"] is not None:
