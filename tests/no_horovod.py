@@ -1,5 +1,5 @@
 """Horovod made unimportable, to prove that a code path never imports it: the
-tf.distribute engine must run where Horovod is not built (issue 30), although this
+tf.distribute engine must run where Horovod is not built, although this
 machine has it.
 
 - `install()`: from now on, in this process, `import horovod` (or any `horovod.*`, or

@@ -1,7 +1,7 @@
 """The planner (trainers/plan.py): its bytes against a real 2-rank job's counters, its
 FLOPs against trainers/planning/floor_model.py, its collectives against the α-β formulas,
-its bound against the outside check of issue 28, and the binary's output (its errors:
-tests/test_plan_cli.py)."""
+its bound against an outside check (keras ResNet50's one-factor bound), and the
+binary's output (its errors: tests/test_plan_cli.py)."""
 
 import inspect
 import json
@@ -259,7 +259,7 @@ class PapersCollectivesTest(parameterized.TestCase):
 class BoundAndDefaultsTest(absltest.TestCase):
 
     def test_one_factor_bound_of_resnet50_is_the_outside_check(self):
-        """Issue 28: keras ResNet50 at 224x224, 108 factors, cost n³: the slowest rank's
+        """keras ResNet50 at 224x224, 108 factors, cost n³: the slowest rank's
         decomposition work stops shrinking at a 4.63x speed-up (one 4609² factor)."""
         work = workloads.named("resnet50")
         bound = recommend.one_factor_bound(work, step_model.Configuration(), [1, 16, 1024],

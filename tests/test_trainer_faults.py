@@ -1,24 +1,22 @@
-"""Faults and bad input of the trainer and its data path (issue 15), on short real runs
-(MLP, slices of Fashion-MNIST). Each class names the findings of the issue it checks:
+"""Faults and bad input of the trainer and its data path, on short real runs (MLP, slices
+of Fashion-MNIST):
 
-1. `--resume` trains exactly to `--steps`/`--epochs`, mid-epoch too, without rewriting
-   config.json; 3. `--resume` with no run is an error, `--auto_resume` starts one;
-4. damaged checkpoints fall back to the newest one that loads, a process killed while
-   writing one loses nothing that was complete; 2. NaN and infinity are rejected for
-   every float flag and float argument; 5.-7. predictable failures are one line and exit
-   code 1; 8. loss-scale-skipped steps are counted; 9. usage errors end with the error
-   line, metrics.csv keeps its columns, data_dir is created only under an existing parent.
-
-Issue 29 (the classes say "Issue 29, n"): 3. SGD that diverges stops with one error
-(`DivergenceTest`); 4. SIGTERM/SIGINT checkpoint the step in progress and resume
-exactly (`PreemptionTest`); 5. a full disk is one clear error that blocks no resume
-(`DiskFaultTest` on a small tmpfs, `InjectedWriteFailureTest` without root); 7. a new
---epochs on resume is the budget (`ResumeBudgetTest`); 8. absurd sizes are refused up
-front (`AbsurdSizeTest`); 9. every `pipelines.build` argument is checked
-(`PipelineArgumentTest`), damaged run files, empty splits and a wrong kind of entry in
-model_dir are named (`RunFileTest`); 10. K-FAC's counters hold the steps the loss scale
-skipped (`SkippedStepsTest`). The rank items (4, 6 under Horovod) are in
-tests/test_trainer_horovod.py.
+- `--resume` trains exactly to `--steps`/`--epochs`, mid-epoch too, without rewriting
+  config.json; `--resume` with no run is an error, `--auto_resume` starts one;
+  damaged checkpoints fall back to the newest one that loads, a process killed while
+  writing one loses nothing that was complete; NaN and infinity are rejected for every
+  float flag and float argument; predictable failures are one line and exit code 1;
+  loss-scale-skipped steps are counted; usage errors end with the error line,
+  metrics.csv keeps its columns, data_dir is created only under an existing parent.
+- SGD that diverges stops with one error (`DivergenceTest`); SIGTERM/SIGINT checkpoint
+  the step in progress and resume exactly (`PreemptionTest`); a full disk is one clear
+  error that blocks no resume (`DiskFaultTest` on a small tmpfs,
+  `InjectedWriteFailureTest` without root); a new --epochs on resume is the budget
+  (`ResumeBudgetTest`); absurd sizes are refused up front (`AbsurdSizeTest`); every
+  `pipelines.build` argument is checked (`PipelineArgumentTest`), damaged run files,
+  empty splits and a wrong kind of entry in model_dir are named (`RunFileTest`);
+  K-FAC's counters hold the steps the loss scale skipped (`SkippedStepsTest`). Preemption
+  and failed ranks under Horovod are in tests/test_trainer_horovod.py.
 """
 
 import json
@@ -458,7 +456,7 @@ class SkippedStepsTest(parameterized.TestCase):
                          20 - int(trainer.optimizer.iterations.numpy()))
         on_disk = tt.read_json(os.path.join(model_dir, runner.SUMMARY_FILE))
         self.assertEqual(on_disk["skipped_steps"], summary["skipped_steps"])
-        if optimizer == "kfac":  # Issue 29, 10: K-FAC's own counters agree
+        if optimizer == "kfac":  # K-FAC's own counters agree
             self.assertEqual(summary["kfac"]["counters"]["skipped_steps"],
                              summary["skipped_steps"])
 
@@ -524,7 +522,7 @@ def own_stderr(path):
 
 
 class PreemptionTest(absltest.TestCase):
-    """Issue 29, 4: SIGTERM (a job scheduler) or SIGINT (Ctrl-C) mid-epoch: the step in
+    """SIGTERM (a job scheduler) or SIGINT (Ctrl-C) mid-epoch: the step in
     progress finishes, its checkpoint is written, the process exits with code 75 and
     one line saying how to continue; resuming ends with the variables and metrics of a
     run never stopped. Past the grace period the process ends with 128 + the signal,
@@ -612,7 +610,7 @@ def full_disk_error(model_dir):
 
 
 class DiskFaultTest(absltest.TestCase):
-    """Issue 29, 5: on a real full disk (a small tmpfs) a checkpoint write fails with one
+    """on a real full disk (a small tmpfs) a checkpoint write fails with one
     line naming the path, the bytes needed and free, what is safe to delete and what to
     keep; the partial write is removed, so with room made the run resumes exactly."""
 
@@ -651,7 +649,7 @@ class DiskFaultTest(absltest.TestCase):
 
 
 class InjectedWriteFailureTest(absltest.TestCase):
-    """Issue 29, 5 where no tmpfs can be mounted: the disk fills while the step-40
+    """Where no tmpfs can be mounted: the disk fills while the step-40
     checkpoint is written (the write stores part of its data, then raises what
     TensorFlow raises on ENOSPC). The run ends with the error of a real full disk,
     nothing of the write is left, and resuming ends with the variables of a run never
@@ -679,7 +677,7 @@ class InjectedWriteFailureTest(absltest.TestCase):
 
 
 class ResumeBudgetTest(absltest.TestCase):
-    """Issue 29, 7: a run started with --steps and resumed with only --epochs trains to
+    """a run started with --steps and resumed with only --epochs trains to
     the new epochs (the new budget replaces the old one), recorded in run_history."""
 
     def test_epochs_given_on_resume_replace_the_steps_budget(self):
@@ -694,7 +692,7 @@ class ResumeBudgetTest(absltest.TestCase):
 
 
 class DivergenceTest(absltest.TestCase):
-    """Issue 29, 3: SGD at a learning rate that diverges (1e30) stops after its first
+    """SGD at a learning rate that diverges (1e30) stops after its first
     `fit` with one error saying so and what to change, instead of training on to exit
     code 0 with NaN weights; the weights that are not finite are not checkpointed."""
 
@@ -710,7 +708,7 @@ class DivergenceTest(absltest.TestCase):
 
 
 class AbsurdSizeTest(parameterized.TestCase):
-    """Issue 29, 8: sizes that would hang or exhaust memory before the first step are
+    """sizes that would hang or exhaust memory before the first step are
     refused by the check before anything is built, with the allowed range."""
 
     @parameterized.parameters(
@@ -739,7 +737,7 @@ class AbsurdSizeTest(parameterized.TestCase):
 
 
 class PipelineArgumentTest(parameterized.TestCase):
-    """Issue 29, 9: every `pipelines.build` argument of a wrong type or out of range is
+    """every `pipelines.build` argument of a wrong type or out of range is
     refused in Python, naming the argument and what it must be, before any graph."""
 
     @parameterized.parameters(
@@ -792,7 +790,7 @@ class PipelineArgumentTest(parameterized.TestCase):
 
 
 class RunFileTest(parameterized.TestCase):
-    """Issue 29, 9: a damaged config.json or run_history.json is named with the reason and
+    """a damaged config.json or run_history.json is named with the reason and
     what to do; a reversed or empty split is named as such; a file where the trainer
     writes a directory (checkpoints/, tensorboard/), or the reverse, is refused before
     training. Each is one ValueError from `runner.check`, one line from the binary."""
