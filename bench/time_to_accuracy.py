@@ -10,13 +10,14 @@ recorded beside them. Entries (bench/trials.py OPTIMIZERS): first-order `adamw`,
 ResNet-20, whose only 2-D kernel is the output layer's), `schedule_free_adamw` and
 `lamb`; K-FAC `kfac_inverse` and `kfac_eigen` (KL clip on), `kfac_constant` (the earlier
 constant-learning-rate protocol, for reference), `kfac_adamw` (K-FAC in front of AdamW),
-`kfac_graft_adam` (layer-wise grafting of Adam's step length) and `kfac_eigen_adam`
-(Adam in the Kronecker eigenbasis).
+`kfac_graft_adam` (layer-wise grafting of Adam's step length), `kfac_eigen_adam`
+(Adam in the Kronecker eigenbasis) and `kfac_schedule_free_adamw` (K-FAC in front of
+ScheduleFreeAdamW).
 Protocol, identical for every entry but `kfac_constant`:
 1. Schedule: linear warm-up over the first 5% of the run's budget, then half a cosine
-   to 0 at the budget's last step (`--lr_schedule=cosine`); `schedule_free_adamw` warms
-   up over the same 5% with its own `warmup_steps` and has no schedule after it (as its
-   authors run it), and is evaluated at its averaged weights. Decoupled weight decay of
+   to 0 at the budget's last step (`--lr_schedule=cosine`); `schedule_free_adamw` (alone
+   or inside K-FAC) warms up over the same 5% with its own `warmup_steps` and has no
+   schedule after it (as its authors run it), and is evaluated at its averaged weights. Decoupled weight decay of
    the same λ per step for every entry (BUDGETS' `weight_decay`; `trials.protocol`
    sets Keras's `weight_decay` to λ / learning_rate). `kfac_constant` keeps a constant
    learning rate 0.05, KL clip 1e-3 and no weight decay.

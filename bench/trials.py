@@ -39,6 +39,10 @@ OPTIMIZERS = {
                        kl_clip=None),
     "kfac_graft_adam": dict(_KFAC, kfac_method="inverse", grafting="adam", kl_clip=None),
     "kfac_eigen_adam": dict(_KFAC, kfac_method="eigen_adam", kl_clip=None),
+    # K-FAC's directions into ScheduleFreeAdamW, the first-order entry that won the CNN:
+    # its warm-up and weight decay go to the inner optimizer, no schedule, no KL clip.
+    "kfac_schedule_free_adamw": dict(_KFAC, kfac_method="inverse",
+                                     kfac_inner_optimizer="schedule_free_adamw", kl_clip=None),
     # Keras's strongest first-order optimizers, as the trainer builds them: Muon (its
     # output layer and biases on its AdamW step), ScheduleFreeAdamW (its own warm-up, no
     # schedule, evaluated at its averaged weights) and Lamb (the large-batch baseline).
@@ -95,7 +99,7 @@ def points(**axes):
 
 
 def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
-          eigen_adam_from=1e-5):
+          eigen_adam_from=1e-5, schedule_free_like_from=2e-3):
     """The tuning points of every entry `model` runs: 8 each. First-order entries and
     Adam-length K-FAC (eigen_adam, whose damping does not enter) tune the learning rate
     over the 1-2-5 series (AdamW from 1e-4, SGD from `sgd_from`); K-FAC with the KL
@@ -107,7 +111,9 @@ def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
     Grafted and eigen_adam K-FAC hand Adam-scaled steps to the default inner SGD with
     momentum 0.9, whose steady step is 10x its learning rate: their rates are AdamW's
     divided by 10 (from `grafted_from` and `eigen_adam_from`; the inner AdamW's from
-    `adam_like_from`).
+    `adam_like_from`). K-FAC under an inner ScheduleFreeAdamW tunes 4 of its rates x 2
+    dampings, from `schedule_free_like_from` (2e-3 to 2e-2 holds its CNN and ResNet-20
+    picks, 1e-2 and 2e-2).
 
     Keras's Muon tunes on AdamW's grid: its `rms_rate` scales the orthogonalized step to
     AdamW's update size, so AdamW's learning rates apply. ScheduleFreeAdamW's authors
@@ -130,6 +136,8 @@ def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
         "kfac_constant": points(damping=series(2e-3)),
         "kfac_adamw": adam_like, "kfac_graft_adam": grafted,
         "kfac_eigen_adam": points(learning_rate=series(eigen_adam_from)),
+        "kfac_schedule_free_adamw": points(learning_rate=series(schedule_free_like_from, 4),
+                                           damping=dampings),
         "muon": points(learning_rate=series(1e-4)),
         "schedule_free_adamw": points(learning_rate=series(5e-4)),
         "lamb": points(learning_rate=series(2e-4)),
@@ -172,7 +180,9 @@ def protocol(entry, setting, epochs, weight_decay):
     settings = dict(OPTIMIZERS[entry], **setting, epochs=epochs)
     if entry in CONSTANT_LEARNING_RATE:
         return settings
-    schedule_free = settings["optimizer"] in config_lib.SCHEDULE_FREE_OPTIMIZERS
+    rule = config_lib.update_rule(settings["optimizer"], settings.get(
+        "kfac_inner_optimizer", config_lib.TrainConfig.kfac_inner_optimizer))
+    schedule_free = rule in config_lib.SCHEDULE_FREE_OPTIMIZERS
     return dict(settings, lr_schedule="constant" if schedule_free else "cosine",
                 warmup_epochs=WARMUP_FRACTION * epochs,
                 weight_decay=weight_decay / settings["learning_rate"])

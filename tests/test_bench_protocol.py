@@ -56,6 +56,22 @@ class WeightDecayTest(parameterized.TestCase):
                                        1 - WEIGHT_DECAY * multiplier(step), rtol=1e-6,
                                        err_msg=f"step {step}")
 
+    def test_schedule_free_runs_without_a_schedule_alone_and_inside_kfac(self):
+        for entry in ("schedule_free_adamw", "kfac_schedule_free_adamw"):
+            point = trials.GRIDS["cnn"][entry][0]
+            settings = trials.protocol(entry, point, EPOCHS, WEIGHT_DECAY)
+            self.assertEqual(settings["lr_schedule"], "constant", entry)
+            self.assertEqual(settings["warmup_epochs"], trials.WARMUP_FRACTION * EPOCHS)
+            self.assertAlmostEqual(settings["weight_decay"],
+                                   WEIGHT_DECAY / point["learning_rate"])
+            optimizer = runner._build_optimizer(
+                config_lib.TrainConfig(**settings), STEPS_PER_EPOCH,
+                STEPS_PER_EPOCH * EPOCHS, distributed.get_communicator())
+            rule = getattr(optimizer, "inner_optimizer", optimizer)
+            self.assertIsInstance(rule, keras.optimizers.ScheduleFreeAdamW, entry)
+            self.assertEqual(rule.warmup_steps,
+                             round(trials.WARMUP_FRACTION * STEPS_PER_EPOCH * EPOCHS))
+
     def test_the_constant_rate_reference_keeps_its_old_settings(self):
         settings = trials.protocol("kfac_constant", {"damping": 0.1}, EPOCHS, WEIGHT_DECAY)
         self.assertEqual(settings["learning_rate"], 0.05)
@@ -80,7 +96,8 @@ class TuningBudgetTest(absltest.TestCase):
 class CheckEntryTest(absltest.TestCase):
 
     def test_runnable_entries_pass(self):
-        for entry in ("adamw", "sgd", "kfac_inverse", "kfac_eigen", "kfac_constant"):
+        for entry in ("adamw", "sgd", "kfac_inverse", "kfac_eigen", "kfac_constant",
+                      "schedule_free_adamw", "kfac_schedule_free_adamw"):
             point = trials.GRIDS["vit"][entry][0]
             trials.check_entry(entry, dict(
                 trials.protocol(entry, point, EPOCHS, WEIGHT_DECAY), model="vit"))

@@ -33,6 +33,12 @@ MOMENTUM_OPTIMIZERS = ("sgd",)
 # their own warm-up, and a decaying --lr_schedule is refused.
 SCHEDULE_FREE_OPTIMIZERS = ("schedule_free_adamw",)
 SCHEDULE_FREE_LR_SCHEDULES = ("constant", "warmup")
+
+
+def update_rule(optimizer, kfac_inner_optimizer):
+    """The Keras optimizer that applies the update: `optimizer`, or under K-FAC
+    `kfac_inner_optimizer`."""
+    return kfac_inner_optimizer if optimizer == "kfac" else optimizer
 # Models whose every weight Keras's Muon would give its AdamW step: Muon orthogonalizes
 # 2-D kernels only (Dense), and ResNet-20's are convolutions (4-D) but the output layer,
 # which Muon leaves out. tests/test_trainer_optimizers.py checks this against the models.
@@ -255,9 +261,8 @@ class _RunConfig:
             f"learning rate; received {received}")
 
     def update_rule(self):
-        """The Keras optimizer that applies the update: `optimizer`, or under K-FAC
-        `kfac_inner_optimizer`."""
-        return self.kfac_inner_optimizer if self.optimizer == "kfac" else self.optimizer
+        """The Keras optimizer that applies the update (`update_rule`)."""
+        return update_rule(self.optimizer, self.kfac_inner_optimizer)
 
     def _refuse_kfac_inner_optimizer(self):
         if self.optimizer == "kfac" and self.kfac_inner_optimizer in KFAC_REFUSED_INNER_OPTIMIZERS:
