@@ -162,6 +162,18 @@ class ModelsTest(parameterized.TestCase):
             np.testing.assert_array_equal(a, b)
         self.assertFalse(all(np.array_equal(a, b) for a, b in zip(first, other)))
 
+    @parameterized.parameters(*models.MODEL_NAMES)
+    def test_weighted_layers_have_the_same_names_in_every_build(self, name):
+        # K-FAC's saved state is keyed by layer name: a resume in a process that built
+        # other models first must find the same names (Keras numbers unnamed layers).
+        def names():
+            return [layer.name for layer in keras_integration.leaf_layers(
+                models.build_model(name, (28, 28, 1), 10, seed=0)).values() if layer.weights]
+
+        first = names()
+        keras.layers.Dense(3)  # another unnamed layer in this process
+        self.assertEqual(names(), first)
+
     @parameterized.parameters("mixed_float16", "mixed_bfloat16")
     def test_outputs_are_float32_under_mixed_precision(self, policy):
         keras.mixed_precision.set_global_policy(policy)

@@ -94,5 +94,46 @@ class StrategyCommunicatorDtypeTest(parameterized.TestCase):
             self.comm.grouped_allreduce_mean([tf.constant([True])], category="metrics")
 
 
+class CommunicationOptionsTest(absltest.TestCase):
+    """Every collective op K-FAC issues carries the strategy's own CommunicationOptions
+    (implementation as its hint, timeout), and the results stay exact."""
+
+    def test_collective_ops_take_the_strategys_options(self):
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        # What MultiWorkerMirroredStrategy(communication_options=...) stores; a
+        # MirroredStrategy holds the default (AUTO, no timeout) and takes none.
+        strategy.extended._communication_options = tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+            timeout_seconds=30.0)
+        with strategy.scope():
+            comm = distributed.StrategyCommunicator()
+
+        def step():
+            rank = comm.rank
+            value = tf.fill([3], tf.cast(rank, tf.float32))
+            return (comm.grouped_allreduce_mean([value])[0],
+                    comm.allgather(tf.reshape(value, [1, 3])),
+                    comm.broadcast([value], root_rank=1)[0])
+
+        function = tf.function(lambda: strategy.run(step))
+        graph = function.get_concrete_function().graph.as_graph_def()
+        ops = [node for node in list(graph.node) + [n for f in graph.library.function
+                                                    for n in f.node_def]
+               if node.op.startswith("Collective")]
+        self.assertGreaterEqual(len({node.op for node in ops}), 4, [n.op for n in ops])
+        for node in ops:
+            self.assertEqual(node.attr["communication_hint"].s, b"ring", node.op)
+            self.assertEqual(node.attr["timeout_seconds"].f, 30.0, node.op)
+        for mean, gathered, broadcast in zip(*(strategy.experimental_local_results(r)
+                                               for r in function())):
+            np.testing.assert_array_equal(mean.numpy(), [0.5] * 3)
+            np.testing.assert_array_equal(gathered.numpy(), [[0.0] * 3, [1.0] * 3])
+            np.testing.assert_array_equal(broadcast.numpy(), [1.0] * 3)
+
+    def test_without_a_strategy_the_ops_keep_their_defaults(self):
+        self.assertEqual(distributed.strategy_comm.collective_options(
+            tf.distribute.get_strategy()), {})
+
+
 if __name__ == "__main__":
     absltest.main()

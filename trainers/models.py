@@ -8,7 +8,8 @@ these K-FAC preconditions is in docs/design.md; bench/coverage.py measures it.
 Classifiers return float32 logits (losses use `from_logits=True`); the autoencoder
 returns float32 sigmoid probabilities. Every initializer gets its own seed derived from
 `seed`, so a model is a pure function of its arguments and does not depend on global
-random state.
+random state. Every layer is named, so the names (which K-FAC's saved state is keyed by)
+are the same however many models the process built before.
 """
 
 import keras
@@ -93,27 +94,30 @@ class _SeedSequence:
 
 
 def _mlp(x, seeds):
-    x = keras.layers.Flatten()(x)
-    for width in (256, 256):
-        x = keras.layers.Dense(width, activation="relu", kernel_initializer=seeds.he())(x)
+    x = keras.layers.Flatten(name="flat_image")(x)
+    for i, width in enumerate((256, 256), 1):
+        x = keras.layers.Dense(width, activation="relu", kernel_initializer=seeds.he(),
+                               name=f"hidden_{i}")(x)
     return x
 
 
 def _cnn(x, seeds):
-    for filters in (32, 64):
-        x = keras.layers.Conv2D(filters, 3, activation="relu", kernel_initializer=seeds.he())(x)
-        x = keras.layers.MaxPooling2D(2)(x)
-    x = keras.layers.Flatten()(x)
-    return keras.layers.Dense(128, activation="relu", kernel_initializer=seeds.he())(x)
+    for i, filters in enumerate((32, 64), 1):
+        x = keras.layers.Conv2D(filters, 3, activation="relu", kernel_initializer=seeds.he(),
+                                name=f"conv_{i}")(x)
+        x = keras.layers.MaxPooling2D(2, name=f"pool_{i}")(x)
+    x = keras.layers.Flatten(name="flat_features")(x)
+    return keras.layers.Dense(128, activation="relu", kernel_initializer=seeds.he(),
+                              name="hidden")(x)
 
 
-def _conv_bn(x, filters, seeds, strides=1, kernel_size=3, relu=True):
+def _conv_bn(x, filters, seeds, name, strides=1, kernel_size=3, relu=True):
     x = keras.layers.Conv2D(
         filters, kernel_size, strides=strides, padding="same", use_bias=False,
-        kernel_initializer=seeds.he(),
+        kernel_initializer=seeds.he(), name=f"{name}_conv",
     )(x)
-    x = keras.layers.BatchNormalization()(x)
-    return keras.layers.Activation("relu")(x) if relu else x
+    x = keras.layers.BatchNormalization(name=f"{name}_bn")(x)
+    return keras.layers.Activation("relu", name=f"{name}_relu")(x) if relu else x
 
 
 def _resnet20(x, seeds):
@@ -123,17 +127,20 @@ def _resnet20(x, seeds):
     K-FAC-managed weights instead of a weightless zero-padding trick. Inputs of 28x28 end
     in 7x7 maps, 32x32 in 8x8; global average pooling removes the difference.
     """
-    x = _conv_bn(x, 16, seeds)
+    x = _conv_bn(x, 16, seeds, "stem")
     for stage, filters in enumerate((16, 32, 64)):
         for block in range(3):
+            name = f"stage{stage + 1}_block{block + 1}"
             strides = 2 if stage > 0 and block == 0 else 1
             shortcut = x
             if strides != 1 or shortcut.shape[-1] != filters:
-                shortcut = _conv_bn(x, filters, seeds, strides=strides, kernel_size=1, relu=False)
-            y = _conv_bn(x, filters, seeds, strides=strides)
-            y = _conv_bn(y, filters, seeds, relu=False)
-            x = keras.layers.Activation("relu")(keras.layers.Add()([shortcut, y]))
-    return keras.layers.GlobalAveragePooling2D()(x)
+                shortcut = _conv_bn(x, filters, seeds, f"{name}_shortcut", strides=strides,
+                                    kernel_size=1, relu=False)
+            y = _conv_bn(x, filters, seeds, f"{name}_a", strides=strides)
+            y = _conv_bn(y, filters, seeds, f"{name}_b", relu=False)
+            x = keras.layers.Activation("relu", name=f"{name}_out")(
+                keras.layers.Add(name=f"{name}_add")([shortcut, y]))
+    return keras.layers.GlobalAveragePooling2D(name="pool")(x)
 
 
 def _vit(x, seeds):
@@ -190,9 +197,10 @@ def _autoencoder(x, seeds):
     """784-1000-500-250-30-250-500-1000-784, sigmoid units, linear 30-unit code layer."""
     flat_size = x.shape[1] * x.shape[2] * x.shape[3]
     x = keras.layers.Flatten(name="flat_image")(x)
-    for width in AUTOENCODER_WIDTHS:
+    for i, width in enumerate(AUTOENCODER_WIDTHS, 1):
         activation = None if width == AUTOENCODER_CODE_WIDTH else "sigmoid"
-        x = keras.layers.Dense(width, activation=activation, kernel_initializer=seeds.glorot())(x)
+        x = keras.layers.Dense(width, activation=activation, kernel_initializer=seeds.glorot(),
+                               name=f"layer_{i}")(x)
     return keras.layers.Dense(
         flat_size, activation="sigmoid", kernel_initializer=seeds.glorot(), dtype="float32",
         name="reconstruction",

@@ -21,6 +21,8 @@
 - The ops take fewer dtypes than Horovod's (`_OP_DTYPES`); the others a communicator
   carries (base.py) travel widened, exactly (transport.py): bool and the small integers
   as int32, and bfloat16, which only the reduction takes, as its bits in float16.
+Every collective op takes the strategy's own `CommunicationOptions` (implementation as
+its hint, timeout), as the strategy's collectives do (`collective_options`).
 With `hierarchical` (MultiWorkerMirroredStrategy over several hosts), every floating-point
 mean is taken in two levels (`_hierarchical_mean`), in collective groups of its own: the
 replicas of one host, and those at the same position on every host.
@@ -112,6 +114,7 @@ class StrategyCommunicator(Communicator):
             tf.DeviceSpec.from_string(d).replace(job=None, replica=None, task=None).to_string()
             for d in strategy.extended.worker_devices))
         self._group_key = _group_key(layout)
+        self._options = collective_options(strategy)
         # rank -> its (node group, cross-node group), each (group key, size, position).
         self._levels = _node_levels(strategy, layout) if hierarchical else None
         with strategy.scope():  # counters and ordering tokens: one copy per replica
@@ -241,7 +244,18 @@ class StrategyCommunicator(Communicator):
         group_key = group_key or self._group_key
         return {"group_size": group_size or self.size, "group_key": group_key,
                 "instance_key": next(_INSTANCE_KEYS[group_key, self.rank]),
-                "ordering_token": [self._ordering_token.handle]}
+                "ordering_token": [self._ordering_token.handle], **self._options}
+
+
+def collective_options(strategy):
+    """The strategy's own `tf.distribute.experimental.CommunicationOptions` as the
+    collective ops' attributes, so that K-FAC's collectives run as the strategy's do: its
+    implementation (AUTO, RING, NCCL) as their hint, its timeout (none: wait forever)."""
+    options = getattr(strategy.extended, "_communication_options", None)  # no public getter
+    if options is None:  # the default strategy, OneDeviceStrategy: one replica
+        return {}
+    return {"communication_hint": options.implementation.value.lower(),
+            "timeout_seconds": float(options.timeout_seconds or 0)}
 
 
 def _group_key(name):
