@@ -39,6 +39,8 @@ def update_rule(optimizer, kfac_inner_optimizer):
     """The Keras optimizer that applies the update: `optimizer`, or under K-FAC
     `kfac_inner_optimizer`."""
     return kfac_inner_optimizer if optimizer == "kfac" else optimizer
+
+
 # Models whose every weight Keras's Muon would give its AdamW step: Muon orthogonalizes
 # 2-D kernels only (Dense), and ResNet-20's are convolutions (4-D) but the output layer,
 # which Muon leaves out. tests/test_trainer_optimizers.py checks this against the models.
