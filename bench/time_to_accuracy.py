@@ -19,8 +19,8 @@ Protocol, identical for every entry but `kfac_constant`:
    or inside K-FAC) warms up over the same 5% with its own `warmup_steps` and has no
    schedule after it (as its authors run it), and is evaluated at its averaged weights.
    Decoupled weight decay of the same λ per step for every entry (BUDGETS'
-   `weight_decay`; `trials.protocol` sets Keras's `weight_decay` to λ / learning_rate). `kfac_constant` keeps a constant
-   learning rate 0.05, KL clip 1e-3 and no weight decay.
+   `weight_decay`; `trials.protocol` sets Keras's `weight_decay` to λ / learning_rate).
+   `kfac_constant` keeps a constant learning rate 0.05, KL clip 1e-3 and no weight decay.
 2. Tuning: the same budget of 8 trials per entry (`trials.GRIDS`: learning rates for
    first-order entries; learning rate x damping (x KL clip where it is on) for K-FAC),
    each a compressed run: the model's `tune_epochs` on train[:54000] with the same
