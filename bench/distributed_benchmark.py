@@ -12,8 +12,10 @@ Measured after warm-up steps (XLA compiles, first factor and inverse steps):
 - bytes per step handed to collectives (`comm.bytes_sent()`), per category, by placement
   and wire dtype, amortized over the timed window, plus the bytes of one factor step and
   one inverse step (measured in the warm-up);
-for "replicated" and "owner" placements, float32 wires (timed) and float16/bfloat16
-wires (bytes only, warm-up steps). Each rank uses cores/ranks intra-op threads.
+for "replicated" and "owner" placements, float32 and float21 wires (timed) and float16
+wires (bytes only, warm-up steps). Each rank uses cores/ranks intra-op threads. Each
+timed configuration runs `--rounds` windows, the configurations interleaved round by round
+(A B C A B C ...); its row is its median round, every round's step times beside it.
 
 A configuration may end in a reduction option (docs/design.md §6):
 - `:overlap` (`overlap_reduction=True`, both engines): without phase clocks, which would
@@ -23,9 +25,10 @@ A configuration may end in a reduction option (docs/design.md §6):
   and trainers.launch starts every worker on localhost); e.g. 4 ranks as 2 "nodes":
     .venv/bin/python bench/distributed_benchmark.py --engines=horovod --num_ranks=4 \
         --horovod_hosts=localhost:2,127.0.0.1:2 --bytes_configs= \
-        --timed_configs=replicated:float32:float32,replicated:float32:float32:hierarchical
+        --timed_configs=replicated:float32:float32,replicated:float32:float32:hierarchical \
+        --output_dir=bench/results/distributed_hierarchical
 
-Run (about 5 minutes on 2 loaded cores; in the background):
+Run (about 25 minutes on 2 idle cores; in the background):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/distributed_benchmark.py \\
       > /tmp/distributed_benchmark.log 2>&1 &
 Writes bench/results/distributed.json and distributed.png; prints the ratios.
@@ -56,7 +59,8 @@ flags.DEFINE_integer("factor_update_freq", 5, "K-FAC factor update interval.")
 flags.DEFINE_integer("decomposition_update_freq", 10, "K-FAC decomposition interval.")
 flags.DEFINE_list("timed_configs", ["replicated:float32:float32", "owner:float32:float32",
                                     "replicated:float32:float32:overlap",
-                                    "owner:float32:float32:overlap"],
+                                    "owner:float32:float32:overlap",
+                                    "replicated:float21:float32"],
                   "2-rank configurations timed: placement:factor_wire:eigen_wire, optionally "
                   "then :overlap or :hierarchical (REDUCTION_OPTIONS).")
 flags.DEFINE_list("bytes_configs", ["replicated:float16:float16", "owner:float16:float16"],
@@ -66,6 +70,8 @@ flags.DEFINE_string("horovod_hosts", None, "horovodrun -H of the Horovod run (de
                     "localhost:<num_ranks>); several host names make several nodes.")
 flags.DEFINE_list("engines", list(ENGINES), "Engines of the distributed runs.")
 flags.DEFINE_string("engine", None, "Internal: the engine a worker runs under.")
+flags.DEFINE_integer("rounds", 3, "Timed windows per configuration, the configurations "
+                     "interleaved round by round; a row is its median round.")
 flags.DEFINE_integer("timeout", 900, "Seconds before a run is killed.")
 flags.DEFINE_string("replot", None, "Only redraw the PNG and reprint the figures from "
                     "this distributed.json (no runs).")
@@ -216,18 +222,20 @@ def worker_main(out_path):
               flush=True)
         return result
 
+    def runs_here(configs):
+        return [c for c in map(parse_config, configs)
+                if c[3] is None or FLAGS.engine in REDUCTION_OPTIONS[c[3]][1]]
+
     results = []
     total = FLAGS.warmup_steps + FLAGS.timed_steps
     for model_name in FLAGS.models:
-        if comm.size == 1:
-            results.append(measure(model_name, "replicated", "float32", "float32", None,
-                                   total))
-            continue
-        for configs, steps in ((FLAGS.timed_configs, total),
-                               (FLAGS.bytes_configs, FLAGS.warmup_steps)):
-            for config in map(parse_config, configs):
-                if config[3] is None or FLAGS.engine in REDUCTION_OPTIONS[config[3]][1]:
-                    results.append(measure(model_name, *config, steps))
+        timed = ([("replicated", "float32", "float32", None)] if comm.size == 1
+                 else runs_here(FLAGS.timed_configs))
+        for _ in range(FLAGS.rounds):  # A B A B ...: drift of the machine hits each alike
+            results += [measure(model_name, *config, total) for config in timed]
+        if comm.size > 1:
+            results += [measure(model_name, *config, FLAGS.warmup_steps)
+                        for config in runs_here(FLAGS.bytes_configs)]
     with open(f"{out_path}.rank{comm.rank}.json", "w") as f:
         json.dump(results, f)
 
@@ -248,7 +256,7 @@ def _worker_args(out):
     for name in ("models", "timed_configs", "bytes_configs"):
         args.append(f"--{name}={','.join(getattr(FLAGS, name))}")
     for name in ("global_batch", "warmup_steps", "timed_steps", "factor_update_freq",
-                 "decomposition_update_freq"):
+                 "decomposition_update_freq", "rounds", "num_ranks"):
         args.append(f"--{name}={getattr(FLAGS, name)}")
     return args
 
@@ -309,6 +317,12 @@ def _timing(timed_ranks):
     }
 
 
+def _range(row):
+    """" [min-max over the rounds]" of a row's mean step in ms, if it had several."""
+    rounds = row.get("step_seconds_rounds", [])
+    return f" [{min(rounds) * 1e3:.1f}-{max(rounds) * 1e3:.1f}]" if len(rounds) > 1 else ""
+
+
 def _megabytes(count):
     """Byte counts (one or a list) in MB for printing."""
     if isinstance(count, list):
@@ -344,15 +358,17 @@ def summarize(single, per_engine, load_at_start):
         "num_ranks": FLAGS.num_ranks, "engines": list(per_engine),
         "cpu_count": os.cpu_count(), "load_average_1min_at_start": load_at_start},
         "models": {}}
-    for base in single:
-        name = base["model"]
-        timed = base["timed"]
+    for name, (rounds,) in _by_config([single]).items():
+        base = rounds[0][0]
+        timed = _median_round(rounds)
         entry = {
             "parameters": base["parameters"], "factor_dims": base["factor_dims"],
             "lpt_cost_share_per_rank": _lpt_shares(base["factor_dims"], FLAGS.num_ranks),
-            "single": dict(_timing([timed]), threads=base["threads"],
+            "single": dict(_timing(timed), threads=base["threads"],
                            kfac_state_bytes=base["kfac_state_bytes"],
-                           batch=base["local_batch"], phase_seconds=timed["phase_seconds"]),
+                           batch=base["local_batch"],
+                           phase_seconds=timed[0]["phase_seconds"],
+                           **_round_times(rounds)),
             "distributed": []}
         for engine, per_rank in per_engine.items():
             entry["distributed"] += _rows(name, engine, per_rank, entry["single"])
@@ -360,12 +376,37 @@ def summarize(single, per_engine, load_at_start):
     return report
 
 
+def _by_config(per_rank):
+    """{model: [the rounds of each configuration: [its record on each rank]]} of one run's
+    record lists (one per rank), configurations in order."""
+    grouped = {}
+    for ranks in zip(*per_rank):
+        r = ranks[0]
+        key = (r["placement"], r["factor_wire"], r["eigen_wire"], r["option"], r["steps"])
+        grouped.setdefault(r["model"], {}).setdefault(key, []).append(list(ranks))
+    return {model: list(configs.values()) for model, configs in grouped.items()}
+
+
+def _median_round(rounds):
+    """The timed windows (per rank) of the round whose mean step is the median one."""
+    windows = sorted(([r["timed"] for r in ranks] for ranks in rounds),
+                     key=lambda w: max(t["step_seconds"] for t in w))
+    return windows[(len(windows) - 1) // 2]
+
+
+def _round_times(rounds):
+    """Every round's mean and median step (each at its slowest rank): their spread."""
+    timings = [_timing([r["timed"] for r in ranks]) for ranks in rounds]
+    return {f"{key}_rounds": [t[key] for t in timings]
+            for key in ("step_seconds", "median_step_seconds")}
+
+
 def _rows(name, engine, per_rank, single_row):
     """The rows of one engine's configurations of model `name`."""
     rows = []
-    configs = [r for r in per_rank[0] if r["model"] == name]
-    for index, config in enumerate(configs):
-        ranks = [[r for r in results if r["model"] == name][index] for results in per_rank]
+    for rounds in _by_config(per_rank)[name]:
+        ranks = rounds[0]
+        config = ranks[0]
         row = {"engine": engine, "placement": config["placement"],
                "factor_wire": config["factor_wire"], "option": config["option"],
                "eigen_wire": config["eigen_wire"], "batch_per_rank": config["local_batch"],
@@ -382,8 +423,8 @@ def _rows(name, engine, per_rank, single_row):
         row["stale_step_bytes_mean_of_ranks"] = {
             c: sum(b[c] for b in stale) / len(stale) for c in stale[0]}
         if "timed" in config:
-            timed_ranks = [r["timed"] for r in ranks]
-            row.update(_timing(timed_ranks))
+            timed_ranks = _median_round(rounds)
+            row.update(_timing(timed_ranks), **_round_times(rounds))
             row.update({
                 "speedup_vs_single": _ratio(single_row["step_seconds"],
                                             row["step_seconds"]),
@@ -499,7 +540,8 @@ def main():
         print(f"{name}: {entry['parameters']} parameters, factor dims {entry['factor_dims']}")
         print(f"  LPT share of the dim^3 cost per rank: "
               f"{[round(x, 3) for x in entry['lpt_cost_share_per_rank']]}")
-        print(f"  1 process: {single_row['step_seconds'] * 1e3:.1f} ms/step (median "
+        print(f"  1 process: {single_row['step_seconds'] * 1e3:.1f} ms/step"
+              f"{_range(single_row)} (median "
               f"{single_row['median_step_seconds'] * 1e3:.1f}), decomposition "
               f"{_fmt(single_row['decomposition_seconds_per_inverse_step'])} s per inverse "
               f"step (min {_fmt(single_row['decomposition_seconds_min'])}), K-FAC state "
@@ -512,7 +554,7 @@ def main():
                     f" (factor step {row['factor_bytes_per_factor_step'] / 1e3:.1f} kB), "
                     f"K-FAC state {_megabytes(row['kfac_state_bytes_per_rank'])} MB/rank")
             if "step_seconds" in row:
-                text += (f", {row['step_seconds'] * 1e3:.1f} ms/step "
+                text += (f", {row['step_seconds'] * 1e3:.1f} ms/step{_range(row)} "
                          f"(x{_fmt(row['speedup_vs_single'], 2)} vs 1 process; median "
                          f"{row['median_step_seconds'] * 1e3:.1f} ms, "
                          f"x{_fmt(row['median_step_speedup_vs_single'], 2)}), decomposition "

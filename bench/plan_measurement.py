@@ -105,6 +105,8 @@ def measure():
                f"--models={','.join(LOCAL_MODELS)}", f"--global_batch={LOCAL_BATCH}",
                f"--factor_update_freq={LOCAL_FACTOR}",
                f"--decomposition_update_freq={LOCAL_DECOMPOSITION}", "--bytes_configs=",
+               # Phase clocks (the comparison's columns) time no overlapped configuration.
+               "--timed_configs=replicated:float32:float32,owner:float32:float32",
                f"--output_dir={MEASURED_DIR}"]
     code, output = launch.run_job(command, 1200, env)
     print(output[-3000:], flush=True)
