@@ -89,9 +89,13 @@ class Curvature:
             _check_overlap(self.method, blocks, self.reads_factors, comm)
         xla = config.xla
         jit = bool(tf.config.list_physical_devices("GPU")) if xla == "auto" else xla
-        self._statistics_fn = tf.function(self._batch_statistics, jit_compile=jit)
-        self._decompose_fn = tf.function(self._decompose)
-        self._precondition_fn = tf.function(self._precondition, jit_compile=jit)
+        # Not converted by AutoGraph: their Python loops run over shapes and blocks, never
+        # over tensors, and converting them took most of the first step's tracing.
+        self._statistics_fn = tf.function(self._batch_statistics, jit_compile=jit,
+                                          autograph=False)
+        self._decompose_fn = tf.function(self._decompose, autograph=False)
+        self._precondition_fn = tf.function(self._precondition, jit_compile=jit,
+                                            autograph=False)
 
     # ----------------------------------------------------------------- state
     def create_state(self, counters, add_variable):
