@@ -318,7 +318,7 @@ def _timing(timed_ranks):
 
 
 def _range(row):
-    """" [min-max over the rounds]" of a row's mean step in ms, if it had several."""
+    """The printed range of a row's mean step over its rounds (ms); empty for one round."""
     rounds = row.get("step_seconds_rounds", [])
     return f" [{min(rounds) * 1e3:.1f}-{max(rounds) * 1e3:.1f}]" if len(rounds) > 1 else ""
 
