@@ -11,8 +11,9 @@ ResNet-20, whose only 2-D kernel is the output layer's), `schedule_free_adamw` a
 `lamb`; K-FAC `kfac_inverse` and `kfac_eigen` (KL clip on), `kfac_constant` (the earlier
 constant-learning-rate protocol, for reference), `kfac_adamw` (K-FAC in front of AdamW),
 `kfac_graft_adam` (layer-wise grafting of Adam's step length), `kfac_eigen_adam`
-(Adam in the Kronecker eigenbasis) and `kfac_schedule_free_adamw` (K-FAC in front of
-ScheduleFreeAdamW).
+(Adam in the Kronecker eigenbasis), `kfac_schedule_free_adamw` (K-FAC in front of
+ScheduleFreeAdamW) and `kfac_schedule_free_adamw_adaptive` (the same with adaptive stale
+statistics).
 Protocol, identical for every entry but `kfac_constant`:
 1. Schedule: linear warm-up over the first 5% of the run's budget, then half a cosine
    to 0 at the budget's last step (`--lr_schedule=cosine`); `schedule_free_adamw` (alone

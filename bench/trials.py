@@ -21,6 +21,8 @@ TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
 # K-FAC's curvature schedule, pinned so that changing the trainer's defaults does not
 # change what an entry measures.
 _KFAC = dict(optimizer="kfac", factor_update_freq=10, decomposition_update_freq=100)
+_KFAC_SCHEDULE_FREE = dict(_KFAC, kfac_method="inverse",
+                           kfac_inner_optimizer="schedule_free_adamw", kl_clip=None)
 # Benchmark entry -> the trainer settings that make it. Every entry but those in
 # CONSTANT_LEARNING_RATE trains on the protocol's schedule with its weight decay
 # (`protocol`).
@@ -41,8 +43,14 @@ OPTIMIZERS = {
     "kfac_eigen_adam": dict(_KFAC, kfac_method="eigen_adam", kl_clip=None),
     # K-FAC's directions into ScheduleFreeAdamW, the first-order entry that won the CNN:
     # its warm-up and weight decay go to the inner optimizer, no schedule, no KL clip.
-    "kfac_schedule_free_adamw": dict(_KFAC, kfac_method="inverse",
-                                     kfac_inner_optimizer="schedule_free_adamw", kl_clip=None),
+    "kfac_schedule_free_adamw": _KFAC_SCHEDULE_FREE,
+    # The same with adaptive stale statistics (docs/design_options.md §12): a layer's
+    # factor interval doubles from 10 up to 80 steps while a refresh changes its running
+    # factors by less than α = 0.05 = 1 - factor_decay (the batch's statistics closer to
+    # the average than the average's own norm); on the CNN's first epoch the layers'
+    # refreshes change them by 0.03-0.05.
+    "kfac_schedule_free_adamw_adaptive": dict(_KFAC_SCHEDULE_FREE, stale_threshold=0.05,
+                                              max_factor_interval=80),
     # Keras's strongest first-order optimizers, as the trainer builds them: Muon (its
     # output layer and biases on its AdamW step), ScheduleFreeAdamW (its own warm-up, no
     # schedule, evaluated at its averaged weights) and Lamb (the large-batch baseline).
@@ -111,8 +119,8 @@ def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
     Grafted and eigen_adam K-FAC hand Adam-scaled steps to the default inner SGD with
     momentum 0.9, whose steady step is 10x its learning rate: their rates are AdamW's
     divided by 10 (from `grafted_from` and `eigen_adam_from`; the inner AdamW's from
-    `adam_like_from`). K-FAC under an inner ScheduleFreeAdamW tunes 4 of its rates x 2
-    dampings, from `schedule_free_like_from` (2e-3 to 2e-2 holds its CNN and ResNet-20
+    `adam_like_from`). K-FAC under an inner ScheduleFreeAdamW, with or without adaptive
+    stale statistics, tunes 4 of its rates x 2 dampings, from `schedule_free_like_from` (2e-3 to 2e-2 holds its CNN and ResNet-20
     picks, 1e-2 and 2e-2).
 
     Keras's Muon tunes on AdamW's grid: its `rms_rate` scales the orthogonalized step to
@@ -129,6 +137,8 @@ def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
     adam_like = points(learning_rate=series(adam_like_from, 4), damping=dampings)
     grafted = points(learning_rate=series(grafted_from, 4), damping=dampings)
     clipped = points(learning_rate=(0.05, 0.2), damping=dampings, kl_clip=(1e-3, 1e-2))
+    schedule_free_kfac = points(learning_rate=series(schedule_free_like_from, 4),
+                                damping=dampings)
     entries = {
         "adamw": points(learning_rate=series(1e-4)),
         "sgd": points(learning_rate=series(sgd_from)),
@@ -136,8 +146,8 @@ def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
         "kfac_constant": points(damping=series(2e-3)),
         "kfac_adamw": adam_like, "kfac_graft_adam": grafted,
         "kfac_eigen_adam": points(learning_rate=series(eigen_adam_from)),
-        "kfac_schedule_free_adamw": points(learning_rate=series(schedule_free_like_from, 4),
-                                           damping=dampings),
+        "kfac_schedule_free_adamw": schedule_free_kfac,
+        "kfac_schedule_free_adamw_adaptive": schedule_free_kfac,
         "muon": points(learning_rate=series(1e-4)),
         "schedule_free_adamw": points(learning_rate=series(5e-4)),
         "lamb": points(learning_rate=series(2e-4)),

@@ -57,7 +57,8 @@ class WeightDecayTest(parameterized.TestCase):
                                        err_msg=f"step {step}")
 
     def test_schedule_free_runs_without_a_schedule_alone_and_inside_kfac(self):
-        for entry in ("schedule_free_adamw", "kfac_schedule_free_adamw"):
+        for entry in ("schedule_free_adamw", "kfac_schedule_free_adamw",
+                      "kfac_schedule_free_adamw_adaptive"):
             point = trials.GRIDS["cnn"][entry][0]
             settings = trials.protocol(entry, point, EPOCHS, WEIGHT_DECAY)
             self.assertEqual(settings["lr_schedule"], "constant", entry)
@@ -97,7 +98,8 @@ class CheckEntryTest(absltest.TestCase):
 
     def test_runnable_entries_pass(self):
         for entry in ("adamw", "sgd", "kfac_inverse", "kfac_eigen", "kfac_constant",
-                      "schedule_free_adamw", "kfac_schedule_free_adamw"):
+                      "schedule_free_adamw", "kfac_schedule_free_adamw",
+                      "kfac_schedule_free_adamw_adaptive"):
             point = trials.GRIDS["vit"][entry][0]
             trials.check_entry(entry, dict(
                 trials.protocol(entry, point, EPOCHS, WEIGHT_DECAY), model="vit"))
