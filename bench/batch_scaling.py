@@ -8,12 +8,15 @@ process (a global batch is what data-parallel workers would share):
 - Batch sizes 128, 512, 2048, 8192 (16384 optional), each with a budget in epochs
   (BATCHES) spent on bench/trials.py's schedule (linear warm-up over 5% of the budget,
   half a cosine to 0 at its end) and its decoupled weight decay λ = 5e-5 per step.
-- Entries (ENTRIES): SGD with Nesterov momentum 0.9, AdamW, Lamb, Muon (the trainer's
+- Entries (ENTRIES): ScheduleFreeAdamW (the best first-order entry at batch 128 on the
+  CNN), SGD with Nesterov momentum 0.9, AdamW, Lamb, Muon (the trainer's
   `--optimizer=muon`: the output layer and biases on its AdamW step, as its docstring
-  asks), the best K-FAC variant at batch 128 on the CNN (inverse method with the KL
-  clip) and, where the budget allows, eigen_adam; ablations of the K-FAC entry: Osawa et
-  al.'s recipe pieces (weight rescaling, momentum coupled to the learning rate) and the
-  sampled Fisher (`--entries=kfac_inverse_recipe,kfac_inverse_sampled_fisher`).
+  asks), the best K-FAC variant at batch 128 on the CNN (K-FAC in front of
+  ScheduleFreeAdamW) and the other one (inverse method with the KL clip, last in the
+  default order), and, where the budget allows, eigen_adam; ablations of the
+  momentum-SGD K-FAC entry: Osawa et al.'s recipe pieces (weight rescaling, momentum
+  coupled to the learning rate) and the sampled Fisher
+  (`--entries=kfac_inverse_recipe,kfac_inverse_sampled_fisher`).
 - Tuning: the learning rate alone, on the same number of trials per (entry, batch):
   GRID_POINTS points of the 1-2-5 series around the entry's batch-128 pick scaled by
   √(B/128) (the scaled pick rounded to the series on a log scale, GRID_BELOW points below
@@ -105,9 +108,16 @@ BATCHES = {
 KFAC_BATCH_SETTINGS = ("factor_update_freq", "decomposition_update_freq",
                        "factor_batch_fraction")
 # Entry -> its bench/trials.py entry, the settings added to it, and its batch-128 pick:
-# bench/results/time_to_accuracy.json (cnn: sgd, adamw, kfac_inverse, kfac_eigen_adam)
-# and bench/results/trial_summaries/cnn (muon, lamb); SGD's pick is heavy-ball's.
+# bench/results/time_to_accuracy.json (cnn: sgd, adamw, kfac_inverse, kfac_eigen_adam),
+# bench/results/trial_summaries/cnn (muon, lamb) and
+# bench/results/cnn_kfac_schedule_free/time_to_accuracy.json (the batch-128 race's
+# winners: schedule_free_adamw among first-order entries, kfac_schedule_free_adamw among
+# K-FAC's); SGD's pick is heavy-ball's.
 ENTRIES = {
+    "kfac_schedule_free_adamw": dict(base="kfac_schedule_free_adamw", extra={},
+                                     pick=dict(learning_rate=0.02, damping=0.1)),
+    "schedule_free_adamw": dict(base="schedule_free_adamw", extra={},
+                                pick=dict(learning_rate=0.01)),
     "kfac_inverse": dict(base="kfac_inverse", extra={},
                          pick=dict(learning_rate=0.05, damping=0.1, kl_clip=1e-3)),
     "sgd_nesterov": dict(base="sgd", extra=dict(nesterov=True), pick=dict(learning_rate=0.1)),
@@ -127,12 +137,13 @@ ENTRIES.update({
     "kfac_inverse_sampled_fisher": dict(base="kfac_inverse", extra=dict(fisher="sampled"),
                                         pick=ENTRIES["kfac_inverse"]["pick"]),
 })
-FIRST_ORDER = ("sgd_nesterov", "adamw", "lamb", "muon")
+FIRST_ORDER = ("schedule_free_adamw", "sgd_nesterov", "adamw", "lamb", "muon")
 DIVERGED_FILE = "diverged.json"
 
 flags.DEFINE_list("batch_sizes", ["128", "2048", "512", "8192"],
                   f"Batch sizes to run, in this order, among {', '.join(map(str, BATCHES))}.")
-flags.DEFINE_list("entries", ["kfac_inverse", "sgd_nesterov", "adamw", "lamb", "muon"],
+flags.DEFINE_list("entries", ["kfac_schedule_free_adamw", "schedule_free_adamw",
+                              "sgd_nesterov", "adamw", "lamb", "muon", "kfac_inverse"],
                   f"Entries to run at each batch size, in this order, among "
                   f"{', '.join(ENTRIES)}.")
 flags.DEFINE_bool("collect", False,

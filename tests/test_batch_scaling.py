@@ -92,6 +92,11 @@ class GridTest(absltest.TestCase):
                                 ("kfac_inverse", "kfac_inverse"),
                                 ("kfac_eigen_adam", "kfac_eigen_adam")):
             self.assertEqual(batch_scaling.ENTRIES[entry]["pick"], picks[recorded])
+        with open(os.path.join(REPO_ROOT,
+                               "bench/results/cnn_kfac_schedule_free/time_to_accuracy.json")) as f:
+            race = json.load(f)["models"]["cnn"]["optimizers"]
+        for entry in ("schedule_free_adamw", "kfac_schedule_free_adamw"):
+            self.assertEqual(batch_scaling.ENTRIES[entry]["pick"], race[entry]["setting"])
         summaries = os.path.join(REPO_ROOT, "bench/results/trial_summaries/cnn")
         for entry in ("muon", "lamb"):
             scores = {}
