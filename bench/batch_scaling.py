@@ -36,6 +36,9 @@ process (a global batch is what data-parallel workers would share):
   every one that did, by its best accuracy; a diverged one last). The chosen point runs
   again with a second seed; an entry's steps and wall time (training only, evaluation
   excluded) to each target are the medians over the two seeds.
+- The gradient noise scale B_simple (McCandlish et al.'s predictor of the critical batch
+  size) per epoch, from one more run of each entry at batch 128 and its chosen point
+  (NOISE_BATCH; plain, and for K-FAC also preconditioned).
 - Steps are the primary measure: they do not depend on the machine's load. Wall time is
   secondary: the machine's 2 cores are shared with other work.
 
@@ -139,6 +142,13 @@ ENTRIES.update({
 })
 FIRST_ORDER = ("schedule_free_adamw", "sgd_nesterov", "adamw", "lamb", "muon")
 DIVERGED_FILE = "diverged.json"
+# The gradient noise scale (docs/design_options.md §13), which McCandlish et al. find
+# predicts the critical batch size: measured per epoch in one more run of each entry at
+# batch 128 and its chosen point (seed 0, stopping at the top target like the trials),
+# every NOISE_INTERVAL steps from the batch's halves; K-FAC entries also give it in the
+# preconditioned metric. A separate run, so that the trials' times carry no measuring.
+NOISE_BATCH, NOISE_INTERVAL = SMALLEST_BATCH, 5
+NOISE_KEYS = ("noise_scale", "preconditioned_noise_scale")
 
 flags.DEFINE_list("batch_sizes", ["128", "2048", "512", "8192"],
                   f"Batch sizes to run, in this order, among {', '.join(map(str, BATCHES))}.")
@@ -149,6 +159,9 @@ flags.DEFINE_list("entries", ["kfac_schedule_free_adamw", "schedule_free_adamw",
 flags.DEFINE_bool("collect", False,
                   "Run nothing: write batch_scaling.json and .png from the trials the work "
                   "dir holds.")
+flags.DEFINE_bool("noise_scale", True,
+                  f"After the batch-{NOISE_BATCH} cells, measure each entry's gradient noise scale at batch "
+                  f"{NOISE_BATCH} at its chosen point (one run each).")
 flags.DEFINE_string("work_dir", "/tmp/tfkfac_batch_scaling",
                     "Where the trials' runs (summaries, checkpoints) go.")
 
@@ -310,6 +323,37 @@ def sorted_trials(found):
     return [found[index] for index in sorted(found)]
 
 
+def noise_name(entry, learning_rate):
+    return f"noise-{trial_name(entry, NOISE_BATCH, learning_rate, SEEDS[0])}"
+
+
+def noise_settings(entry, learning_rate):
+    return dict(trial_settings(entry, NOISE_BATCH, learning_rate, SEEDS[0]),
+                noise_scale=True, noise_scale_interval=NOISE_INTERVAL)
+
+
+def noise_record(summary, learning_rate):
+    """Per epoch of a noise run: its steps and the noise scales it logged."""
+    return {"learning_rate": learning_rate, "batch": NOISE_BATCH,
+            "interval": NOISE_INTERVAL,
+            "epochs": [dict({"epoch": row["epoch"], "steps": row["steps"]},
+                            **{key: row[key] for key in NOISE_KEYS if key in row})
+                       for row in summary["history"]]}
+
+
+def noise_scale(entry, cells, run):
+    """The noise run of `entry` at its batch-128 cell's chosen point, run (`run`) or read
+    back; None while that cell is incomplete or the run is not there."""
+    found = cells.get(entry, {}).get(NOISE_BATCH)
+    if not found or not found["complete"]:
+        return None
+    learning_rate = found["chosen"]["learning_rate"]
+    settings = noise_settings(entry, learning_rate)
+    summary = (trials.run if run else trials.read)(FLAGS.work_dir,
+                                                   noise_name(entry, learning_rate), **settings)
+    return None if summary is None else noise_record(summary, learning_rate)
+
+
 # ---------------------------------------------------------------------- the analysis
 def scaling_steps(cells, target):
     """Per step between consecutive measured batches: the cut in median steps to
@@ -383,8 +427,9 @@ def over_best_first_order(entries, entry):
     return out
 
 
-def report(cells):
-    """The JSON document of `cells` {entry: {batch: cell}}."""
+def report(cells, noise=None):
+    """The JSON document of `cells` {entry: {batch: cell}} and the noise runs `noise`
+    {entry: noise_record}."""
     entries = {}
     for entry, by_batch in cells.items():
         complete = {batch: c for batch, c in by_batch.items() if c["complete"]}
@@ -394,7 +439,8 @@ def report(cells):
             "batch_128_pick": ENTRIES[entry]["pick"],
             "batches": dict(sorted(by_batch.items())),
             "critical_batch": {str(target): critical_batch(complete, target)
-                               for target in TARGETS}}
+                               for target in TARGETS},
+            "noise_scale": (noise or {}).get(entry)}
     for entry in entries:
         if entry not in FIRST_ORDER:
             entries[entry]["over_best_first_order"] = over_best_first_order(entries, entry)
@@ -418,7 +464,10 @@ def report(cells):
             "selection": f"fewest steps to {PRIMARY_TARGET}; then best accuracy",
             "stop": f"each trial stops at the top target {max(TARGETS)}",
             "critical_batch": f"the largest measured B whose step to the next grid batch rB "
-                              f"cuts the median steps by >= {CUT_PER_DOUBLING}^log2(r)"},
+                              f"cuts the median steps by >= {CUT_PER_DOUBLING}^log2(r)",
+            "noise_scale": f"B_simple per epoch of one run at batch {NOISE_BATCH}, the "
+                           f"chosen point, seed {SEEDS[0]}, measured every {NOISE_INTERVAL} "
+                           "steps from the batch's halves"},
         "entries": entries,
     }
 
@@ -459,14 +508,17 @@ def plot(document):
 
 # ------------------------------------------------------------------------- the run
 def collect():
-    """Every cell the work dir holds a trial of, complete or not, written out."""
+    """Every cell the work dir holds a trial of, complete or not, and every noise run,
+    written out."""
     cells = {}
     for entry in ENTRIES:
         for batch in BATCHES:
             found = cell(entry, batch, functools.partial(read_trial, entry, batch))
             if found["trials"]:
                 cells.setdefault(entry, {})[batch] = found
-    harness.write(report(cells), "batch_scaling", plot)
+    noise = {entry: noise_scale(entry, cells, run=False) for entry in cells}
+    harness.write(report(cells, {entry: n for entry, n in noise.items() if n}),
+                  "batch_scaling", plot)
     return cells
 
 
@@ -499,6 +551,10 @@ def main():
                      for target, reached in result["to_target"].items()}
             print(f"{entry} batch {batch}: chosen {json.dumps(result['chosen'])}, median "
                   f"steps to target {json.dumps(steps)}", flush=True)
+            cells = collect()
+        if FLAGS.noise_scale and batch == NOISE_BATCH:
+            for entry in FLAGS.entries:
+                noise_scale(entry, cells, run=True)
             collect()
 
 

@@ -226,6 +226,18 @@ def write_summary(work_dir, entry, batch, learning_rate, seed, steps_to_primary)
         json.dump(summary, f)
 
 
+def write_noise_summary(work_dir, entry, learning_rate, noise_scales):
+    """A finished noise run's summary.json: per epoch the noise scales logged."""
+    model_dir = os.path.join(work_dir, batch_scaling.noise_name(entry, learning_rate))
+    os.makedirs(model_dir)
+    history = [dict({"epoch": epoch + 1, "steps": 468 * (epoch + 1)}, **scales)
+               for epoch, scales in enumerate(noise_scales)]
+    summary = {"config": batch_scaling.noise_settings(entry, learning_rate),
+               "to_target": None, "history": history}
+    with open(os.path.join(model_dir, runner.SUMMARY_FILE), "w") as f:
+        json.dump(summary, f)
+
+
 class WorkDirTest(absltest.TestCase):
     """Finished and diverged trials are read back (a restart skips them), and `--collect`
     writes the JSON from them."""
@@ -261,6 +273,26 @@ class WorkDirTest(absltest.TestCase):
         self.assertEqual(done["best_accuracy"], 0.905)
         self.assertTrue(batch_scaling.run_trial("sgd_nesterov", 128, 1.0, 0)["diverged"])
         self.assertIsNone(batch_scaling.read_trial("sgd_nesterov", 128, 0.2, 0))
+
+    def test_a_noise_run_is_read_back_at_the_batch_128_cells_chosen_point(self):
+        self.fill("kfac_inverse", 128, best=0.05, best_steps=600)
+        self.fill("sgd_nesterov", 128, best=0.1, best_steps=1000)
+        scales = [{"noise_scale": 310.0, "preconditioned_noise_scale": 95.0},
+                  {"noise_scale": 420.0, "preconditioned_noise_scale": 130.0}]
+        write_noise_summary(self.work_dir, "kfac_inverse", 0.05, scales)
+        settings = batch_scaling.noise_settings("kfac_inverse", 0.05)
+        self.assertTrue(settings["noise_scale"])
+        self.assertEqual(settings["noise_scale_interval"], batch_scaling.NOISE_INTERVAL)
+        self.assertEqual(settings["batch_size"], 128)
+        batch_scaling.collect()
+        with open(os.path.join(self.output_dir, "batch_scaling.json")) as f:
+            entries = json.load(f)["entries"]
+        noise = entries["kfac_inverse"]["noise_scale"]
+        self.assertEqual(noise["learning_rate"], 0.05)
+        self.assertEqual([row["preconditioned_noise_scale"] for row in noise["epochs"]],
+                         [95.0, 130.0])
+        self.assertEqual(noise["epochs"][1]["steps"], 936)
+        self.assertIsNone(entries["sgd_nesterov"]["noise_scale"])  # not run yet
 
     def test_a_trial_with_other_settings_is_an_error(self):
         write_summary(self.work_dir, "adamw", 128, 0.01, 0, 400)
