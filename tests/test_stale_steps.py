@@ -5,6 +5,8 @@
   decompositions due apart from factors (a callable interval), at those steps too. Seen
   by wrapping the two real train functions `StaleSteps.choosing` is handed.
 - A stale step records no layer call (run eagerly, where every step runs the Python).
+- Each of the two train functions traces K-FAC's step once: the optimizer and metrics
+  are built before the first trace.
 - Results: weights, every optimizer variable (factors, decompositions, eigenbasis
   moments), the decompositions an owner holds and the counters after 8 steps are
   bit-identical to `steps_per_execution=2`, where every step is the factor step: the
@@ -27,6 +29,7 @@ import io
 import os
 import sys
 import tempfile
+from unittest import mock
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -136,6 +139,26 @@ class ChoiceTest(absltest.TestCase):
         blocks = len(optimizer._curvature.blocks)
         self.assertEqual(recorded, [blocks if step in FACTOR_STEPS else 0
                                     for step in range(STEPS)])
+
+
+class TracingTest(absltest.TestCase):
+
+    def test_each_train_function_traces_the_step_once(self):
+        # The metrics' and optimizer's variables are made before the first trace, so
+        # TensorFlow does not trace K-FAC's step a second time without them.
+        model = conv_net()
+        optimizer = tfkfac.KFAC(**SETTINGS).attach(model)
+        model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
+        traced = []
+        apply = tfkfac.KFAC.apply
+
+        def counting_apply(self, *args, **kwargs):
+            traced.append(self.built)
+            return apply(self, *args, **kwargs)
+
+        with mock.patch.object(tfkfac.KFAC, "apply", counting_apply):
+            fit(model, *examples())
+        self.assertEqual(traced, [True, True])  # the factor and the stale train function
 
 
 class ResultsTest(parameterized.TestCase):

@@ -14,11 +14,13 @@ names that remain, each because no public API serves:
 - `Trackable._trackable_children`: the hook that chooses a checkpoint's layout;
 - `Optimizer._all_reduce_sum_gradients`: the sum over tf.distribute replicas that Keras's
   TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer;
-- `Model._maybe_symbolic_build` and Keras's epoch iterator's `_get_iterator`: under a
-  strategy, the model is built on the shapes of a batch instead of a batch taken off the
-  training iterator and reduced over replicas (which fails under
-  MultiWorkerMirroredStrategy, keras-team/keras#20585); the attached model's
-  `test_step` is wrapped there for the same bug.
+- `Model._maybe_symbolic_build`, `Model._symbolic_build` and Keras's epoch iterator's
+  `_get_iterator`: the model's metrics and optimizer are built before the first trace
+  (not inside it, which makes TensorFlow trace the step twice), and under a strategy on
+  the shapes of a batch instead of a batch taken off the training iterator and reduced
+  over replicas (which fails under MultiWorkerMirroredStrategy,
+  keras-team/keras#20585); the attached model's `test_step` is wrapped there for the
+  same bug.
 - `Trackable._maybe_initialize_trackable`: called on an object when it is tracked as an
   attribute, the only call `Model.compile` makes on its optimizer (`model_compiling`).
 - `LossFunctionWrapper._fn_kwargs`: the arguments a Keras loss passes its function
@@ -196,11 +198,15 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale
                 f"({type(optimizer).__name__})")
         return False
 
+    def taken_over():
+        """After a release: whether the optimizer compiled since is a KFAC (compiled
+        without `attach`) that takes the model over."""
+        take_over = getattr(compiled_optimizer(model), "_attach_compiled", None)
+        return take_over is not None and take_over(model)
+
     def make_train_function(force=False):
         if not still_owned():
-            # Recompiled with another KFAC (no `attach`): it takes the model over here.
-            take_over = getattr(compiled_optimizer(model), "_attach_compiled", None)
-            if take_over is not None and take_over(model):
+            if taken_over():
                 return model.make_train_function(force)
             return keras_make_train_function(force)
         if multi_worker and model.steps_per_execution > 1:
@@ -234,15 +240,15 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale
     set_untracked(model, "make_train_function", make_train_function)
     set_untracked(model, "_tfkfac_owner", owner)
     model.train_function = None  # one made before (e.g. by a `fit` that failed unattached)
-    if model.distribute_strategy.num_replicas_in_sync > 1:
-        build_on_local_batch = _symbolic_build_on_local_batch(model)
+    build_on_local_batch = _symbolic_build_on_local_batch(model)
 
-        def maybe_symbolic_build(*args, **kwargs):
-            if still_owned():
-                return build_on_local_batch(*args, **kwargs)
-            return model._maybe_symbolic_build(*args, **kwargs)  # Keras's again
+    def maybe_symbolic_build(*args, **kwargs):
+        if still_owned():
+            return build_on_local_batch(*args, **kwargs)
+        taken_over()
+        return model._maybe_symbolic_build(*args, **kwargs)  # the new owner's, or Keras's
 
-        set_untracked(model, "_maybe_symbolic_build", maybe_symbolic_build)
+    set_untracked(model, "_maybe_symbolic_build", maybe_symbolic_build)
     if multi_worker:
         keras_test_step = model.test_step
         set_untracked(model, "test_step", lambda data: _as_vectors(keras_test_step(data)))
@@ -273,16 +279,18 @@ def _is_multi_worker(strategy):
 
 
 def _symbolic_build_on_local_batch(model):
-    """`model._maybe_symbolic_build` on a batch of this replica's shapes.
+    """`model._maybe_symbolic_build`: Keras's `_symbolic_build` on a batch of this
+    replica's shapes, under every strategy.
 
-    Before training, Keras builds the model, metrics and optimizer on one batch under a
-    strategy: it takes the first batch off the training iterator (which `fit` then
-    continues from, one batch short, when `steps_per_epoch` is given) and reduces it
-    over the replicas, which fails under MultiWorkerMirroredStrategy
-    (keras-team/keras#20585). Only the shapes matter: they come from the iterator's
-    element spec (the first replica's), no batch is taken.
+    Keras builds the model's metrics and optimizer before training only under an explicit
+    strategy; otherwise their variables are made inside the first trace of the train
+    function, which TensorFlow then traces again without them: a second trace of K-FAC's
+    whole step (a few seconds). Under a strategy Keras takes the first batch off the
+    training iterator (which `fit` then continues from, one batch short, when
+    `steps_per_epoch` is given) and reduces it over the replicas, which fails under
+    MultiWorkerMirroredStrategy (keras-team/keras#20585). Only the shapes matter: they
+    come from the iterator's element spec (the first replica's), no batch is taken.
     """
-    keras_build = type(model)._maybe_symbolic_build.__get__(model)
     strategy = model.distribute_strategy
 
     def local(value):
@@ -298,7 +306,8 @@ def _symbolic_build_on_local_batch(model):
         if iterator is not None:
             data_batch = tf.nest.map_structure(zeros_like_spec,
                                                iterator._get_iterator().element_spec)
-        keras_build(data_batch=tf.nest.map_structure(local, data_batch))
+        with strategy.scope():
+            model._symbolic_build(data_batch=tf.nest.map_structure(local, data_batch))
 
     return symbolic_build
 
