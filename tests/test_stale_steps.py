@@ -160,6 +160,18 @@ class TracingTest(absltest.TestCase):
             fit(model, *examples())
         self.assertEqual(traced, [True, True])  # the factor and the stale train function
 
+    def test_a_metric_without_a_static_shape_is_built_in_the_first_trace(self):
+        class Unshaped(keras.metrics.SparseCategoricalAccuracy):
+            def result(self):
+                value = super().result()
+                return tf.numpy_function(lambda v: v, [value], value.dtype, stateful=False)
+
+        model, optimizer = compiled()
+        model.compile(optimizer=optimizer, loss=LOSS, metrics=[Unshaped(name="unshaped")])
+        history = model.fit(*examples(), batch_size=BATCH, epochs=1, verbose=0)
+        self.assertLen(history.history["unshaped"], 1)
+        self.assertEqual(optimizer.counters()["steps"], STEPS)
+
 
 class ResultsTest(parameterized.TestCase):
 

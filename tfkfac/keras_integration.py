@@ -285,7 +285,8 @@ def _symbolic_build_on_local_batch(model):
     Keras builds the model's metrics and optimizer before training only under an explicit
     strategy; otherwise their variables are made inside the first trace of the train
     function, which TensorFlow then traces again without them: a second trace of K-FAC's
-    whole step (a few seconds). Under a strategy Keras takes the first batch off the
+    whole step (a few seconds). In one replica a build that fails symbolically is left to
+    the first trace, as Keras leaves it. Under a strategy Keras takes the first batch off the
     training iterator (which `fit` then continues from, one batch short, when
     `steps_per_epoch` is given) and reduces it over the replicas, which fails under
     MultiWorkerMirroredStrategy (keras-team/keras#20585). Only the shapes matter: they
@@ -307,7 +308,16 @@ def _symbolic_build_on_local_batch(model):
             data_batch = tf.nest.map_structure(zeros_like_spec,
                                                iterator._get_iterator().element_spec)
         with strategy.scope():
-            model._symbolic_build(data_batch=tf.nest.map_structure(local, data_batch))
+            if strategy.num_replicas_in_sync > 1:
+                model._symbolic_build(data_batch=tf.nest.map_structure(local, data_batch))
+                return
+            try:
+                model._symbolic_build(data_batch=data_batch)
+            except Exception:  # pylint: disable=broad-except
+                # In one replica this build only saves a trace, and Keras makes it inside
+                # the first one instead: what fails here symbolically (e.g. a metric
+                # whose result has no static shape) is left to that.
+                pass
 
     return symbolic_build
 
