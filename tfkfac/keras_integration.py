@@ -146,7 +146,7 @@ _INSTALLED = ("train_step", "make_train_function", "_tfkfac_owner", "_maybe_symb
 
 
 def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale,
-                       fresh_in_sample_weight=False):
+                       fresh_in_sample_weight=False, alone=True):
     """Replace this model's train step by one with K-FAC's tape and update (`owner`'s).
 
     `step_with_tape(forward, fresh, sample_weight)` runs `forward()` (returning the
@@ -160,6 +160,7 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale
     `fresh_in_sample_weight` the batch's sample-weight slot holds the fresh flags: they
     go to `step_with_tape` (None otherwise), and the loss and metrics get no sample
     weights. The loss and its metric are `forward_pass`'s; only `model` is changed.
+    `alone`: no other process trains the model (`_symbolic_build_on_local_batch`).
     """
     multi_worker = _is_multi_worker(model.distribute_strategy)
 
@@ -240,7 +241,7 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale
     set_untracked(model, "make_train_function", make_train_function)
     set_untracked(model, "_tfkfac_owner", owner)
     model.train_function = None  # one made before (e.g. by a `fit` that failed unattached)
-    build_on_local_batch = _symbolic_build_on_local_batch(model)
+    build_on_local_batch = _symbolic_build_on_local_batch(model, alone)
 
     def maybe_symbolic_build(*args, **kwargs):
         if still_owned():
@@ -278,15 +279,17 @@ def _is_multi_worker(strategy):
             and len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync)
 
 
-def _symbolic_build_on_local_batch(model):
+def _symbolic_build_on_local_batch(model, alone):
     """`model._maybe_symbolic_build`: Keras's `_symbolic_build` on a batch of this
     replica's shapes, under every strategy.
 
     Keras builds the model's metrics and optimizer before training only under an explicit
     strategy; otherwise their variables are made inside the first trace of the train
     function, which TensorFlow then traces again without them: a second trace of K-FAC's
-    whole step (a few seconds). In one replica a build that fails symbolically is left to
-    the first trace, as Keras leaves it. Under a strategy Keras takes the first batch off the
+    whole step (a few seconds). In one replica of a process training `alone`, a build
+    that fails symbolically is left to the first trace, as Keras leaves it; with other
+    processes (Horovod ranks) the build stays in the trace, where every rank makes it
+    at the same point of its collectives. Under a strategy Keras takes the first batch off the
     training iterator (which `fit` then continues from, one batch short, when
     `steps_per_epoch` is given) and reduces it over the replicas, which fails under
     MultiWorkerMirroredStrategy (keras-team/keras#20585). Only the shapes matter: they
@@ -303,20 +306,24 @@ def _symbolic_build_on_local_batch(model):
         first = tf.nest.flatten(spec, expand_composites=True)[0]  # replica 0's
         return tf.zeros([1 if d is None else d for d in first.shape], first.dtype)
 
+    replicated = strategy.num_replicas_in_sync > 1
+
     def symbolic_build(iterator=None, data_batch=None):
+        if not (replicated or alone):
+            return  # Keras's own: built in the first trace, on every rank alike
         if iterator is not None:
             data_batch = tf.nest.map_structure(zeros_like_spec,
                                                iterator._get_iterator().element_spec)
         with strategy.scope():
-            if strategy.num_replicas_in_sync > 1:
+            if replicated:
                 model._symbolic_build(data_batch=tf.nest.map_structure(local, data_batch))
                 return
             try:
                 model._symbolic_build(data_batch=data_batch)
             except Exception:  # pylint: disable=broad-except
-                # In one replica this build only saves a trace, and Keras makes it inside
-                # the first one instead: what fails here symbolically (e.g. a metric
-                # whose result has no static shape) is left to that.
+                # Alone, this build only saves a trace, and Keras makes it inside the
+                # first one instead: what fails here symbolically (e.g. a metric whose
+                # result has no static shape) is left to that.
                 pass
 
     return symbolic_build

@@ -191,7 +191,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         keras_integration.install_train_step(
             model, self, self._attachment.train_step, self._attachment.averaged_over_ranks,
             self._detach, stale_steps.StaleSteps(self, self._attachment),
-            self._attachment.fresh_only)
+            self._attachment.fresh_only, alone=self._comm.size == 1)
         blocks_lib.warn_unsupported(self._skipped)
         if self.built:
             self._create_kfac_state()
