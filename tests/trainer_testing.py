@@ -14,6 +14,7 @@ from absl.testing import flagsaver
 import numpy as np
 import tensorflow as tf
 
+from process_output import own_lines  # noqa: F401 (the trainer tests read it here)
 from trainers import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,8 +113,3 @@ def wait_for(process, path, pattern=None, timeout=900):
         time.sleep(0.05)
 
 
-def own_lines(stderr):
-    """stderr without the lines TensorFlow's C++ runtime prints at start-up."""
-    return [line for line in stderr.splitlines()
-            if line.strip() and "absl::InitializeLog" not in line
-            and not line.startswith(("I0000", "E0000", "W0000"))]
