@@ -160,8 +160,8 @@ flags.DEFINE_bool("collect", False,
                   "Run nothing: write batch_scaling.json and .png from the trials the work "
                   "dir holds.")
 flags.DEFINE_bool("noise_scale", True,
-                  f"After the batch-{NOISE_BATCH} cells, measure each entry's gradient noise scale at batch "
-                  f"{NOISE_BATCH} at its chosen point (one run each).")
+                  f"After the batch-{NOISE_BATCH} cells, measure each entry's gradient noise "
+                  "scale there at its chosen point (one run each).")
 flags.DEFINE_string("work_dir", "/tmp/tfkfac_batch_scaling",
                     "Where the trials' runs (summaries, checkpoints) go.")
 
@@ -427,9 +427,9 @@ def over_best_first_order(entries, entry):
     return out
 
 
-def report(cells, noise=None):
+def report(cells, noise):
     """The JSON document of `cells` {entry: {batch: cell}} and the noise runs `noise`
-    {entry: noise_record}."""
+    {entry: noise_record or None}."""
     entries = {}
     for entry, by_batch in cells.items():
         complete = {batch: c for batch, c in by_batch.items() if c["complete"]}
@@ -440,7 +440,7 @@ def report(cells, noise=None):
             "batches": dict(sorted(by_batch.items())),
             "critical_batch": {str(target): critical_batch(complete, target)
                                for target in TARGETS},
-            "noise_scale": (noise or {}).get(entry)}
+            "noise_scale": noise.get(entry)}
     for entry in entries:
         if entry not in FIRST_ORDER:
             entries[entry]["over_best_first_order"] = over_best_first_order(entries, entry)
@@ -517,8 +517,7 @@ def collect():
             if found["trials"]:
                 cells.setdefault(entry, {})[batch] = found
     noise = {entry: noise_scale(entry, cells, run=False) for entry in cells}
-    harness.write(report(cells, {entry: n for entry, n in noise.items() if n}),
-                  "batch_scaling", plot)
+    harness.write(report(cells, noise), "batch_scaling", plot)
     return cells
 
 

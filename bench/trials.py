@@ -120,8 +120,9 @@ def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
     momentum 0.9, whose steady step is 10x its learning rate: their rates are AdamW's
     divided by 10 (from `grafted_from` and `eigen_adam_from`; the inner AdamW's from
     `adam_like_from`). K-FAC under an inner ScheduleFreeAdamW, with or without adaptive
-    stale statistics, tunes 4 of its rates x 2 dampings, from `schedule_free_like_from` (2e-3 to 2e-2 holds its CNN and ResNet-20
-    picks, 1e-2 and 2e-2).
+    stale statistics, tunes 4 of its rates x 2 dampings, from `schedule_free_like_from`
+    (by default 2e-3 to 2e-2, around ScheduleFreeAdamW's own picks; moved per model in
+    GRIDS).
 
     Keras's Muon tunes on AdamW's grid: its `rms_rate` scales the orthogonalized step to
     AdamW's update size, so AdamW's learning rates apply. ScheduleFreeAdamW's authors

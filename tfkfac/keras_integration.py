@@ -287,14 +287,16 @@ def _symbolic_build_on_local_batch(model, alone):
     strategy; otherwise their variables are made inside the first trace of the train
     function, which TensorFlow then traces again without them: a second trace of K-FAC's
     whole step (a few seconds). In one replica of a process training `alone`, a build
-    that fails symbolically is left to the first trace, as Keras leaves it; with other
-    processes (Horovod ranks) the build stays in the trace, where every rank makes it
-    at the same point of its collectives. Under a strategy Keras takes the first batch off the
+    that fails symbolically is left to the first trace, as Keras leaves it; in one
+    replica beside other processes (Horovod ranks) Keras builds as it does itself, the
+    same on every rank, where a build failing on one rank only cannot put the ranks'
+    collectives out of step. Under a strategy Keras takes the first batch off the
     training iterator (which `fit` then continues from, one batch short, when
     `steps_per_epoch` is given) and reduces it over the replicas, which fails under
     MultiWorkerMirroredStrategy (keras-team/keras#20585). Only the shapes matter: they
     come from the iterator's element spec (the first replica's), no batch is taken.
     """
+    keras_build = type(model)._maybe_symbolic_build.__get__(model)
     strategy = model.distribute_strategy
 
     def local(value):
@@ -310,21 +312,20 @@ def _symbolic_build_on_local_batch(model, alone):
 
     def symbolic_build(iterator=None, data_batch=None):
         if not (replicated or alone):
-            return  # Keras's own: built in the first trace, on every rank alike
+            return keras_build(iterator=iterator, data_batch=data_batch)
         if iterator is not None:
             data_batch = tf.nest.map_structure(zeros_like_spec,
                                                iterator._get_iterator().element_spec)
         with strategy.scope():
-            if replicated:
-                model._symbolic_build(data_batch=tf.nest.map_structure(local, data_batch))
-                return
             try:
-                model._symbolic_build(data_batch=data_batch)
+                model._symbolic_build(data_batch=tf.nest.map_structure(local, data_batch))
             except Exception:  # pylint: disable=broad-except
+                if replicated:
+                    raise
                 # Alone, this build only saves a trace, and Keras makes it inside the
                 # first one instead: what fails here symbolically (e.g. a metric whose
                 # result has no static shape) is left to that.
-                pass
+        return None
 
     return symbolic_build
 
