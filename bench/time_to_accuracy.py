@@ -135,11 +135,10 @@ BUDGETS = {
     "resnet20": dict(tune_epochs=1, max_epochs=8, eval_every_steps=200,
                      target_accuracies=(0.88, 0.89, 0.90), weight_decay=5e-5,
                      first_order_xla=True, kfac_xla=True),
-    # The ViT: a first-order step is ~0.1 s at batch 128 at load ~5, K-FAC (10/100
-    # schedule) ~1.1x that; per entry 8 tuning trials of 2 epochs and 3 timed runs of
-    # 10 epochs, about 25 min on 2 idle cores. K-FAC's amortized step compiled is
-    # 0.84x (eigen_adam) and 0.96x (inverse) its step without XLA
-    # (bench/results/step_time_idle/vit).
+    # The ViT: a first-order step is ~0.12 s at batch 128 in the trainer (2 idle cores),
+    # K-FAC's (10/100 schedule) ~1.05-1.1x that; a timed run to 0.86 takes 3-8 min. K-FAC's
+    # amortized step compiled is 0.84x (eigen_adam) and 0.96x (inverse) its step without
+    # XLA (bench/results/step_time_idle/vit).
     "vit": dict(tune_epochs=2, max_epochs=10, eval_every_steps=200,
                 target_accuracies=VIT_TARGETS, weight_decay=5e-5, first_order_xla=True,
                 kfac_xla=True),
