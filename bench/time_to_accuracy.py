@@ -169,7 +169,10 @@ def run_settings(model, entry, setting, epochs):
 def tune(model, optimizer):
     """The grid point with the best validation accuracy after a compressed run: the
     model's tuning epochs, on the same schedule shape. Trials the JSON records for
-    today's grid and protocol are used when the work dir holds none of them."""
+    today's grid and protocol are used when the work dir holds none of them. An option
+    entry (`trials.TUNED_AS`) takes its base entry's tuning."""
+    if optimizer in trials.TUNED_AS:
+        return tune(model, trials.TUNED_AS[optimizer])
     names = [f"{model}-{optimizer}-tune-{trials.slug(setting)}"
              for setting in GRIDS[model][optimizer]]
     scores = recorded_tuning(model, optimizer)

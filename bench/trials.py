@@ -58,6 +58,18 @@ OPTIMIZERS = {
     "schedule_free_adamw": dict(optimizer="schedule_free_adamw"),
     "lamb": dict(optimizer="lamb"),
 }
+# The options that lower K-FAC's floor (docs/design_options.md §8, §9), each an entry
+# over a K-FAC entry: statistics from a quarter of each batch, bfloat16 preconditioning
+# products, the reduce rule for convolutions. Each approximates its base entry's method,
+# and the question is how many steps the approximation costs: it runs at the base's
+# tuned point (`TUNED_AS`) instead of tuning again.
+FLOOR_OPTIONS = {"f0.25": dict(factor_batch_fraction=0.25),
+                 "bf16": dict(product_dtype="bfloat16"),
+                 "reduce": dict(weight_sharing="reduce")}
+TUNED_AS = {f"{base}_{suffix}": base for base in ("kfac_eigen_adam", "kfac_schedule_free_adamw")
+            for suffix in FLOOR_OPTIONS}
+OPTIMIZERS.update({entry: dict(OPTIMIZERS[base], **FLOOR_OPTIONS[entry[len(base) + 1:]])
+                   for entry, base in TUNED_AS.items()})
 CONSTANT_LEARNING_RATE = ("kfac_constant",)
 # The schedule of every other entry: linear warm-up over this share of the run's budget
 # (AlgoPerf's baselines warm up over 5% of theirs), then half a cosine to 0 at the
@@ -153,6 +165,7 @@ def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
         "schedule_free_adamw": points(learning_rate=series(5e-4)),
         "lamb": points(learning_rate=series(2e-4)),
     }
+    entries.update({entry: entries[base] for entry, base in TUNED_AS.items()})
     if model in config_lib.MODELS_WITHOUT_MUON_WEIGHTS:
         del entries["muon"]
     return entries

@@ -198,6 +198,27 @@ class RecordedTuningTest(absltest.TestCase):
         with flagsaver.flagsaver(output_dir=output_dir):
             self.assertEqual(time_to_accuracy.recorded_tuning("vit", "sgd"), scores)
 
+    def test_a_floor_option_runs_at_its_base_entrys_tuned_point(self):
+        output_dir, scores = self.write(time_to_accuracy.BUDGETS["vit"])
+        with open(os.path.join(output_dir, "time_to_accuracy.json"), encoding="utf-8") as f:
+            report = json.load(f)
+        base = "kfac_eigen_adam"
+        grid = trials.GRIDS["vit"][base]
+        base_scores = [dict(score, setting=setting) for score, setting in zip(scores, grid)]
+        report["protocol"]["entries"][base] = trials.OPTIMIZERS[base]
+        report["models"]["vit"]["tuned_only"][base] = {"trials": base_scores}
+        with open(os.path.join(output_dir, "time_to_accuracy.json"), "w",
+                  encoding="utf-8") as f:
+            json.dump(report, f)
+        empty_work_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        with flagsaver.flagsaver(output_dir=output_dir, work_dir=empty_work_dir), \
+                mock.patch.object(time_to_accuracy.trials, "run",
+                                  side_effect=AssertionError("ran a trial")):
+            tuned = time_to_accuracy.tune("vit", f"{base}_bf16")
+        self.assertEqual(tuned, {"trials": base_scores, "best": grid[-1]})
+        self.assertEqual(trials.OPTIMIZERS[f"{base}_bf16"],
+                         dict(trials.OPTIMIZERS[base], product_dtype="bfloat16"))
+
     def test_trials_of_another_protocol_are_not_used(self):
         output_dir, _ = self.write(dict(time_to_accuracy.BUDGETS["vit"], tune_epochs=1))
         with flagsaver.flagsaver(output_dir=output_dir):
