@@ -13,7 +13,10 @@ constant-learning-rate protocol, for reference), `kfac_adamw` (K-FAC in front of
 `kfac_graft_adam` (layer-wise grafting of Adam's step length), `kfac_eigen_adam`
 (Adam in the Kronecker eigenbasis), `kfac_schedule_free_adamw` (K-FAC in front of
 ScheduleFreeAdamW) and `kfac_schedule_free_adamw_adaptive` (the same with adaptive stale
-statistics).
+statistics); the floor-lowering options over `kfac_eigen_adam` and
+`kfac_schedule_free_adamw` (suffix `_f0.25`: factor statistics from a quarter of each
+batch, `_bf16`: bfloat16 preconditioning products, `_reduce`: the reduce rule for
+convolutions), each run at its base entry's tuned point (`trials.TUNED_AS`).
 Protocol, identical for every entry but `kfac_constant`:
 1. Schedule: linear warm-up over the first 5% of the run's budget, then half a cosine
    to 0 at the budget's last step (`--lr_schedule=cosine`); `schedule_free_adamw` (alone
