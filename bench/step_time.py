@@ -6,8 +6,8 @@ of the two is the baseline of every ratio, per model), K-FAC doing factors and e
 step (`--factor_update_freq=1 --decomposition_update_freq=1`), amortized
 K-FAC (`--factor_update_freq=10 --decomposition_update_freq=100`) with the eigen, the
 inverse and the eigen_adam method (no KL clip, as its time-to-accuracy entry), the
-amortized inverse and eigen_adam methods with `--xla` (stale steps compiled whole, K-FAC's
-own stages compiled on factor steps), and the amortized inverse method with each of the step-cost options: factor
+amortized inverse and eigen_adam methods with `--xla` (stale steps compiled whole; K-FAC's
+own stages on factor steps compiled where a GPU is visible), and the amortized inverse method with each of the step-cost options: factor
 statistics from a quarter of each batch (`--factor_batch_fraction=0.25`), bfloat16
 products (`--product_dtype=bfloat16`) and the reduce rule for convolutions
 (`--weight_sharing=reduce`, also with factors and decompositions every step). Their

@@ -54,6 +54,10 @@ class SettingsTest(absltest.TestCase):
         with self.assertRaisesRegex(ValueError, "`damping` must be a finite number > 0"):
             config_lib.TrainConfig(damping=float("nan")).kfac_config()
 
+    def test_xla_compiles_kfacs_own_stages_only_where_the_library_would(self):
+        self.assertEqual(config_lib.TrainConfig(xla=True).kfac_config().xla, "auto")
+        self.assertIs(config_lib.TrainConfig(xla=False).kfac_config().xla, False)
+
     def test_trainer_builds_kfac_over_the_chosen_inner_optimizer(self):
         config = config_lib.TrainConfig(kfac_inner_optimizer="adamw", learning_rate=2e-3,
                                         weight_decay=0.05)

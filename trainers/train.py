@@ -147,9 +147,9 @@ flags.DEFINE_float("preemption_grace_seconds", _DEFAULTS.preemption_grace_second
                    "checkpoint (then exit code 75) before exiting without it (code 128 + "
                    "signal); set it below the job scheduler's grace period.")
 flags.DEFINE_bool("xla", _DEFAULTS.xla,
-                  "Compile with XLA: the whole train step for sgd/adam; for kfac its stale "
-                  "steps whole in one process, and its local stages (factor statistics, "
-                  "preconditioning).")
+                  "Compile with XLA: the whole train step for first-order optimizers; for "
+                  "kfac its stale steps whole in one process, and its local stages (factor "
+                  "statistics, preconditioning) where a GPU is visible.")
 flags.DEFINE_enum("distribution", _DEFAULTS.distribution, distribution.DISTRIBUTIONS,
                   "none: one process; horovod: a rank per process under horovodrun; "
                   "mirrored: tf.distribute.MirroredStrategy over this machine's GPUs; "
