@@ -66,10 +66,10 @@ OPTIMIZERS = {
 FLOOR_OPTIONS = {"f0.25": dict(factor_batch_fraction=0.25),
                  "bf16": dict(product_dtype="bfloat16"),
                  "reduce": dict(weight_sharing="reduce")}
-TUNED_AS = {f"{base}_{suffix}": base for base in ("kfac_eigen_adam", "kfac_schedule_free_adamw")
-            for suffix in FLOOR_OPTIONS}
-OPTIMIZERS.update({entry: dict(OPTIMIZERS[base], **FLOOR_OPTIONS[entry[len(base) + 1:]])
-                   for entry, base in TUNED_AS.items()})
+_OPTION_BASES = ("kfac_eigen_adam", "kfac_schedule_free_adamw")
+OPTIMIZERS.update({f"{base}_{suffix}": dict(OPTIMIZERS[base], **option)
+                   for base in _OPTION_BASES for suffix, option in FLOOR_OPTIONS.items()})
+TUNED_AS = {f"{base}_{suffix}": base for base in _OPTION_BASES for suffix in FLOOR_OPTIONS}
 CONSTANT_LEARNING_RATE = ("kfac_constant",)
 # The schedule of every other entry: linear warm-up over this share of the run's budget
 # (AlgoPerf's baselines warm up over 5% of theirs), then half a cosine to 0 at the
