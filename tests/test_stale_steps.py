@@ -6,7 +6,8 @@
   by wrapping the two real train functions `StaleSteps.choosing` is handed.
 - A stale step records no layer call (run eagerly, where every step runs the Python).
 - Each of the two train functions traces K-FAC's step once: the optimizer and metrics
-  are built before the first trace.
+  are built before the first trace; the inner optimizer's update is traced once for
+  both (one tf.function they call).
 - Results: weights, every optimizer variable (factors, decompositions, eigenbasis
   moments), the decompositions an owner holds and the counters after 8 steps are
   bit-identical to `steps_per_execution=2`, where every step is the factor step: the
@@ -159,6 +160,22 @@ class TracingTest(absltest.TestCase):
         with mock.patch.object(tfkfac.KFAC, "apply", counting_apply):
             fit(model, *examples())
         self.assertEqual(traced, [True, True])  # the factor and the stale train function
+
+    def test_the_inner_update_is_traced_once_for_both_train_functions(self):
+        model, optimizer = compiled()
+        inner = optimizer.inner_optimizer
+        traced = []
+        apply = type(inner).apply
+
+        def counting_apply(self, *args, **kwargs):
+            traced.append(tf.executing_eagerly())
+            return apply(self, *args, **kwargs)
+
+        with chosen_functions() as ran, mock.patch.object(type(inner), "apply",
+                                                          counting_apply):
+            fit(model, *examples())
+        self.assertEqual(ran, expected(FACTOR_STEPS))
+        self.assertEqual(traced, [False])
 
     def test_a_metric_without_a_static_shape_is_built_in_the_first_trace(self):
         class Unshaped(keras.metrics.SparseCategoricalAccuracy):

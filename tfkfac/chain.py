@@ -113,6 +113,7 @@ class UpdateChain:
     def __init__(self, curvature, post, inner, coupling=None, rescaling=None):
         self.curvature, self.post, self.inner = curvature, post, inner
         self.coupling, self.rescaling = coupling, rescaling
+        self._inner_update = _InnerUpdate(self)
 
     def create_state(self, counters, add_variable, model_variables, variable_paths):
         """Every piece's saved state, in `saved_variables` order. `add_variable(shape,
@@ -150,17 +151,34 @@ class UpdateChain:
         """The inner optimizer's update with `grads` if `finite` (a step with a non-finite
         gradient changes nothing), with the coupling before it and the rescaling after;
         whether it ran, a tensor that exists once it has."""
-        return keras_integration.apply_if(finite, _InnerUpdate(self), grads, variables)
+        return keras_integration.apply_if(finite, self._inner_update, grads, variables)
 
 
 class _InnerUpdate:
     """What `keras_integration.apply_if` runs in each replica as `apply(grads,
-    variables)`: the chain's coupling, its inner optimizer's update, its rescaling."""
+    variables)`: the chain's coupling, its inner optimizer's update, its rescaling.
+
+    Without a tf.distribute strategy, in a graph, the update is one tf.function per list
+    of variables, so that the factor and the stale train functions (`tfkfac.stale_steps`)
+    trace Keras's update once between them: it is the largest piece of their tracing
+    (docs/benchmarks.md, ResNet-20). Under a strategy it stays inline: its `merge_call`
+    cannot run in a nested tf.function.
+    """
 
     def __init__(self, chain):
         self.chain = chain
+        self._traced = {}  # tuple of variable ids -> tf.function of the gradients
 
     def apply(self, grads, variables):
+        if tf.executing_eagerly() or tf.distribute.has_strategy():
+            self._update(grads, variables)
+            return
+        key = tuple(id(v) for v in variables)
+        if key not in self._traced:
+            self._traced[key] = tf.function(lambda grads: self._update(grads, variables))
+        self._traced[key](list(grads))
+
+    def _update(self, grads, variables):
         coupling, rescaling = self.chain.coupling, self.chain.rescaling
         if coupling is not None:
             slots, peak, ratio = coupling.step(variables)
