@@ -33,9 +33,13 @@ process (a global batch is what data-parallel workers would share):
   `python -m trainers.train` runs) with the test accuracy evaluated every
   `eval_every_steps` steps, stopping at the top target (0.91). A trial is scored by its
   steps to the primary target 0.90 (fewest wins; one that never reaches it ranks below
-  every one that did, by its best accuracy; a diverged one last). The chosen point runs
-  again with a second seed; an entry's steps and wall time (training only, evaluation
-  excluded) to each target are the medians over the two seeds.
+  every one that did, by its best accuracy; a diverged one last). A cell's trials run
+  from the grid's centre (the scaled pick) outward, and each gives up at its first
+  evaluation past the fewest steps to 0.90 of the cell's trials so far unless it reached
+  0.90 by then (the trainer's `give_up_steps`): it could no longer win, and the pick is
+  the one the full runs would give. The chosen point runs again with a second seed; an
+  entry's steps and wall time (training only, evaluation excluded) to each target are
+  the medians over the two seeds.
 - The gradient noise scale B_simple (McCandlish et al.'s predictor of the critical batch
   size) per epoch, from one more run of each entry at batch 128 and its chosen point
   (NOISE_BATCH; plain, and for K-FAC also preconditioned).
@@ -222,6 +226,7 @@ def record(summary, learning_rate, seed):
                                  for time_s, steps, accuracy in curve if accuracy >= target),
                                 None) for target in TARGETS}
     return {"learning_rate": learning_rate, "seed": seed, "diverged": False,
+            "gave_up": summary.get("gave_up", False),
             "steps": summary["steps"], "best_accuracy": max(point[2] for point in curve),
             "mean_step_time_s": summary["mean_step_time_s"]["all"], "to_target": firsts}
 
@@ -231,8 +236,9 @@ def diverged_record(learning_rate, seed, message):
             "message": message}
 
 
-def read_trial(entry, batch, learning_rate, seed):
-    """The record of a finished (or diverged) trial in the work dir, else None."""
+def read_trial(entry, batch, learning_rate, seed, give_up_steps=None):
+    """The record of a finished (or diverged) trial in the work dir, else None (whatever
+    step it gave up at, `give_up_steps`, which `run_trial` takes)."""
     name = trial_name(entry, batch, learning_rate, seed)
     marker = os.path.join(FLAGS.work_dir, name, DIVERGED_FILE)
     if os.path.exists(marker):
@@ -243,16 +249,19 @@ def read_trial(entry, batch, learning_rate, seed):
     return None if summary is None else record(summary, learning_rate, seed)
 
 
-def run_trial(entry, batch, learning_rate, seed):
+def run_trial(entry, batch, learning_rate, seed, give_up_steps=None):
     """The record of a trial, run (or resumed) unless the work dir holds it finished. A
-    run that diverges is marked so that a restart skips it."""
+    run that diverges is marked so that a restart skips it. With `give_up_steps`, the
+    run stops once past them without having reached the primary target by then."""
     done = read_trial(entry, batch, learning_rate, seed)
     if done is not None:
         return done
     name = trial_name(entry, batch, learning_rate, seed)
+    settings = trial_settings(entry, batch, learning_rate, seed)
+    if give_up_steps is not None:
+        settings.update(give_up_steps=give_up_steps, give_up_accuracy=PRIMARY_TARGET)
     try:
-        summary = trials.run(FLAGS.work_dir, name,
-                             **trial_settings(entry, batch, learning_rate, seed))
+        summary = trials.run(FLAGS.work_dir, name, **settings)
     except errors.RunError as error:
         if "training diverged" not in str(error):
             raise
@@ -290,14 +299,17 @@ def over_seeds(runs, target, budget_steps):
 
 def cell(entry, batch, get):
     """One (entry, batch): its tuning, edge moves, chosen point and second seed, with the
-    trials `get(learning_rate, seed)` returns (None: not run yet; the cell is then
-    incomplete, with the trials it has)."""
+    trials `get(learning_rate, seed, give_up_steps)` returns (None: not run yet; the cell
+    is then incomplete, with the trials it has). Tuning trials run from the grid's
+    centre outward, each giving up past the fewest steps to the primary target so far
+    (it can no longer win there)."""
     indices = grid(entry, batch)
+    center = indices[GRID_BELOW]
     found, moves = {}, 0
     while True:
-        for index in indices:
+        for index in sorted(indices, key=lambda index: (abs(index - center), index)):
             if index not in found:
-                trial = get(trials.series_value(index), SEEDS[0])
+                trial = get(trials.series_value(index), SEEDS[0], fewest_steps(found))
                 if trial is None:
                     return {"complete": False, "trials": sorted_trials(found)}
                 found[index] = trial
@@ -307,7 +319,7 @@ def cell(entry, batch, get):
             break
         indices, moves = indices + [further], moves + 1
     chosen = found[best]
-    second = get(chosen["learning_rate"], SEEDS[1])
+    second = get(chosen["learning_rate"], SEEDS[1], None)
     if second is None:
         return {"complete": False, "trials": sorted_trials(found)}
     budget_steps = BATCHES[batch]["epochs"] * (TRAIN_EXAMPLES // batch)
@@ -317,6 +329,12 @@ def cell(entry, batch, get):
             "chosen": setting(entry, chosen["learning_rate"]), "seeds": [chosen, second],
             "to_target": {str(target): over_seeds([chosen, second], target, budget_steps)
                           for target in TARGETS}}
+
+
+def fewest_steps(found):
+    """The fewest steps to the primary target among the trials `found`, or None."""
+    return min((rank(trial)[1] for trial in found.values() if rank(trial)[0] == 0),
+               default=None)
 
 
 def sorted_trials(found):

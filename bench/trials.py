@@ -280,12 +280,13 @@ def read(work_dir, name, **settings):
 
 
 def finished(summary, epochs):
-    """Whether a run is done: it stopped at its target or ran `epochs` or more. A run that
-    ran out of a smaller epoch budget (the budget grew since) resumes from its last
-    checkpoint, which ends as an uninterrupted run of the new length would."""
+    """Whether a run is done: it stopped at its target, gave up (`give_up_steps`) or ran
+    `epochs` or more. A run that ran out of a smaller epoch budget (the budget grew
+    since) resumes from its last checkpoint, which ends as an uninterrupted run of the
+    new length would."""
     config = summary["config"]
     stopped_at_target = config["stop_at_target"] and summary["to_target"] is not None
-    return stopped_at_target or config["epochs"] >= epochs
+    return stopped_at_target or summary.get("gave_up", False) or config["epochs"] >= epochs
 
 
 def curve(summary, fresh_examples=False):

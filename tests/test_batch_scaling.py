@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import tempfile
+from unittest import mock
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,8 +119,8 @@ class CellTest(absltest.TestCase):
         rates = learning_rates(batch_scaling.grid("adamw", 128))
         self.assertEqual(rates, [0.002, 0.005, 0.01, 0.02, 0.05, 0.1])
 
-        def get(learning_rate, seed):
-            asked.append((learning_rate, seed))
+        def get(learning_rate, seed, give_up_steps):
+            asked.append((learning_rate, seed, give_up_steps))
             # Fewer steps the larger the rate up to 0.2, which beats 0.1 and 0.5.
             steps = {0.1: 350, 0.2: 300, 0.5: 500}.get(learning_rate,
                                                         int(20 / learning_rate))
@@ -128,13 +129,18 @@ class CellTest(absltest.TestCase):
         cell = batch_scaling.cell("adamw", 128, get)
         self.assertTrue(cell["complete"])
         self.assertEqual(cell["edge_moves"], 2)  # 0.1 was best, then 0.2; then inside
-        self.assertEqual(asked, [(r, 0) for r in rates] + [(0.2, 0), (0.5, 0), (0.2, 1)])
+        # From the centre (the pick 0.01) outward, lower first; each trial gives up past
+        # the fewest steps so far (20 / rate: 2000 at 0.01, 1000 at 0.02, 400 at 0.05,
+        # ...); the second seed runs in full.
+        self.assertEqual(asked, [(0.01, 0, None), (0.005, 0, 2000), (0.02, 0, 2000),
+                                 (0.002, 0, 1000), (0.05, 0, 1000), (0.1, 0, 400),
+                                 (0.2, 0, 350), (0.5, 0, 300), (0.2, 1, None)])
         self.assertEqual(cell["chosen"], {"learning_rate": 0.2})
         self.assertFalse(cell["best_at_edge"])
         self.assertEqual(cell["to_target"]["0.9"]["median_steps"], 300)
 
     def test_the_moves_are_bounded_and_an_edge_best_is_flagged(self):
-        cell = batch_scaling.cell("adamw", 128, lambda learning_rate, seed: trial(
+        cell = batch_scaling.cell("adamw", 128, lambda learning_rate, seed, _: trial(
             learning_rate, int(20 / learning_rate), seed=seed))
         self.assertEqual(cell["edge_moves"], batch_scaling.MAX_EDGE_MOVES)
         self.assertEqual(cell["chosen"], {"learning_rate": 0.5})
@@ -144,7 +150,8 @@ class CellTest(absltest.TestCase):
                          10 * (batch_scaling.TRAIN_EXAMPLES // 128))
 
     def test_unreached_rank_by_accuracy_and_diverged_last(self):
-        def get(learning_rate, seed):
+        def get(learning_rate, seed, give_up_steps):
+            self.assertIsNone(give_up_steps)  # no trial reached the target
             if learning_rate >= 0.5:
                 return batch_scaling.diverged_record(learning_rate, seed, "nan")
             return trial(learning_rate, None, best_accuracy=0.8 + learning_rate / 10,
@@ -156,12 +163,13 @@ class CellTest(absltest.TestCase):
         self.assertEqual(cell["to_target"]["0.9"]["reached"], 0)
 
     def test_a_missing_trial_leaves_the_cell_incomplete_with_what_it_has(self):
-        def get(learning_rate, seed):
-            return trial(learning_rate, 100) if learning_rate < 0.05 else None
+        def get(learning_rate, seed, give_up_steps):
+            return trial(learning_rate, 100) if learning_rate <= 0.1 else None
 
         cell = batch_scaling.cell("sgd_nesterov", 128, get)
         self.assertFalse(cell["complete"])
-        self.assertEqual([t["learning_rate"] for t in cell["trials"]], [0.02])
+        # The centre (0.1), then 0.05; 0.2 is not there yet.
+        self.assertEqual([t["learning_rate"] for t in cell["trials"]], [0.05, 0.1])
 
     def test_the_median_of_two_seeds_is_infinite_when_one_misses(self):
         both = batch_scaling.over_seeds([trial(0.1, 100), trial(0.1, 300, seed=1)], 0.9, 999)
@@ -274,6 +282,27 @@ class WorkDirTest(absltest.TestCase):
         self.assertTrue(batch_scaling.run_trial("sgd_nesterov", 128, 1.0, 0)["diverged"])
         self.assertIsNone(batch_scaling.read_trial("sgd_nesterov", 128, 0.2, 0))
 
+    def test_a_trial_given_steps_gives_up_and_reads_back_finished(self):
+        asked = {}
+
+        def run(work_dir, name, **settings):
+            asked.update(settings)
+            return {"steps": 450, "gave_up": True, "mean_step_time_s": {"all": 0.1},
+                    "evaluations": [{"train_time_s": 40.0, "steps": 400, "val_accuracy": 0.8},
+                                    {"train_time_s": 45.0, "steps": 450, "val_accuracy": 0.85}]}
+
+        with mock.patch.object(trials, "run", run):
+            record = batch_scaling.run_trial("adamw", 128, 0.01, 0, give_up_steps=400)
+        self.assertEqual((asked["give_up_steps"], asked["give_up_accuracy"]),
+                         (400, batch_scaling.PRIMARY_TARGET))
+        self.assertTrue(record["gave_up"])
+        self.assertEqual(batch_scaling.rank(record), (1, -0.85))
+        # A run that gave up is finished although it neither reached its target nor ran
+        # its epochs; one that did neither and did not give up resumes.
+        stopped = {"config": {"stop_at_target": True, "epochs": 2}, "to_target": None}
+        self.assertTrue(trials.finished(dict(stopped, gave_up=True), 10))
+        self.assertFalse(trials.finished(dict(stopped, gave_up=False), 10))
+
     def test_a_noise_run_is_read_back_at_the_batch_128_cells_chosen_point(self):
         self.fill("kfac_inverse", 128, best=0.05, best_steps=600)
         self.fill("sgd_nesterov", 128, best=0.1, best_steps=1000)
@@ -311,7 +340,7 @@ class WorkDirTest(absltest.TestCase):
         self.fill("sgd_nesterov", 512, best=0.2, best_steps=500)  # 2x: does not scale
         self.fill("kfac_inverse", 128, best=0.05, best_steps=600)
         self.fill("kfac_inverse", 512, best=0.1, best_steps=200)  # 3x: scales
-        write_summary(self.work_dir, "adamw", 128, 0.002, 0, 700)  # one trial of a cell
+        write_summary(self.work_dir, "adamw", 128, 0.01, 0, 700)  # a cell's first trial
         batch_scaling.collect()
         path = os.path.join(self.output_dir, "batch_scaling.json")
         with open(path) as f:

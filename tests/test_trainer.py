@@ -69,6 +69,13 @@ class FlagValidationTest(parameterized.TestCase):
         (["--target_accuracy=1.5"], r"`target_accuracy` must be a finite number in \(0, 1\]"),
         (["--model=autoencoder", "--target_accuracy=0.5"], "applies to classifiers"),
         (["--stop_at_target"], "stop_at_target needs a target_accuracy"),
+        (["--give_up_steps=10"], "give_up_steps and give_up_accuracy go together"),
+        (["--give_up_steps=0", "--give_up_accuracy=0.5"],
+         r"`give_up_steps` must be an integer in \[1, 2\*\*63 - 1\]; received 0"),
+        (["--give_up_steps=5", "--give_up_accuracy=0"],
+         r"`give_up_accuracy` must be a finite number in \(0, 1\]"),
+        (["--model=autoencoder", "--give_up_steps=5", "--give_up_accuracy=0.5"],
+         "give_up_accuracy applies to classifiers"),
         (["--lr_schedule=step"], "needs lr_decay_epochs"),
         (["--lr_schedule=step", "--lr_decay_epochs=5,2"], "strictly increasing"),
         (["--lr_schedule=warmup"], "needs warmup_epochs > 0"),
@@ -276,6 +283,26 @@ class TrainerRunTest(parameterized.TestCase):
         self.assertEqual(at_stop["steps"], 10)
         self.assertLen(summary["history"], 1)
 
+    def test_a_run_gives_up_past_its_steps_and_stays_given_up_on_resume(self):
+        model_dir = self.create_tempdir().full_path
+        settings = dict(optimizer="sgd", epochs=3, eval_every_steps=5, give_up_steps=5,
+                        give_up_accuracy=1.0)
+        summary = self.run_trainer(model_dir, **settings)
+        # Evaluations at steps 5 and 10: the one at 10 is past 5 steps and none reached
+        # 1.0 by then, so training stops there (fit evaluates once more at the stop).
+        self.assertTrue(summary["gave_up"])
+        self.assertEqual((summary["steps"], summary["epochs"]), (10, 1))
+        self.assertEqual([p["steps"] for p in summary["evaluations"]], [5, 10, 10])
+        self.assertTrue(read_json(os.path.join(model_dir, runner.SUMMARY_FILE))["gave_up"])
+        resumed = self.run_trainer(model_dir, resume=True, **settings)
+        self.assertTrue(resumed["gave_up"])
+        self.assertEqual(resumed["steps"], 10)
+        # Without the give-up the same run trains its 3 epochs.
+        full = self.run_trainer(self.create_tempdir().full_path, optimizer="sgd", epochs=3,
+                                eval_every_steps=5)
+        self.assertFalse(full["gave_up"])
+        self.assertEqual(full["steps"], 60)
+
     def test_unreached_target_is_null(self):
         model_dir = self.create_tempdir().full_path
         summary = self.run_trainer(model_dir, optimizer="sgd", steps=10, target_accuracy=1.0)
@@ -351,6 +378,26 @@ class _FakeModel:
 
 class RecorderBookkeepingTest(absltest.TestCase):
     """Drives EpochRecorder through the callbacks Keras calls, without training."""
+
+    def test_giving_up_needs_an_evaluation_past_the_steps_and_none_reaching_by_them(self):
+        counters = reporting.RunCounters()
+        log = reporting.EvaluationLog(counters, give_up=(10, 0.9))
+
+        def evaluate(steps, accuracy):
+            counters.steps = steps
+            log.record({"val_accuracy": accuracy}, fresh_examples=0, epochs=0)
+            return log.gave_up
+
+        self.assertFalse(evaluate(5, 0.5))
+        self.assertFalse(evaluate(10, 0.5))  # not past the steps yet
+        self.assertTrue(evaluate(15, 0.95))  # reached, but after the steps
+        reached_in_time = reporting.RunCounters()
+        log = reporting.EvaluationLog(reached_in_time, give_up=(10, 0.9))
+        for steps, accuracy in ((10, 0.9), (15, 0.8)):
+            reached_in_time.steps = steps
+            log.record({"val_accuracy": accuracy}, fresh_examples=0, epochs=0)
+        self.assertFalse(log.gave_up)
+        self.assertFalse(reporting.EvaluationLog(counters).gave_up)  # no give_up given
 
     def test_first_crossing_is_recorded_with_totals_at_that_point(self):
         counters = reporting.RunCounters()

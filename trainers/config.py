@@ -63,7 +63,7 @@ RENAMED_FIELDS = {old: new for old, new in kfac_config.RENAMED.items() if new in
 # run takes the fields not given from the run's own settings.
 RESUME_MAY_CHANGE_FIELDS = (
     "steps", "epochs", "eval_every_steps", "noise_scale", "noise_scale_interval",
-    "target_accuracy", "stop_at_target",
+    "target_accuracy", "stop_at_target", "give_up_steps", "give_up_accuracy",
     "data_dir", "idx_dir", "model_dir", "verbose", "resume", "auto_resume", "phase_clocks",
     "preemption_grace_seconds", "distribution", "startup_timeout_seconds",
     # How the ranks communicate, not what they compute.
@@ -119,6 +119,10 @@ class _RunConfig:
     noise_scale_interval: int = 1
     target_accuracy: Optional[float] = None
     stop_at_target: bool = False
+    # A tuning trial that can no longer win stops: past give_up_steps steps without an
+    # evaluation at give_up_accuracy or above by then (reporting.EvaluationLog).
+    give_up_steps: Optional[int] = None
+    give_up_accuracy: Optional[float] = None
     model_dir: Optional[str] = None
     resume: bool = False
     auto_resume: bool = False
@@ -186,6 +190,7 @@ class _RunConfig:
             validation.share("target_accuracy", self.target_accuracy)
         if self.stop_at_target and self.target_accuracy is None:
             raise ValueError("stop_at_target needs a target_accuracy")
+        self._validate_give_up()
         if self.resume and not self.model_dir:
             raise ValueError("resume needs the model_dir of the run to continue")
         if self.auto_resume and not self.model_dir:
@@ -209,6 +214,20 @@ class _RunConfig:
         if self.mixup_alpha > 0 and models.is_autoencoder(self.model):
             raise ValueError(f"mixup mixes class labels; model={self.model} has none")
         validation.finite_number("read_latency", self.read_latency, 0, limits.MAX_READ_LATENCY)
+
+    def _validate_give_up(self):
+        if (self.give_up_steps is None) != (self.give_up_accuracy is None):
+            raise ValueError("give_up_steps and give_up_accuracy go together: pass both "
+                             f"(received give_up_steps={self.give_up_steps}, "
+                             f"give_up_accuracy={self.give_up_accuracy})")
+        if self.give_up_steps is None:
+            return
+        if models.is_autoencoder(self.model):
+            raise ValueError(
+                f"give_up_accuracy applies to classifiers ({', '.join(models.CLASSIFIERS)}),"
+                f" not to model={self.model}")
+        validation.positive_integer("give_up_steps", self.give_up_steps)
+        validation.share("give_up_accuracy", self.give_up_accuracy)
 
     def _validate_schedule(self):
         # Every float of the schedule is checked, used by this schedule or not.

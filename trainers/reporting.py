@@ -146,15 +146,30 @@ class RankAggregator:
 
 class EvaluationLog:
     """Every evaluation of a run, in `counters.evaluations` (the accuracy-vs-time curve),
-    and the first to reach `target_accuracy`, in `counters.to_target`."""
+    and the first to reach `target_accuracy`, in `counters.to_target`. With `give_up`
+    (steps, accuracy), whether the run has given up: an evaluation after `steps` steps
+    and none at `accuracy` or above by then, so a tuning trial that can no longer beat
+    the best one so far stops there."""
 
-    def __init__(self, counters, target_accuracy=None):
+    def __init__(self, counters, target_accuracy=None, give_up=None):
         self._counters = counters
         self._target_accuracy = target_accuracy
+        self._give_up = give_up
 
     @property
     def target_reached(self):
         return self._counters.to_target is not None
+
+    @property
+    def gave_up(self):
+        if self._give_up is None:
+            return False
+        steps, accuracy = self._give_up
+        evaluations = self._counters.evaluations
+        return (any(point["steps"] > steps for point in evaluations)
+                and not any(point["steps"] <= steps
+                            and point.get(EVAL_ACCURACY_KEY, -1.0) >= accuracy
+                            for point in evaluations))
 
     def record(self, metrics, fresh_examples, epochs):
         """Adds an evaluation at the counters' current totals; returns whether it is the
@@ -232,6 +247,7 @@ class EpochRecorder(keras.callbacks.Callback):
       eval_every_steps: evaluate every this many steps too (0: only at epoch ends).
       target_accuracy: eval accuracy whose first crossing is recorded, or None.
       stop_at_target: ends training once the target is reached.
+      give_up: (steps, accuracy): ends training once it has given up (`EvaluationLog`).
       steps_per_epoch: the run's steps per epoch; evaluation points are placed at
         `steps / steps_per_epoch` epochs (default: within each `fit` call's own steps).
       epoch_metrics: the model's metric variables (running sums and counts) saved
@@ -241,7 +257,8 @@ class EpochRecorder(keras.callbacks.Callback):
 
     def __init__(self, counters, communicator, scalars_fn, fresh_examples_fn, phase_fn,
                  evaluate_fn=None, eval_every_steps=0, target_accuracy=None,
-                 stop_at_target=False, steps_per_epoch=None, epoch_metrics=None):
+                 stop_at_target=False, give_up=None, steps_per_epoch=None,
+                 epoch_metrics=None):
         super().__init__()
         self.counters = counters
         self.epoch_metrics = None
@@ -249,7 +266,7 @@ class EpochRecorder(keras.callbacks.Callback):
         self._timer = StepTimer(phase_fn, counters.step_time, first_step=counters.steps)
         self._clock = TrainingClock(counters)
         self._ranks = RankAggregator(communicator)
-        self._evaluations = EvaluationLog(counters, target_accuracy)
+        self._evaluations = EvaluationLog(counters, target_accuracy, give_up)
         self._scalars_fn = scalars_fn
         self._fresh_examples_fn = fresh_examples_fn
         self._evaluate_fn = evaluate_fn
@@ -261,6 +278,10 @@ class EpochRecorder(keras.callbacks.Callback):
     @property
     def target_reached(self):
         return self._evaluations.target_reached
+
+    @property
+    def gave_up(self):
+        return self._evaluations.gave_up
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_steps = 0
@@ -328,7 +349,8 @@ class EpochRecorder(keras.callbacks.Callback):
         return self.counters.epochs + step_in_fit / self.params["steps"]
 
     def _record_evaluation(self, metrics, fresh_examples, epochs):
-        if self._evaluations.record(metrics, fresh_examples, epochs) and self._stop_at_target:
+        reached = self._evaluations.record(metrics, fresh_examples, epochs)
+        if (reached and self._stop_at_target) or self._evaluations.gave_up:
             self.model.stop_training = True
 
 

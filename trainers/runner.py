@@ -368,6 +368,7 @@ class Trainer:
             eval_every_steps=config.eval_every_steps,
             target_accuracy=config.target_accuracy,
             stop_at_target=config.stop_at_target,
+            give_up=self._give_up(),
             steps_per_epoch=steps_per_epoch, epoch_metrics=self._epoch_metrics)
         callbacks = [recorder] + self._evaluation_callbacks  # evaluated with the clock stopped
         if self.chief:
@@ -383,7 +384,7 @@ class Trainer:
             logging.warning("the run in %s has trained the %d steps asked already; nothing "
                             "left to train", self.model_dir, self.total_steps)
         while self.counters.steps < self.total_steps:
-            if config.stop_at_target and recorder.target_reached:
+            if (config.stop_at_target and recorder.target_reached) or recorder.gave_up:
                 break
             epoch, done_in_epoch = divmod(self.counters.steps, steps_per_epoch)
             before = self.counters.steps
@@ -417,6 +418,12 @@ class Trainer:
                                  self._store.space_advice)
             _print_summary(summary)
         return summary
+
+    def _give_up(self):
+        """The (steps, accuracy) a run stops without (`reporting.EvaluationLog`), or None."""
+        config = self.config
+        return (None if config.give_up_steps is None
+                else (config.give_up_steps, config.give_up_accuracy))
 
     def _stop_if_preempted(self, agreed_only=False):
         """Raises `preemption.Preempted` on every rank if any was signalled (a collective
@@ -473,6 +480,7 @@ class Trainer:
             "fresh_examples": counters.fresh_examples,
             "target_accuracy": config.target_accuracy,
             "to_target": counters.to_target,
+            "gave_up": reporting.EvaluationLog(counters, give_up=self._give_up()).gave_up,
             "mean_step_time_s": counters.mean_step_time_s(),
             # Steps whose update was not applied: a loss-scale overflow (mixed_float16)
             # or K-FAC's non-finite-gradient guard. Applied updates are what the
@@ -596,6 +604,10 @@ def _print_summary(summary):
         print(f"target accuracy {summary['target_accuracy']}: " + (
             f"reached after {reached['time_s']:.1f} s, {reached['steps']} steps, "
             f"{reached['fresh_examples']} fresh examples" if reached else "not reached"))
+    if summary["gave_up"]:
+        config = summary["config"]
+        print(f"gave up: no evaluation reached {config['give_up_accuracy']} by step "
+              f"{config['give_up_steps']}")
     if summary["skipped_steps"]:
         print(f"{summary['skipped_steps']} of {summary['steps']} steps skipped their update "
               "(loss-scale overflow or non-finite gradients)")

@@ -131,6 +131,12 @@ flags.DEFINE_float("target_accuracy", None,
                    "fresh examples).")
 flags.DEFINE_bool("stop_at_target", _DEFAULTS.stop_at_target,
                   "Stop after the epoch that reaches --target_accuracy.")
+flags.DEFINE_integer("give_up_steps", None,
+                     "With --give_up_accuracy: stop at the first evaluation after this many "
+                     "steps unless one at or before them reached --give_up_accuracy (a "
+                     "tuning trial that can no longer win).")
+flags.DEFINE_float("give_up_accuracy", None,
+                   "The eval accuracy --give_up_steps asks for.")
 flags.DEFINE_string("model_dir", None, "Where logs and checkpoints go (default: a new "
                     "runs/<model>-<optimizer>-<time> directory).")
 flags.DEFINE_bool("resume", _DEFAULTS.resume,
