@@ -480,7 +480,10 @@ def report(cells, noise):
             "kl_clip": "scaled with the learning rate's square from the batch-128 pick",
             "kfac_batch_settings": list(KFAC_BATCH_SETTINGS),
             "selection": f"fewest steps to {PRIMARY_TARGET}; then best accuracy",
-            "stop": f"each trial stops at the top target {max(TARGETS)}",
+            "stop": f"each trial stops at the top target {max(TARGETS)}; tuning trials "
+                    "run from the grid's centre outward, each giving up at its first "
+                    f"evaluation past the fewest steps to {PRIMARY_TARGET} so far unless "
+                    "it reached it by then",
             "critical_batch": f"the largest measured B whose step to the next grid batch rB "
                               f"cuts the median steps by >= {CUT_PER_DOUBLING}^log2(r)",
             "noise_scale": f"B_simple per epoch of one run at batch {NOISE_BATCH}, the "
