@@ -216,18 +216,18 @@ class _RunConfig:
         validation.finite_number("read_latency", self.read_latency, 0, limits.MAX_READ_LATENCY)
 
     def _validate_give_up(self):
+        if self.give_up_steps is not None:
+            validation.positive_integer("give_up_steps", self.give_up_steps)
+        if self.give_up_accuracy is not None:
+            validation.share("give_up_accuracy", self.give_up_accuracy)
         if (self.give_up_steps is None) != (self.give_up_accuracy is None):
             raise ValueError("give_up_steps and give_up_accuracy go together: pass both "
                              f"(received give_up_steps={self.give_up_steps}, "
                              f"give_up_accuracy={self.give_up_accuracy})")
-        if self.give_up_steps is None:
-            return
-        if models.is_autoencoder(self.model):
+        if self.give_up_steps is not None and models.is_autoencoder(self.model):
             raise ValueError(
                 f"give_up_accuracy applies to classifiers ({', '.join(models.CLASSIFIERS)}),"
                 f" not to model={self.model}")
-        validation.positive_integer("give_up_steps", self.give_up_steps)
-        validation.share("give_up_accuracy", self.give_up_accuracy)
 
     def _validate_schedule(self):
         # Every float of the schedule is checked, used by this schedule or not.
