@@ -236,9 +236,8 @@ def diverged_record(learning_rate, seed, message):
             "message": message}
 
 
-def read_trial(entry, batch, learning_rate, seed, give_up_steps=None):
-    """The record of a finished (or diverged) trial in the work dir, else None (whatever
-    step it gave up at, `give_up_steps`, which `run_trial` takes)."""
+def read_trial(entry, batch, learning_rate, seed):
+    """The record of a finished (or diverged) trial in the work dir, else None."""
     name = trial_name(entry, batch, learning_rate, seed)
     marker = os.path.join(FLAGS.work_dir, name, DIVERGED_FILE)
     if os.path.exists(marker):
@@ -534,7 +533,9 @@ def collect():
     cells = {}
     for entry in ENTRIES:
         for batch in BATCHES:
-            found = cell(entry, batch, functools.partial(read_trial, entry, batch))
+            # A finished trial reads back whatever step it gave up at.
+            found = cell(entry, batch, lambda learning_rate, seed, _: read_trial(
+                entry, batch, learning_rate, seed))
             if found["trials"]:
                 cells.setdefault(entry, {})[batch] = found
     noise = {entry: noise_scale(entry, cells, run=False) for entry in cells}

@@ -183,10 +183,7 @@ class _RunConfig:
                 f"{', '.join(m for m in ECHO_MODES if m != 'none')}")
         self._validate_augmentation()
         if self.target_accuracy is not None:
-            if models.is_autoencoder(self.model):
-                raise ValueError(
-                    f"target_accuracy applies to classifiers ({', '.join(models.CLASSIFIERS)}),"
-                    f" not to model={self.model}")
+            self._refuse_accuracy_without_classes("target_accuracy")
             validation.share("target_accuracy", self.target_accuracy)
         if self.stop_at_target and self.target_accuracy is None:
             raise ValueError("stop_at_target needs a target_accuracy")
@@ -224,10 +221,14 @@ class _RunConfig:
             raise ValueError("give_up_steps and give_up_accuracy go together: pass both "
                              f"(received give_up_steps={self.give_up_steps}, "
                              f"give_up_accuracy={self.give_up_accuracy})")
-        if self.give_up_steps is not None and models.is_autoencoder(self.model):
-            raise ValueError(
-                f"give_up_accuracy applies to classifiers ({', '.join(models.CLASSIFIERS)}),"
-                f" not to model={self.model}")
+        if self.give_up_steps is not None:
+            self._refuse_accuracy_without_classes("give_up_accuracy")
+
+    def _refuse_accuracy_without_classes(self, name):
+        """An accuracy setting `name` on a model that has no classes to be accurate on."""
+        if models.is_autoencoder(self.model):
+            raise ValueError(f"{name} applies to classifiers "
+                             f"({', '.join(models.CLASSIFIERS)}), not to model={self.model}")
 
     def _validate_schedule(self):
         # Every float of the schedule is checked, used by this schedule or not.
