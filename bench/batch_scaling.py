@@ -54,7 +54,9 @@ none when even the first step does not (it lies below the smallest batch), and a
 the last B but one when the last step still scales (the grid cannot see further). A step
 to a batch where the target was not reached within the budget is judged on the bound
 (the cut is less than steps(B) / the budget's steps): it fails when the bound is below
-the threshold, and is undetermined otherwise.
+the threshold, and is undetermined otherwise. Beside it, McCandlish et al.'s curve
+S(B) = S_min (1 + B_crit / B) fitted to the batches that reached the target (least
+squares in 1/B): its B_crit is what the gradient noise scale B_simple predicts.
 
 Runs live in `--work_dir`: each trial's summary.json is written when it finishes, a
 restarted run skips finished trials (and diverged ones, marked DIVERGED_FILE) and resumes
@@ -396,7 +398,8 @@ def scaling_steps(cells, target):
 
 def critical_batch(cells, target):
     """The critical batch size at `target` (module docstring) from an entry's complete
-    cells {batch: cell}: the batch, whether it is a lower bound, and the steps judged."""
+    cells {batch: cell}: the batch, whether it is a lower bound, and the steps judged;
+    with McCandlish et al.'s fit beside it."""
     steps = scaling_steps(cells, target)
     scaling = [step["from"] for step in steps if step["scales"]]
     batch = max(scaling, default=None)
@@ -404,7 +407,29 @@ def critical_batch(cells, target):
             "at_least": bool(steps) and steps[-1]["scales"] is True,
             "below_smallest": bool(steps) and batch is None and steps[0]["scales"] is False,
             "undetermined": [step["from"] for step in steps if step["scales"] is None],
-            "steps": steps}
+            "steps": steps, "fitted": fitted_critical_batch(cells, target)}
+
+
+def fitted_critical_batch(cells, target):
+    """McCandlish et al.'s S(B) = S_min (1 + B_crit / B) fitted by least squares in 1/B to
+    the median steps to `target` of the batches that reached it: the critical batch in
+    the units of the noise scale B_simple, which predicts it. None with fewer than two
+    such batches, or where the steps do not fall as that curve can (S_min or B_crit not
+    positive)."""
+    points = [(1 / batch, cell["to_target"][str(target)]["median_steps"])
+              for batch, cell in sorted(cells.items())
+              if cell["to_target"][str(target)]["median_steps"] is not None]
+    if len(points) < 2:
+        return None
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_s = statistics.fmean(s for _, s in points)
+    slope = (sum((x - mean_x) * (s - mean_s) for x, s in points)
+             / sum((x - mean_x) ** 2 for x, _ in points))
+    min_steps = mean_s - slope * mean_x
+    if min_steps <= 0 or slope <= 0:
+        return None
+    return {"min_steps": min_steps, "critical_batch": slope / min_steps,
+            "batches": [round(1 / x) for x, _ in points]}
 
 
 def best_first_order(entries, batch, target):
@@ -484,7 +509,9 @@ def report(cells, noise):
                     f"evaluation past the fewest steps to {PRIMARY_TARGET} so far unless "
                     "it reached it by then",
             "critical_batch": f"the largest measured B whose step to the next grid batch rB "
-                              f"cuts the median steps by >= {CUT_PER_DOUBLING}^log2(r)",
+                              f"cuts the median steps by >= {CUT_PER_DOUBLING}^log2(r); "
+                              "fitted: S(B) = S_min (1 + B_crit / B) by least squares in "
+                              "1/B (McCandlish et al.: B_crit = E_min / S_min)",
             "noise_scale": f"B_simple per epoch of one run at batch {NOISE_BATCH}, the "
                            f"chosen point, seed {SEEDS[0]}, measured every {NOISE_INTERVAL} "
                            "steps from the batch's halves"},

@@ -15,6 +15,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # bench/ as its scripts see it (they import their neighbours by name).
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
 
+import numpy  # noqa: E402
 from absl.testing import absltest, flagsaver  # noqa: E402
 
 import batch_scaling  # noqa: E402
@@ -201,6 +202,27 @@ class CriticalBatchTest(absltest.TestCase):
         result = batch_scaling.critical_batch(cells, 0.9)
         self.assertIsNone(result["critical_batch"])
         self.assertTrue(result["below_smallest"])
+
+    def test_mccandlishs_curve_fitted_in_one_over_the_batch(self):
+        # S(B) = 300 (1 + 600 / B) exactly at three batches; 8192 not reached.
+        cells = {batch: measured(300 * (1 + 600 / batch)) for batch in (128, 512, 2048)}
+        cells[8192] = measured(None)
+        fitted = batch_scaling.critical_batch(cells, 0.9)["fitted"]
+        self.assertAlmostEqual(fitted["min_steps"], 300)
+        self.assertAlmostEqual(fitted["critical_batch"], 600)
+        self.assertEqual(fitted["batches"], [128, 512, 2048])
+        # A least-squares fit: numpy's line through (1/B, S) with noise added.
+        steps = {128: 1800.0, 512: 600.0, 2048: 420.0, 8192: 300.0}
+        slope, intercept = numpy.polyfit([1 / b for b in steps], list(steps.values()), 1)
+        fitted = batch_scaling.critical_batch(
+            {batch: measured(s) for batch, s in steps.items()}, 0.9)["fitted"]
+        self.assertAlmostEqual(fitted["min_steps"], intercept)
+        self.assertAlmostEqual(fitted["critical_batch"], slope / intercept)
+
+    def test_no_fit_from_one_batch_or_steps_that_rise(self):
+        self.assertIsNone(batch_scaling.critical_batch({128: measured(400)}, 0.9)["fitted"])
+        rising = {128: measured(400), 512: measured(500)}
+        self.assertIsNone(batch_scaling.critical_batch(rising, 0.9)["fitted"])
 
     def test_an_unreached_target_judged_on_its_bound(self):
         # 1000 / more than 2000 steps: below 0.5x, fails; 10000 / more than 2000 is
