@@ -522,7 +522,8 @@ def report(cells, noise):
 # ------------------------------------------------------------------------ the plot
 def plot(document):
     """Steps to each target against batch size, log-log, with each entry's perfect
-    scaling (steps ∝ 1/B from its smallest batch) dotted."""
+    scaling (steps ∝ 1/B from its smallest batch) dotted and McCandlish et al.'s fitted
+    curve dashed."""
     figure, axes = harness.subplots(1, len(TARGETS), figsize=(6 * len(TARGETS), 5),
                                     squeeze=False)
     for axis, target in zip(axes[0], TARGETS):
@@ -538,6 +539,13 @@ def plot(document):
                 ends = [first_batch, max(b for b, _ in points)]
                 axis.plot(ends, [first_steps * first_batch / b for b in ends], ":",
                           color=f"C{color}", linewidth=0.8)
+            fitted = result["critical_batch"][str(target)]["fitted"]
+            if fitted:
+                low, high = (math.log2(b) for b in (min(fitted["batches"]), ends[1]))
+                batches = [2 ** (low + (high - low) * i / 32) for i in range(33)]
+                axis.plot(batches, [fitted["min_steps"] * (1 + fitted["critical_batch"] / b)
+                                    for b in batches], "--", color=f"C{color}",
+                          linewidth=0.8)
             if above:
                 axis.plot(*zip(*above), "^", color=f"C{color}", fillstyle="none",
                           label=None if reached else f"{entry} (not reached)")
@@ -546,8 +554,8 @@ def plot(document):
         axis.set_xlabel("batch size")
         axis.set_ylabel(f"steps to test accuracy {target} (median of {len(SEEDS)} seeds)")
         axis.set_title(f"{document['model']} on Fashion-MNIST, target {target}\n"
-                       "dotted: perfect scaling; open triangles: not reached within the "
-                       "budget", fontsize=9)
+                       "dotted: perfect scaling; dashed: S_min (1 + B_crit / B) fitted\n"
+                       "open triangles: not reached within the budget", fontsize=9)
         if axis.get_legend_handles_labels()[0]:  # none before a cell is complete
             axis.legend(fontsize=8)
     return figure
