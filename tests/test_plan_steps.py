@@ -13,7 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl.testing import absltest  # noqa: E402
 
-from trainers.planning import measured_steps  # noqa: E402
+from trainers.planning import measured_steps, report  # noqa: E402
 from plan_testing import run_plan, temporary_path  # noqa: E402
 
 # Median steps to 0.9 (None: not reached within the budget) per entry and batch.
@@ -115,9 +115,14 @@ class PlannerTest(absltest.TestCase):
                             f" ({entry['best']})"))
         self.assertLen(results, 4)
         seconds, workers, name, configuration = min(options)
-        self.assertIn(f"fastest to target: {name} on {workers} workers, {seconds:.0f} s"
-                      f"{configuration}\n", out)
+        self.assertIn(f"fastest to target: {name} on {workers} workers, "
+                      f"{report._seconds(seconds)} s{configuration}\n", out)
         self.assertIn("Steps to target: measured to test accuracy 0.9", out)
+
+    def test_times_to_target_keep_three_digits_below_100_seconds(self):
+        # A small model on a GPU reaches its target in a fraction of a second.
+        self.assertEqual([report._seconds(s) for s in (0.02134, 12.34, 99.94, 1234.4)],
+                         ["0.0213", "12.3", "99.9", "1234"])
 
     def test_beyond_the_largest_measured_batch_is_one_line_refusal(self):
         code, _, err, _ = self.plan("--workers=1,128")

@@ -60,14 +60,20 @@ def table(setting, results, bound, needs, device):
         if "sgd_time_to_target_s" in entry:
             hours = _worker_hours(device)
             lines.append(f"  to target: SGD {entry['sgd_steps_to_target']:.0f} steps, "
-                         f"{entry['sgd_time_to_target_s']:.0f} s, "
+                         f"{_seconds(entry['sgd_time_to_target_s'])} s, "
                          f"{entry['sgd_gpu_hours']:.3g} {hours}; K-FAC fastest "
                          f"{entry['kfac_steps_to_target']:.0f} steps, "
-                         f"{entry['kfac_time_to_target_s']:.0f} s, "
+                         f"{_seconds(entry['kfac_time_to_target_s'])} s, "
                          f"{entry['kfac_gpu_hours']:.3g} {hours}")
     lines += ["", memory_text(needs, device), "",
               recommendation(results, needs, device), bound_text(bound)]
     return "\n".join(lines)
+
+
+def _seconds(seconds):
+    """Whole seconds, but three digits below 100 s (a small model's time to target on a
+    GPU is a fraction of a second)."""
+    return f"{seconds:.0f}" if seconds >= 100 else f"{seconds:.3g}"
 
 
 def _worker_hours(device):
@@ -137,7 +143,7 @@ def recommendation(results, needs, device):
         workers, name, seconds = fastest
         configuration = next(entry["best"] for entry in results if entry["workers"] == workers)
         lines.append(f"  fastest to target: {_optimizer(name)} on {workers} workers, "
-                     f"{seconds:.0f} s" + (f" ({configuration.label()})" if name == "kfac"
+                     f"{_seconds(seconds)} s" + (f" ({configuration.label()})" if name == "kfac"
                                            else ""))
         workers, name, hours = recommend.best_to_target(results, "gpu_hours")
         lines.append(f"  cheapest to target: {_optimizer(name)} on {workers} workers, "
