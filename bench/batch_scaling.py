@@ -421,11 +421,7 @@ def fitted_critical_batch(cells, target):
               if cell["to_target"][str(target)]["median_steps"] is not None]
     if len(points) < 2:
         return None
-    mean_x = statistics.fmean(x for x, _ in points)
-    mean_s = statistics.fmean(s for _, s in points)
-    slope = (sum((x - mean_x) * (s - mean_s) for x, s in points)
-             / sum((x - mean_x) ** 2 for x, _ in points))
-    min_steps = mean_s - slope * mean_x
+    slope, min_steps = statistics.linear_regression(*zip(*points))
     if min_steps <= 0 or slope <= 0:
         return None
     return {"min_steps": min_steps, "critical_batch": slope / min_steps,

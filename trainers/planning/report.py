@@ -143,8 +143,8 @@ def recommendation(results, needs, device):
         workers, name, seconds = fastest
         configuration = next(entry["best"] for entry in results if entry["workers"] == workers)
         lines.append(f"  fastest to target: {_optimizer(name)} on {workers} workers, "
-                     f"{_seconds(seconds)} s" + (f" ({configuration.label()})" if name == "kfac"
-                                           else ""))
+                     f"{_seconds(seconds)} s"
+                     + (f" ({configuration.label()})" if name == "kfac" else ""))
         workers, name, hours = recommend.best_to_target(results, "gpu_hours")
         lines.append(f"  cheapest to target: {_optimizer(name)} on {workers} workers, "
                      f"{hours:.3g} {_worker_hours(device)} (steps x step time x workers)")
