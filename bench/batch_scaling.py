@@ -44,7 +44,12 @@ process (a global batch is what data-parallel workers would share):
   size) per epoch, from one more run of each entry at batch 128 and its chosen point
   (NOISE_BATCH; plain, and for K-FAC also preconditioned).
 - Steps are the primary measure: they do not depend on the machine's load. Wall time is
-  secondary: the machine's 2 cores are shared with other work.
+  secondary, and not the trials' own clocks: those ran hours or sessions apart, on
+  machines that differ (2.4x between two of them) and shared with other work. After a
+  batch size's cells, every chosen point trains RETIME_REPEATS interleaved blocks in one
+  process (`retime`, bench/timed_steps.py); an entry's time to a target is its first
+  steps' time (tracing included) plus the rest of its median steps at its median block
+  step time.
 
 Critical batch size, defined before measuring: on our grid (each batch 4x the last) a
 step from B to rB "still scales" when it cuts the median steps to the target by at least
@@ -75,17 +80,20 @@ it can be stopped and restarted at any time:
   .venv/bin/python bench/batch_scaling.py --work_dir=/work/bs_cnn --collect
 """
 
+import datetime
 import functools
 import json
 import math
 import os
 import statistics
+import tempfile
 
 from absl import flags
 
 import harness
+import timed_steps
 import trials
-from trainers import errors
+from trainers import config as config_lib, errors
 
 FLAGS = flags.FLAGS
 MODEL = "cnn"
@@ -101,18 +109,25 @@ TRAIN_EXAMPLES = 60000
 # Per batch size: the budget in epochs, the evaluation interval in steps (fine enough
 # that a step count to a target of the order expected is resolved to about 10%: batch
 # 128's K-FAC needed 600 and 1000 steps to 0.89 and 0.90, SGD 1400 and 1872), and
-# K-FAC's refresh intervals and share of each batch its factor statistics see.
+# K-FAC's refresh intervals and share of each batch its factor statistics see; the
+# steps of a timed block (`retime`), a multiple of the decomposition interval so that
+# every block holds K-FAC's kinds of step at their proportions in training.
 BATCHES = {
     128: dict(epochs=10, eval_every_steps=50, factor_update_freq=10,
-              decomposition_update_freq=100, factor_batch_fraction=1.0),
+              decomposition_update_freq=100, factor_batch_fraction=1.0,
+              timing_block_steps=100),
     512: dict(epochs=12, eval_every_steps=20, factor_update_freq=2,
-              decomposition_update_freq=20, factor_batch_fraction=1.0),
+              decomposition_update_freq=20, factor_batch_fraction=1.0,
+              timing_block_steps=20),
     2048: dict(epochs=16, eval_every_steps=8, factor_update_freq=1,
-               decomposition_update_freq=5, factor_batch_fraction=1.0),
+               decomposition_update_freq=5, factor_batch_fraction=1.0,
+               timing_block_steps=10),
     8192: dict(epochs=32, eval_every_steps=4, factor_update_freq=1,
-               decomposition_update_freq=2, factor_batch_fraction=0.25),
+               decomposition_update_freq=2, factor_batch_fraction=0.25,
+               timing_block_steps=4),
     16384: dict(epochs=48, eval_every_steps=2, factor_update_freq=1,
-                decomposition_update_freq=1, factor_batch_fraction=0.125),
+                decomposition_update_freq=1, factor_batch_fraction=0.125,
+                timing_block_steps=2),
 }
 KFAC_BATCH_SETTINGS = ("factor_update_freq", "decomposition_update_freq",
                        "factor_batch_fraction")
@@ -155,6 +170,10 @@ DIVERGED_FILE = "diverged.json"
 # preconditioned metric. A separate run, so that the trials' times carry no measuring.
 NOISE_BATCH, NOISE_INTERVAL = SMALLEST_BATCH, 5
 NOISE_KEYS = ("noise_scale", "preconditioned_noise_scale")
+# Times to target side by side (`retime`): per batch size, the chosen points' steps timed
+# in RETIME_REPEATS interleaved blocks in one process, from RETIME_CACHED_BATCHES batches
+# cycled in memory (the input pipeline, the same for all, is not timed).
+RETIME_REPEATS, RETIME_CACHED_BATCHES = 5, 4
 
 flags.DEFINE_list("batch_sizes", ["128", "2048", "512", "8192"],
                   f"Batch sizes to run, in this order, among {', '.join(map(str, BATCHES))}.")
@@ -168,6 +187,10 @@ flags.DEFINE_bool("collect", False,
 flags.DEFINE_bool("noise_scale", True,
                   f"After the batch-{NOISE_BATCH} cells, measure each entry's gradient noise "
                   "scale there at its chosen point (one run each).")
+flags.DEFINE_bool("retime", True,
+                  "After each batch size's cells, time their chosen points' training steps "
+                  "side by side (interleaved blocks in one process): the report's times "
+                  "to target.")
 flags.DEFINE_string("work_dir", "/tmp/tfkfac_batch_scaling",
                     "Where the trials' runs (summaries, checkpoints) go.")
 
@@ -373,6 +396,67 @@ def noise_scale(entry, cells, run):
     return None if summary is None else noise_record(summary, learning_rate)
 
 
+def retime_path(batch):
+    return os.path.join(FLAGS.work_dir, f"retime-batch{batch}.json")
+
+
+def read_retime(batch):
+    """The retime run of `batch` in the work dir, else None."""
+    if not os.path.exists(retime_path(batch)):
+        return None
+    with open(retime_path(batch), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def retime(batch, cells):
+    """The chosen points of every complete cell at `batch` (of `cells`, {entry: {batch:
+    cell}}) trained side by side in one process, RETIME_REPEATS interleaved blocks each,
+    so that their times to target compare on one machine at one time; the trials' own
+    clocks ran hours or sessions apart, on machines that differ (2.4x between two of
+    them). Kept in the work dir; run again when the complete cells there are others."""
+    chosen = {entry: by_batch[batch]["chosen"] for entry, by_batch in cells.items()
+              if batch in by_batch and by_batch[batch]["complete"]}
+    done = read_retime(batch)
+    if not chosen or (done is not None and set(done["entries"]) == set(chosen)):
+        return done
+    block_steps = BATCHES[batch]["timing_block_steps"]
+    print(f"--- retiming batch {batch}: {', '.join(chosen)}", flush=True)
+    with tempfile.TemporaryDirectory() as model_dir:
+        timed = {entry: timed_steps.Timed(config_lib.TrainConfig(
+            model_dir=os.path.join(model_dir, entry), verbose=0,
+            **trial_settings(entry, batch, point["learning_rate"], SEEDS[0])),
+            RETIME_CACHED_BATCHES, block_steps) for entry, point in chosen.items()}
+        for entry in timed.values():
+            entry.warm_up()
+        samples = harness.interleave({name: entry.block for name, entry in timed.items()},
+                                     RETIME_REPEATS)
+    result = {"batch": batch, "block_steps": block_steps, "repeats": RETIME_REPEATS,
+              "machine": harness.machine(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds"),
+              "entries": {name: {"chosen": chosen[name], "start_steps": entry.warm_up_steps,
+                                 "start_s": entry.warm_up_s,
+                                 "blocks_step_s": harness.by_figure(samples[name])["wall"]}
+                          for name, entry in timed.items()}}
+    with open(retime_path(batch), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    return read_retime(batch)
+
+
+def retimed(cell, timing):
+    """A complete `cell`'s times to target from its entry's `timing` in a retime run: its
+    start (the first steps, tracing included) and the rest of its median steps at the
+    median step time of its blocks."""
+    step_s = statistics.median(timing["blocks_step_s"])
+    times = {}
+    for target, reached in cell["to_target"].items():
+        steps = reached["median_steps"]
+        times[target] = (None if steps is None else
+                         timing["start_s"] + (steps - timing["start_steps"]) * step_s)
+    return {"start_s": timing["start_s"], "start_steps": timing["start_steps"],
+            "step_s": harness.spread(timing["blocks_step_s"]), "time_s_to_target": times}
+
+
 # ---------------------------------------------------------------------- the analysis
 def scaling_steps(cells, target):
     """Per step between consecutive measured batches: the cut in median steps to
@@ -452,8 +536,13 @@ def over_best_first_order(entries, entry):
                 continue
             best = best_first_order(entries, batch, target)
             if best is not None:
-                theirs = entries[best]["batches"][batch]["to_target"][str(target)]
-                ratio = {"steps": mine / theirs["median_steps"], "baseline": best}
+                theirs = entries[best]["batches"][batch]
+                ratio = {"steps": mine / theirs["to_target"][str(target)]["median_steps"],
+                         "baseline": best}
+                times = [cell.get("retimed", {}).get("time_s_to_target", {}).get(str(target))
+                         for cell in (result, theirs)]
+                if all(times):
+                    ratio["time"] = times[0] / times[1]
             else:
                 bounds = [r["batches"][batch]["to_target"][str(target)]["steps_above"]
                           for name, r in entries.items() if name in FIRST_ORDER
@@ -511,6 +600,11 @@ def report(cells, noise):
             "noise_scale": f"B_simple per epoch of one run at batch {NOISE_BATCH}, the "
                            f"chosen point, seed {SEEDS[0]}, measured every {NOISE_INTERVAL} "
                            "steps from the batch's halves"},
+            "retimed": f"per batch size, every complete cell's chosen point trained side by "
+                       f"side in one process, {RETIME_REPEATS} interleaved blocks of "
+                       "timing_block_steps steps each from cached batches; time to a "
+                       "target = the first steps' time (tracing included) + the rest of "
+                       "the median steps x the median block step time",
         "entries": entries,
     }
 
@@ -569,6 +663,11 @@ def collect():
                 entry, batch, learning_rate, seed))
             if found["trials"]:
                 cells.setdefault(entry, {})[batch] = found
+    for batch in BATCHES:
+        for entry, timing in (read_retime(batch) or {"entries": {}})["entries"].items():
+            found = cells.get(entry, {}).get(batch)
+            if found and found["complete"] and found["chosen"] == timing["chosen"]:
+                found["retimed"] = retimed(found, timing)
     noise = {entry: noise_scale(entry, cells, run=False) for entry in cells}
     harness.write(report(cells, noise), "batch_scaling", plot)
     return cells
@@ -607,6 +706,9 @@ def main():
         if FLAGS.noise_scale and batch == NOISE_BATCH:
             for entry in FLAGS.entries:
                 noise_scale(entry, cells, run=True)
+            cells = collect()
+        if FLAGS.retime:
+            retime(batch, cells)
             collect()
 
 

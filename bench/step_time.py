@@ -67,7 +67,8 @@ import time
 from absl import flags
 
 import harness
-from trainers import config as config_lib, models, reporting, runner
+import timed_steps
+from trainers import config as config_lib, models
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "cnn", "resnet20"], "Models to time.")
@@ -131,8 +132,7 @@ CONFIGURATIONS = {
                                    weight_sharing="reduce"),
 }
 
-# An update interval longer than any timing run: the phase runs at the first step only.
-FIRST_STEP_ONLY = 1_000_000
+FIRST_STEP_ONLY = timed_steps.FIRST_STEP_ONLY
 # --compare=weight_sharing: factors every step, decompositions once (at the first step,
 # in the warm-up), so every timed step is a factor step and nothing else differs.
 WEIGHT_SHARING_CONFIGURATIONS = {
@@ -157,77 +157,26 @@ STALE_CONFIGURATIONS = {
 }
 
 
-class Timed:
-    """One configuration's trainer, its cached batches and its step timer."""
+def timed_configuration(name, model, model_dir, configurations=None):
+    """`timed_steps.Timed` of configuration `name` (of CONFIGURATIONS by default) on
+    `model` at --batch_size, with its block of this script's flags."""
+    config = config_lib.TrainConfig(model=model, batch_size=FLAGS.batch_size,
+                                    model_dir=model_dir, verbose=0,
+                                    **(configurations or CONFIGURATIONS)[name])
+    every_step = config.optimizer == "kfac" and config.decomposition_update_freq == 1
+    return timed_steps.Timed(config, FLAGS.cached_batches,
+                             FLAGS.every_step_block_steps if every_step
+                             else FLAGS.amortized_block_steps)
 
-    def __init__(self, name, model, model_dir, configurations=None):
-        config = config_lib.TrainConfig(model=model, batch_size=FLAGS.batch_size,
-                                        model_dir=model_dir, verbose=0,
-                                        **(configurations or CONFIGURATIONS)[name])
-        self.config = config
-        self.trainer = runner.Trainer(config)
-        batches = self.trainer.data.train(epoch=0).take(FLAGS.cached_batches).cache()
-        for _ in batches:  # fill the cache now, outside any timing
-            pass
-        self._batches = batches.repeat()
-        self.totals = {}
-        self.timer = reporting.StepTimer(runner.phase_fn(self.trainer.optimizer), self.totals)
-        every_step = config.optimizer == "kfac" and config.decomposition_update_freq == 1
-        self.block_steps = (FLAGS.every_step_block_steps if every_step
-                            else FLAGS.amortized_block_steps)
-        self._kfac_start = None
 
-    def run(self, steps):
-        self.trainer.model.fit(self._batches, steps_per_epoch=steps, epochs=1, verbose=0,
-                               callbacks=[self.timer])
-
-    def block(self, steps):
-        """Runs `steps` steps; returns their mean seconds (the steps the timer counts),
-        wall time ("wall") and this process's CPU time ("cpu", all its threads)."""
-        count, seconds = self._counted()
-        cpu = time.process_time()
-        self.run(steps)
-        cpu = time.process_time() - cpu
-        end_count, end_seconds = self._counted()
-        return {"wall": (end_seconds - seconds) / (end_count - count), "cpu": cpu / steps}
-
-    def factor_block(self):
-        """A block of --weight_sharing_block_steps steps: factor-phase seconds (K-FAC's
-        clock) per factor update, and the mean step."""
-        seconds, updates = factor_clock(self.trainer.optimizer)
-        step_s = self.block(FLAGS.weight_sharing_block_steps)["wall"]
-        end_seconds, end_updates = factor_clock(self.trainer.optimizer)
-        return {"factor_s_per_update": (end_seconds - seconds) / (end_updates - updates),
-                "step_s": step_s}
-
-    def _counted(self):
-        return (sum(count for count, _ in self.totals.values()),
-                sum(seconds for _, seconds in self.totals.values()))
-
-    def warm_up(self):
-        """Runs every kind of step once (each traces), then starts the clocks afresh."""
-        if self.config.optimizer == "kfac" and self.config.factor_update_freq < FIRST_STEP_ONLY:
-            self.run(self.config.factor_update_freq + 1)
-        else:  # the first step (factors, decompositions) and a plain one
-            self.run(2)
-        self.totals.clear()
-        self._kfac_start = self._kfac_phase_seconds()
-
-    def _kfac_phase_seconds(self):
-        if self.config.optimizer != "kfac":
-            return {}
-        return self.trainer.optimizer.summary()["phase_seconds"]
-
-    def result(self):
-        steps = sum(count for count, _ in self.totals.values())
-        means = reporting.mean_step_times(self.totals)
-        result = {"timed_steps": steps, "mean_step_s": means.pop("all"),
-                  "mean_step_s_by_kind": means}
-        if self.config.optimizer == "kfac":
-            end = self._kfac_phase_seconds()
-            result["kfac_phase_s_per_step"] = {
-                phase: (end[phase] - self._kfac_start[phase]) / steps for phase in end}
-        return result
+def factor_block(entry):
+    """A block of --weight_sharing_block_steps steps of `entry` (a `timed_steps.Timed`):
+    factor-phase seconds (K-FAC's clock) per factor update, and the mean step."""
+    seconds, updates = factor_clock(entry.trainer.optimizer)
+    step_s = entry.block(FLAGS.weight_sharing_block_steps)["wall"]
+    end_seconds, end_updates = factor_clock(entry.trainer.optimizer)
+    return {"factor_s_per_update": (end_seconds - seconds) / (end_updates - updates),
+            "step_s": step_s}
 
 
 def time_model(model, configurations=None):
@@ -240,13 +189,14 @@ def time_model(model, configurations=None):
     time, which waiting for a core shared with other processes does not lengthen."""
     configurations = configurations or CONFIGURATIONS
     with tempfile.TemporaryDirectory() as model_dir:
-        timed = {name: Timed(name, model, os.path.join(model_dir, name), configurations)
+        timed = {name: timed_configuration(name, model, os.path.join(model_dir, name),
+                                           configurations)
                  for name in configurations}
         for entry in timed.values():
             entry.warm_up()
         started = time.time()
         samples = harness.interleave(
-            {name: lambda entry=entry: entry.block(entry.block_steps)
+            {name: entry.block
              for name, entry in timed.items()}, FLAGS.repeats)
         blocks = {name: harness.by_figure(samples[name]) for name in timed}
         results = {name: dict(entry.result(),
@@ -274,13 +224,14 @@ def factor_clock(optimizer):
 def time_weight_sharing(model):
     """Factor-phase seconds per factor update, reduce vs expand, in interleaved blocks."""
     with tempfile.TemporaryDirectory() as model_dir:
-        timed = {rule: Timed(rule, model, os.path.join(model_dir, rule),
-                             WEIGHT_SHARING_CONFIGURATIONS)
+        timed = {rule: timed_configuration(rule, model, os.path.join(model_dir, rule),
+                                           WEIGHT_SHARING_CONFIGURATIONS)
                  for rule in WEIGHT_SHARING_CONFIGURATIONS}
         for entry in timed.values():
             entry.warm_up()
         started = time.time()
-        samples = harness.interleave({rule: entry.factor_block for rule, entry in timed.items()},
+        samples = harness.interleave({rule: lambda entry=entry: factor_block(entry)
+                                      for rule, entry in timed.items()},
                                      FLAGS.repeats)
         results = {}
         for rule, entry in timed.items():

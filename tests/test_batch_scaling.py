@@ -268,9 +268,8 @@ def write_noise_summary(work_dir, entry, learning_rate, noise_scales):
         json.dump(summary, f)
 
 
-class WorkDirTest(absltest.TestCase):
-    """Finished and diverged trials are read back (a restart skips them), and `--collect`
-    writes the JSON from them."""
+class InWorkDir(absltest.TestCase):
+    """Each test with a work dir and an output dir of its own."""
 
     def setUp(self):
         super().setUp()
@@ -287,6 +286,11 @@ class WorkDirTest(absltest.TestCase):
             write_summary(self.work_dir, entry, batch, learning_rate, 0,
                           best_steps * (1 if learning_rate == best else 2))
         write_summary(self.work_dir, entry, batch, best, 1, best_steps + 100)
+
+
+class WorkDirTest(InWorkDir):
+    """Finished and diverged trials are read back (a restart skips them), and `--collect`
+    writes the JSON from them."""
 
     def test_finished_and_diverged_trials_are_skipped_on_a_restart(self):
         write_summary(self.work_dir, "sgd_nesterov", 128, 0.1, 0, 400)
@@ -390,6 +394,62 @@ class WorkDirTest(absltest.TestCase):
                          (0.9, {"sgd_nesterov": {128: 1050, 512: 550},
                                 "kfac_inverse": {128: 650, 512: 250}}))
 
+
+class RetimeTest(InWorkDir):
+    """Times to target from the chosen points trained side by side (`retime`): a real
+    run on the CNN, read back instead of run again, and the report's times from it."""
+
+    def test_the_chosen_points_train_interleaved_and_are_read_back(self):
+        cells = {"sgd_nesterov": {128: {"complete": True, "chosen": {"learning_rate": 0.1}}},
+                 "kfac_inverse": {128: {"complete": True, "chosen": batch_scaling.setting(
+                     "kfac_inverse", 0.05)}},
+                 "adamw": {128: {"complete": False, "trials": []}}}  # not timed
+        batches = dict(batch_scaling.BATCHES)
+        batches[128] = dict(batches[128], timing_block_steps=3)
+        with mock.patch.object(batch_scaling, "BATCHES", batches), \
+                mock.patch.object(batch_scaling, "RETIME_REPEATS", 2):
+            timing = batch_scaling.retime(128, cells)
+        self.assertEqual(set(timing["entries"]), {"sgd_nesterov", "kfac_inverse"})
+        self.assertEqual((timing["block_steps"], timing["repeats"]), (3, 2))
+        kfac, sgd = timing["entries"]["kfac_inverse"], timing["entries"]["sgd_nesterov"]
+        # K-FAC's first steps hold each kind of its steps: factors and decompositions,
+        # stale ones, a factor step (every 10).
+        self.assertEqual((kfac["start_steps"], sgd["start_steps"]), (11, 2))
+        for entry in (kfac, sgd):
+            self.assertLen(entry["blocks_step_s"], 2)
+            self.assertTrue(all(0 < step_s < entry["start_s"]
+                                for step_s in entry["blocks_step_s"]))
+        with open(batch_scaling.retime_path(128)) as f:
+            self.assertEqual(json.load(f), timing)
+        # The same complete cells: read back, nothing trains.
+        with mock.patch.object(batch_scaling.timed_steps, "Timed", None):
+            self.assertEqual(batch_scaling.retime(128, cells), timing)
+
+    def test_times_to_target_and_their_ratio_from_the_retime_run(self):
+        self.fill("sgd_nesterov", 128, best=0.1, best_steps=1000)
+        self.fill("kfac_inverse", 128, best=0.05, best_steps=600)
+        timing = {"entries": {
+            "sgd_nesterov": {"chosen": {"learning_rate": 0.1}, "start_steps": 2,
+                             "start_s": 3.0, "blocks_step_s": [0.05, 0.04, 0.06]},
+            "kfac_inverse": {"chosen": batch_scaling.setting("kfac_inverse", 0.05),
+                             "start_steps": 11, "start_s": 9.0,
+                             "blocks_step_s": [0.07, 0.06, 0.08, 0.09]}}}
+        with open(batch_scaling.retime_path(128), "w") as f:
+            json.dump(timing, f)
+        batch_scaling.collect()
+        with open(os.path.join(self.output_dir, "batch_scaling.json")) as f:
+            entries = json.load(f)["entries"]
+        sgd = entries["sgd_nesterov"]["batches"]["128"]["retimed"]
+        kfac = entries["kfac_inverse"]["batches"]["128"]["retimed"]
+        # Median steps to 0.90: (1000 + 1100) / 2 and (600 + 700) / 2; to 0.89 half each.
+        self.assertAlmostEqual(sgd["time_s_to_target"]["0.9"], 3.0 + (1050 - 2) * 0.05)
+        self.assertAlmostEqual(kfac["time_s_to_target"]["0.9"], 9.0 + (650 - 11) * 0.075)
+        self.assertAlmostEqual(kfac["time_s_to_target"]["0.89"], 9.0 + (325 - 11) * 0.075)
+        self.assertIsNone(kfac["time_s_to_target"]["0.91"])
+        for key, value in {"min": 0.06, "median": 0.075, "max": 0.09}.items():
+            self.assertAlmostEqual(kfac["step_s"][key], value)
+        ratio = entries["kfac_inverse"]["over_best_first_order"]["128"]["0.9"]
+        self.assertAlmostEqual(ratio["time"], (9.0 + 639 * 0.075) / (3.0 + 1048 * 0.05))
 
 if __name__ == "__main__":
     absltest.main()
