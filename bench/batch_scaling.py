@@ -161,6 +161,19 @@ ENTRIES.update({
     "kfac_inverse_sampled_fisher": dict(base="kfac_inverse", extra=dict(fisher="sampled"),
                                         pick=ENTRIES["kfac_inverse"]["pick"]),
 })
+# How the tables (`tables`) name the entries.
+LABELS = {
+    "kfac_schedule_free_adamw": "K-FAC → ScheduleFreeAdamW (damping 0.1)",
+    "schedule_free_adamw": "ScheduleFreeAdamW",
+    "kfac_inverse": "K-FAC inverse, KL clip (momentum SGD)",
+    "sgd_nesterov": "SGD, Nesterov",
+    "adamw": "AdamW",
+    "lamb": "Lamb",
+    "muon": "Muon",
+    "kfac_eigen_adam": "K-FAC, Adam in the eigenbasis",
+    "kfac_inverse_recipe": "K-FAC inverse + weight rescaling + coupled momentum",
+    "kfac_inverse_sampled_fisher": "K-FAC inverse, sampled Fisher",
+}
 FIRST_ORDER = ("schedule_free_adamw", "sgd_nesterov", "adamw", "lamb", "muon")
 DIVERGED_FILE = "diverged.json"
 # The gradient noise scale (docs/design_options.md §13), which McCandlish et al. find
@@ -609,6 +622,112 @@ def report(cells, noise):
     }
 
 
+# ---------------------------------------------------------------------- the tables
+TABLES_BEGIN = "<!-- batch_scaling tables: bench/batch_scaling.py --collect prints them -->"
+TABLES_END = "<!-- end of batch_scaling tables -->"
+
+
+def tables(document):
+    """The Markdown tables of `document` (`report`'s) that docs/large_batch.md holds
+    between TABLES_BEGIN and TABLES_END: per batch size the complete cells' chosen
+    learning rates, step times and steps (seconds) to each target, the fewest steps to
+    the primary target in bold; K-FAC's ratios to the best first-order entry; per entry
+    the critical batch sizes, McCandlish et al.'s fit and the noise scale."""
+    entries = document["entries"]
+    lines = [TABLES_BEGIN]
+    for batch in sorted({int(b) for r in entries.values() for b in r["batches"]}):
+        complete = {name: r["batches"][str(batch)] for name, r in entries.items()
+                    if r["batches"].get(str(batch), {}).get("complete")}
+        if not complete:
+            continue
+        budget = document["protocol"]["budgets"][str(batch)]["steps"]
+        fewest = min((c["to_target"][str(PRIMARY_TARGET)]["median_steps"] or math.inf
+                      for c in complete.values()), default=math.inf)
+        lines += ["", f"Batch {batch} ({len(complete)} entries complete; budget {budget} "
+                      "steps): median steps (seconds) to each target", "",
+                  "| entry | learning rate | step ms | "
+                  + " | ".join(f"{t:.2f}" for t in TARGETS) + " |",
+                  "| --- | --- | --- |" + " --- |" * len(TARGETS)]
+        for name, found in sorted(complete.items(), key=lambda item: _primary_steps(item[1])):
+            timing = found.get("retimed")
+            cells = [_reached(found, timing, target, fewest) for target in TARGETS]
+            lines.append(f"| {LABELS[name]} | {_learning_rate(found)} | {_step_ms(timing)} | "
+                         + " | ".join(cells) + " |")
+        for name, r in entries.items():
+            ratio = r.get("over_best_first_order", {}).get(str(batch), {}).get(
+                str(PRIMARY_TARGET))
+            if ratio and "baseline" in ratio:
+                time = f" and {ratio['time']:.2f}x its time" if "time" in ratio else ""
+                lines += ["", f"{LABELS[name]}: {ratio['steps']:.2f}x "
+                              f"{LABELS[ratio['baseline']]}'s steps to {PRIMARY_TARGET:.2f}{time}."]
+            elif ratio:
+                lines += ["", f"{LABELS[name]}: < {ratio['steps_below']:.2f}x the steps of "
+                              f"every first-order entry to {PRIMARY_TARGET:.2f} (none reached it)."]
+    lines += ["", "Critical batch size per entry (threshold rule; McCandlish et al.'s fitted "
+                  f"B_crit and S_min at {PRIMARY_TARGET:.2f}) and the noise scale B_simple at "
+                  f"batch {NOISE_BATCH}, epochs 1 / 2 (preconditioned for K-FAC); ? where "
+                  "a budget leaves it undetermined, – before two batches are complete:", "",
+              "| entry | critical batch " + " / ".join(f"{t:.2f}" for t in TARGETS)
+              + " | fitted B_crit (S_min) | B_simple |", "| --- | --- | --- | --- |"]
+    for name, r in entries.items():
+        if not any(c["complete"] for c in r["batches"].values()):
+            continue
+        critical = " / ".join(_critical(r["critical_batch"][str(t)]) for t in TARGETS)
+        fitted = r["critical_batch"][str(PRIMARY_TARGET)]["fitted"]
+        fit = (f"{fitted['critical_batch']:.0f} ({fitted['min_steps']:.0f})" if fitted
+               else "–")
+        lines.append(f"| {LABELS[name]} | {critical} | {fit} | {_noise(r['noise_scale'])} |")
+    return "\n".join(lines + ["", TABLES_END])
+
+
+def _primary_steps(found):
+    return found["to_target"][str(PRIMARY_TARGET)]["median_steps"] or math.inf
+
+
+def _reached(found, timing, target, fewest):
+    reached = found["to_target"][str(target)]
+    if reached["median_steps"] is None:
+        return f"> {reached['steps_above']}"
+    text = f"{reached['median_steps']:g}"
+    if timing and timing["time_s_to_target"][str(target)] is not None:
+        text += f" ({timing['time_s_to_target'][str(target)]:.1f} s)"
+    return f"**{text}**" if target == PRIMARY_TARGET and reached["median_steps"] == fewest \
+        else text
+
+
+def _learning_rate(found):
+    """The chosen learning rate, and how often and which way the grid moved."""
+    text = f"{found['chosen']['learning_rate']:g}"
+    moves = found["edge_moves"]
+    if moves:
+        down = min(t["learning_rate"] for t in found["trials"]) < min(found["initial_grid"])
+        text += (f" (grid moved {'down' if down else 'up'} "
+                 f"{'once' if moves == 1 else f'{moves} times'})")
+    return text + (" (best at the grid's edge)" if found["best_at_edge"] else "")
+
+
+def _step_ms(timing):
+    if not timing:
+        return "–"
+    step = {key: value * 1e3 for key, value in timing["step_s"].items()}
+    return f"{step['median']:.1f} [{step['min']:.1f}-{step['max']:.1f}]"
+
+
+def _critical(critical):
+    if critical["critical_batch"] is not None:
+        return f"{'≥ ' if critical['at_least'] else ''}{critical['critical_batch']}"
+    if critical["below_smallest"]:
+        return f"< {SMALLEST_BATCH}"
+    return "?" if critical["undetermined"] else "–"
+
+
+def _noise(noise):
+    if not noise:
+        return "–"
+    key = "preconditioned_noise_scale"
+    return " / ".join(f"{row.get(key, row['noise_scale']):.0f}" for row in noise["epochs"][:2])
+
+
 # ------------------------------------------------------------------------ the plot
 def plot(document):
     """Steps to each target against batch size, log-log, with each entry's perfect
@@ -669,7 +788,10 @@ def collect():
             if found and found["complete"] and found["chosen"] == timing["chosen"]:
                 found["retimed"] = retimed(found, timing)
     noise = {entry: noise_scale(entry, cells, run=False) for entry in cells}
-    harness.write(report(cells, noise), "batch_scaling", plot)
+    document = report(cells, noise)
+    harness.write(document, "batch_scaling", plot)
+    if FLAGS.collect:
+        print(tables(document))
     return cells
 
 

@@ -395,6 +395,43 @@ class WorkDirTest(InWorkDir):
                                 "kfac_inverse": {128: 650, 512: 250}}))
 
 
+    def test_the_tables_of_the_cells(self):
+        self.fill("sgd_nesterov", 128, best=0.1, best_steps=1000)
+        self.fill("sgd_nesterov", 512, best=0.2, best_steps=500)
+        self.fill("kfac_inverse", 128, best=0.05, best_steps=600)
+        self.fill("kfac_inverse", 512, best=0.1, best_steps=200)
+        batch_scaling.collect()
+        with open(os.path.join(self.output_dir, "batch_scaling.json")) as f:
+            lines = batch_scaling.tables(json.load(f)).splitlines()
+        # Fewest steps first, the fewest to 0.90 in bold; 0.91 never reached (budget
+        # 10 epochs of 468 steps); no step time before the batch is retimed.
+        header = lines.index("| entry | learning rate | step ms | 0.89 | 0.90 | 0.91 |")
+        self.assertEqual(lines[header + 2:header + 4], [
+            "| K-FAC inverse, KL clip (momentum SGD) | 0.05 | – | 325 | **650** | > 4680 |",
+            "| SGD, Nesterov | 0.1 | – | 525 | 1050 | > 4680 |"])
+        self.assertIn("K-FAC inverse, KL clip (momentum SGD): 0.62x SGD, Nesterov's steps "
+                      "to 0.90.", lines)
+        # 1050 / 550 = 1.9x < 2.25x: below 128; K-FAC 650 / 250 = 2.6x: at least 128;
+        # 0.91, reached at neither batch, undetermined. The fit through (1/128, 650) and
+        # (1/512, 250): slope 400 / (3/512), S_min 650 - slope / 128, B_crit slope / S_min.
+        self.assertIn("| K-FAC inverse, KL clip (momentum SGD) | ≥ 128 / ≥ 128 / ? "
+                      "| 585 (117) | – |", lines)
+        self.assertIn("| SGD, Nesterov | < 128 / < 128 / ? | 223 (383) | – |", lines)
+        self.assertEqual((lines[0], lines[-1]), (batch_scaling.TABLES_BEGIN,
+                                                 batch_scaling.TABLES_END))
+
+    def test_the_docs_hold_the_tables_of_the_committed_results(self):
+        with open(os.path.join(REPO_ROOT, "bench", "results", "batch_scaling.json")) as f:
+            document = json.load(f)
+        with open(os.path.join(REPO_ROOT, "docs", "large_batch.md")) as f:
+            doc = f.read()
+        begin = doc.index(batch_scaling.TABLES_BEGIN)
+        end = doc.index(batch_scaling.TABLES_END) + len(batch_scaling.TABLES_END)
+        self.assertEqual(doc[begin:end], batch_scaling.tables(document),
+                         "docs/large_batch.md's batch-scaling tables are not those of "
+                         "bench/results/batch_scaling.json: paste what "
+                         "`bench/batch_scaling.py --collect` prints")
+
 class RetimeTest(InWorkDir):
     """Times to target from the chosen points trained side by side (`retime`): a real
     run on the CNN, read back instead of run again, and the report's times from it."""
