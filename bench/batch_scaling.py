@@ -45,11 +45,11 @@ process (a global batch is what data-parallel workers would share):
   (NOISE_BATCH; plain, and for K-FAC also preconditioned).
 - Steps are the primary measure: they do not depend on the machine's load. Wall time is
   secondary, and not the trials' own clocks: those ran hours or sessions apart, on
-  machines that differ (2.4x between two of them) and shared with other work. After a
-  batch size's cells, every chosen point trains RETIME_REPEATS interleaved blocks in one
-  process (`retime`, bench/timed_steps.py); an entry's time to a target is its first
-  steps' time (tracing included) plus the rest of its median steps at its median block
-  step time.
+  machines that differ (AdamW's batch-2048 step 2.4x apart on two of them) and shared
+  with other work. After a batch size's cells, every chosen point trains RETIME_REPEATS
+  interleaved blocks in one process (`retime`, bench/timed_steps.py); an entry's time to
+  a target is its first steps' time (tracing included) plus the rest of its median steps
+  at its median block step time.
 
 Critical batch size, defined before measuring: on our grid (each batch 4x the last) a
 step from B to rB "still scales" when it cuts the median steps to the target by at least
@@ -425,8 +425,8 @@ def retime(batch, cells):
     """The chosen points of every complete cell at `batch` (of `cells`, {entry: {batch:
     cell}}) trained side by side in one process, RETIME_REPEATS interleaved blocks each,
     so that their times to target compare on one machine at one time; the trials' own
-    clocks ran hours or sessions apart, on machines that differ (2.4x between two of
-    them). Kept in the work dir; run again when the complete cells there are others."""
+    clocks ran hours or sessions apart, on machines that differ. Kept in the work dir;
+    run again when the complete cells there are others."""
     chosen = {entry: by_batch[batch]["chosen"] for entry, by_batch in cells.items()
               if batch in by_batch and by_batch[batch]["complete"]}
     done = read_retime(batch)
