@@ -80,7 +80,6 @@ it can be stopped and restarted at any time:
   .venv/bin/python bench/batch_scaling.py --work_dir=/work/bs_cnn --collect
 """
 
-import datetime
 import functools
 import json
 import math
@@ -444,15 +443,12 @@ def retime(batch, cells):
         samples = harness.interleave({name: entry.block for name, entry in timed.items()},
                                      RETIME_REPEATS)
     result = {"batch": batch, "block_steps": block_steps, "repeats": RETIME_REPEATS,
-              "machine": harness.machine(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                  timespec="seconds"),
               "entries": {name: {"chosen": chosen[name], "start_steps": entry.warm_up_steps,
                                  "start_s": entry.warm_up_s,
                                  "blocks_step_s": harness.by_figure(samples[name])["wall"]}
                           for name, entry in timed.items()}}
     with open(retime_path(batch), "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+        json.dump(harness.stamp(result), f, indent=1)
     return read_retime(batch)
 
 
@@ -658,11 +654,13 @@ def tables(document):
                 str(PRIMARY_TARGET))
             if ratio and "baseline" in ratio:
                 time = f" and {ratio['time']:.2f}x its time" if "time" in ratio else ""
-                lines += ["", f"{LABELS[name]}: {ratio['steps']:.2f}x "
-                              f"{LABELS[ratio['baseline']]}'s steps to {PRIMARY_TARGET:.2f}{time}."]
+                baseline = LABELS[ratio["baseline"]]
+                lines += ["", f"{LABELS[name]}: {ratio['steps']:.2f}x {baseline}'s steps "
+                              f"to {PRIMARY_TARGET:.2f}{time}."]
             elif ratio:
                 lines += ["", f"{LABELS[name]}: < {ratio['steps_below']:.2f}x the steps of "
-                              f"every first-order entry to {PRIMARY_TARGET:.2f} (none reached it)."]
+                              f"every first-order entry to {PRIMARY_TARGET:.2f} (none reached "
+                              "it)."]
     lines += ["", "Critical batch size per entry (threshold rule; McCandlish et al.'s fitted "
                   f"B_crit and S_min at {PRIMARY_TARGET:.2f}) and the noise scale B_simple at "
                   f"batch {NOISE_BATCH}, epochs 1 / 2 (preconditioned for K-FAC); ? where "
@@ -689,8 +687,9 @@ def _reached(found, timing, target, fewest):
     if reached["median_steps"] is None:
         return f"> {reached['steps_above']}"
     text = f"{reached['median_steps']:g}"
-    if timing and timing["time_s_to_target"][str(target)] is not None:
-        text += f" ({timing['time_s_to_target'][str(target)]:.1f} s)"
+    seconds = timing and timing["time_s_to_target"][str(target)]
+    if seconds is not None:
+        text += f" ({seconds:.1f} s)"
     return f"**{text}**" if target == PRIMARY_TARGET and reached["median_steps"] == fewest \
         else text
 
