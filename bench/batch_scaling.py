@@ -639,7 +639,8 @@ def tables(document):
         budget = document["protocol"]["budgets"][str(batch)]["steps"]
         fewest = min((c["to_target"][str(PRIMARY_TARGET)]["median_steps"] or math.inf
                       for c in complete.values()), default=math.inf)
-        lines += ["", f"Batch {batch} ({len(complete)} entries complete; budget {budget} "
+        lines += ["", f"Batch {batch} ({len(complete)} "
+                      f"{'entry' if len(complete) == 1 else 'entries'} complete; budget {budget} "
                       "steps): median steps (seconds) to each target", "",
                   "| entry | learning rate | step ms | "
                   + " | ".join(f"{t:.2f}" for t in TARGETS) + " |",
