@@ -621,6 +621,8 @@ def report(cells, noise):
 # ---------------------------------------------------------------------- the tables
 TABLES_BEGIN = "<!-- batch_scaling tables: bench/batch_scaling.py --collect prints them -->"
 TABLES_END = "<!-- end of batch_scaling tables -->"
+SUMMARY_BEGIN = "<!-- batch_scaling summary: bench/batch_scaling.py --collect prints it -->"
+SUMMARY_END = "<!-- end of batch_scaling summary -->"
 
 
 def tables(document):
@@ -672,11 +674,37 @@ def tables(document):
         if not any(c["complete"] for c in r["batches"].values()):
             continue
         critical = " / ".join(_critical(r["critical_batch"][str(t)]) for t in TARGETS)
-        fitted = r["critical_batch"][str(PRIMARY_TARGET)]["fitted"]
-        fit = (f"{fitted['critical_batch']:.0f} ({fitted['min_steps']:.0f})" if fitted
-               else "–")
-        lines.append(f"| {LABELS[name]} | {critical} | {fit} | {_noise(r['noise_scale'])} |")
+        lines.append(f"| {LABELS[name]} | {critical} | "
+                     f"{_fit(r['critical_batch'][str(PRIMARY_TARGET)])} | "
+                     f"{_noise(r['noise_scale'])} |")
     return "\n".join(lines + ["", TABLES_END])
+
+
+def summary(document):
+    """The Markdown table of `document` that docs/benchmarks.md holds between
+    SUMMARY_BEGIN and SUMMARY_END, the headline of `tables`: per entry the steps to the
+    primary target at every batch size (the fewest per batch in bold), its critical batch
+    size there, McCandlish et al.'s fit and the noise scale."""
+    entries = document["entries"]
+    batches = sorted({int(b) for r in entries.values() for b, c in r["batches"].items()
+                      if c["complete"]})
+    fewest = {batch: min(_primary_steps(r["batches"][str(batch)]) for r in entries.values()
+                         if r["batches"].get(str(batch), {}).get("complete"))
+              for batch in batches}
+    lines = [SUMMARY_BEGIN, "", f"| entry | {' | '.join(f'batch {b}' for b in batches)} | "
+             "critical batch | fitted B_crit (S_min) | B_simple |",
+             "| --- |" + " --- |" * (len(batches) + 3)]
+    for name, r in entries.items():
+        steps = []
+        for batch in batches:
+            found = r["batches"].get(str(batch))
+            steps.append(_reached(found, None, PRIMARY_TARGET, fewest[batch])
+                         if found and found["complete"] else "–")
+        if any(cell != "–" for cell in steps):
+            critical = r["critical_batch"][str(PRIMARY_TARGET)]
+            lines.append(f"| {LABELS[name]} | {' | '.join(steps)} | {_critical(critical)} | "
+                         f"{_fit(critical)} | {_noise(r['noise_scale'])} |")
+    return "\n".join(lines + ["", SUMMARY_END])
 
 
 def _primary_steps(found):
@@ -719,6 +747,11 @@ def _critical(critical):
     if critical["below_smallest"]:
         return f"< {SMALLEST_BATCH}"
     return "?" if critical["undetermined"] else "–"
+
+
+def _fit(critical):
+    fitted = critical["fitted"]
+    return f"{fitted['critical_batch']:.0f} ({fitted['min_steps']:.0f})" if fitted else "–"
 
 
 def _noise(noise):
@@ -791,7 +824,7 @@ def collect():
     document = report(cells, noise)
     harness.write(document, "batch_scaling", plot)
     if FLAGS.collect:
-        print(tables(document))
+        print(summary(document), tables(document), sep="\n\n")
     return cells
 
 

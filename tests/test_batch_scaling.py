@@ -402,7 +402,8 @@ class WorkDirTest(InWorkDir):
         self.fill("kfac_inverse", 512, best=0.1, best_steps=200)
         batch_scaling.collect()
         with open(os.path.join(self.output_dir, "batch_scaling.json")) as f:
-            lines = batch_scaling.tables(json.load(f)).splitlines()
+            document = json.load(f)
+        lines = batch_scaling.tables(document).splitlines()
         # Fewest steps first, the fewest to 0.90 in bold; 0.91 never reached (budget
         # 10 epochs of 468 steps); no step time before the batch is retimed.
         header = lines.index("| entry | learning rate | step ms | 0.89 | 0.90 | 0.91 |")
@@ -419,18 +420,33 @@ class WorkDirTest(InWorkDir):
         self.assertIn("| SGD, Nesterov | < 128 / < 128 / ? | 223 (383) | – |", lines)
         self.assertEqual((lines[0], lines[-1]), (batch_scaling.TABLES_BEGIN,
                                                  batch_scaling.TABLES_END))
+        lines = batch_scaling.summary(document).splitlines()
+        # The headline: steps to 0.90 per batch, the fewest of each batch in bold, the
+        # critical batch and fit at 0.90 as in the full tables.
+        self.assertIn("| entry | batch 128 | batch 512 | critical batch | fitted B_crit "
+                      "(S_min) | B_simple |", lines)
+        self.assertIn("| K-FAC inverse, KL clip (momentum SGD) | **650** | **250** | ≥ 128 "
+                      "| 585 (117) | – |", lines)
+        self.assertIn("| SGD, Nesterov | 1050 | 550 | < 128 | 223 (383) | – |", lines)
+        self.assertEqual((lines[0], lines[-1]), (batch_scaling.SUMMARY_BEGIN,
+                                                 batch_scaling.SUMMARY_END))
 
     def test_the_docs_hold_the_tables_of_the_committed_results(self):
         with open(os.path.join(REPO_ROOT, "bench", "results", "batch_scaling.json")) as f:
             document = json.load(f)
-        with open(os.path.join(REPO_ROOT, "docs", "large_batch.md")) as f:
-            doc = f.read()
-        begin = doc.index(batch_scaling.TABLES_BEGIN)
-        end = doc.index(batch_scaling.TABLES_END) + len(batch_scaling.TABLES_END)
-        self.assertEqual(doc[begin:end], batch_scaling.tables(document),
-                         "docs/large_batch.md's batch-scaling tables are not those of "
-                         "bench/results/batch_scaling.json: paste what "
-                         "`bench/batch_scaling.py --collect` prints")
+        for name, begin_mark, end_mark, make in (
+                ("benchmarks.md", batch_scaling.SUMMARY_BEGIN, batch_scaling.SUMMARY_END,
+                 batch_scaling.summary),
+                ("large_batch.md", batch_scaling.TABLES_BEGIN, batch_scaling.TABLES_END,
+                 batch_scaling.tables)):
+            with open(os.path.join(REPO_ROOT, "docs", name)) as f:
+                doc = f.read()
+            begin = doc.index(begin_mark)
+            end = doc.index(end_mark) + len(end_mark)
+            self.assertEqual(doc[begin:end], make(document),
+                             f"docs/{name}'s batch-scaling tables are not those of "
+                             "bench/results/batch_scaling.json: paste what "
+                             "`bench/batch_scaling.py --collect` prints")
 
 class RetimeTest(InWorkDir):
     """Times to target from the chosen points trained side by side (`retime`): a real
