@@ -37,7 +37,9 @@ process (a global batch is what data-parallel workers would share):
   from the grid's centre (the scaled pick) outward, and each gives up at its first
   evaluation past the fewest steps to 0.90 of the cell's trials so far unless it reached
   0.90 by then (the trainer's `give_up_steps`): it could no longer win, and the pick is
-  the one the full runs would give. The chosen point runs again with a second seed; an
+  the one the full runs would give. Before any trial of the cell has reached 0.90, one
+  below 0.5 at a tenth of the budget gives up (EARLY_ACCURACY; from 2026-12-02 12:55
+  UTC, batch 8192's SGD on): it has collapsed. The chosen point runs again with a second seed; an
   entry's steps and wall time (training only, evaluation excluded) to each target are
   the medians over the two seeds.
 - The gradient noise scale B_simple (McCandlish et al.'s predictor of the critical batch
@@ -103,6 +105,10 @@ SMALLEST_BATCH = 128
 GRID_POINTS, GRID_BELOW, MAX_EDGE_MOVES = 6, 2, 2
 SEEDS = (0, 1)  # the tuning seed, then the chosen point's second seed
 CUT_PER_DOUBLING = 1.5
+# Before any trial of a cell has reached the primary target, a trial below this test
+# accuracy at EARLY_FRACTION of the budget gives up: it has collapsed (dead ReLUs at
+# chance accuracy). Every trial that reached 0.90 at any batch was at 0.76 or more there.
+EARLY_FRACTION, EARLY_ACCURACY = 0.1, 0.5
 # Fashion-MNIST's training examples (the trainer drops each epoch's partial batch).
 TRAIN_EXAMPLES = 60000
 # Per batch size: the budget in epochs, the evaluation interval in steps (fine enough
@@ -285,17 +291,18 @@ def read_trial(entry, batch, learning_rate, seed):
     return None if summary is None else record(summary, learning_rate, seed)
 
 
-def run_trial(entry, batch, learning_rate, seed, give_up_steps=None):
+def run_trial(entry, batch, learning_rate, seed, give_up=None):
     """The record of a trial, run (or resumed) unless the work dir holds it finished. A
-    run that diverges is marked so that a restart skips it. With `give_up_steps`, the
-    run stops once past them without having reached the primary target by then."""
+    run that diverges is marked so that a restart skips it. With `give_up` (steps,
+    accuracy), the run stops once past those steps without having reached that
+    accuracy by then."""
     done = read_trial(entry, batch, learning_rate, seed)
     if done is not None:
         return done
     name = trial_name(entry, batch, learning_rate, seed)
     settings = trial_settings(entry, batch, learning_rate, seed)
-    if give_up_steps is not None:
-        settings.update(give_up_steps=give_up_steps, give_up_accuracy=PRIMARY_TARGET)
+    if give_up is not None:
+        settings.update(give_up_steps=give_up[0], give_up_accuracy=give_up[1])
     try:
         summary = trials.run(FLAGS.work_dir, name, **settings)
     except errors.RunError as error:
@@ -318,7 +325,7 @@ def rank(trial):
     return (0, reached["steps"]) if reached else (1, -trial["best_accuracy"])
 
 
-def over_seeds(runs, target, budget_steps):
+def over_seeds(runs, target, budget):
     """Median steps and training time to `target` over the seeds' records `runs`
     (a seed that did not reach it counts as infinite; an infinite median is None, with
     `steps_above` the budget it exceeds)."""
@@ -329,23 +336,23 @@ def over_seeds(runs, target, budget_steps):
                                    for first in firsts)
         result[f"median_{key}"] = None if math.isinf(median) else median
     if result["median_steps"] is None:
-        result["steps_above"] = budget_steps
+        result["steps_above"] = budget
     return result
 
 
 def cell(entry, batch, get):
     """One (entry, batch): its tuning, edge moves, chosen point and second seed, with the
-    trials `get(learning_rate, seed, give_up_steps)` returns (None: not run yet; the cell
-    is then incomplete, with the trials it has). Tuning trials run from the grid's
-    centre outward, each giving up past the fewest steps to the primary target so far
-    (it can no longer win there)."""
+    trials `get(learning_rate, seed, give_up)` returns (None: not run yet; the cell is
+    then incomplete, with the trials it has). Tuning trials run from the grid's centre
+    outward, each with `give_up_rule`'s (steps, accuracy)."""
     indices = grid(entry, batch)
     center = indices[GRID_BELOW]
     found, moves = {}, 0
     while True:
         for index in sorted(indices, key=lambda index: (abs(index - center), index)):
             if index not in found:
-                trial = get(trials.series_value(index), SEEDS[0], fewest_steps(found))
+                trial = get(trials.series_value(index), SEEDS[0],
+                            give_up_rule(found, batch))
                 if trial is None:
                     return {"complete": False, "trials": sorted_trials(found)}
                 found[index] = trial
@@ -358,13 +365,28 @@ def cell(entry, batch, get):
     second = get(chosen["learning_rate"], SEEDS[1], None)
     if second is None:
         return {"complete": False, "trials": sorted_trials(found)}
-    budget_steps = BATCHES[batch]["epochs"] * (TRAIN_EXAMPLES // batch)
+    budget = budget_steps(batch)
     return {"complete": True, "trials": sorted_trials(found),
             "initial_grid": [trials.series_value(i) for i in grid(entry, batch)],
             "edge_moves": moves, "best_at_edge": further is not None,
             "chosen": setting(entry, chosen["learning_rate"]), "seeds": [chosen, second],
-            "to_target": {str(target): over_seeds([chosen, second], target, budget_steps)
+            "to_target": {str(target): over_seeds([chosen, second], target, budget)
                           for target in TARGETS}}
+
+
+def budget_steps(batch):
+    return BATCHES[batch]["epochs"] * (TRAIN_EXAMPLES // batch)
+
+
+def give_up_rule(found, batch):
+    """When a tuning trial gives up, as (steps, accuracy) it must have reached by then:
+    past the fewest steps to the primary target of the trials `found` (it can no longer
+    win), or before any has reached it, at EARLY_FRACTION of the budget below
+    EARLY_ACCURACY (it has collapsed)."""
+    fewest = fewest_steps(found)
+    if fewest is not None:
+        return fewest, PRIMARY_TARGET
+    return int(EARLY_FRACTION * budget_steps(batch)), EARLY_ACCURACY
 
 
 def fewest_steps(found):
@@ -586,8 +608,8 @@ def report(cells, noise):
         "model": MODEL, "dataset": "fashion_mnist", "targets": list(TARGETS),
         "primary_target": PRIMARY_TARGET, "seeds": list(SEEDS),
         "protocol": {
-            "budgets": {str(batch): dict(budget, steps=budget["epochs"] * (
-                TRAIN_EXAMPLES // batch)) for batch, budget in BATCHES.items()},
+            "budgets": {str(batch): dict(budget, steps=budget_steps(batch))
+                        for batch, budget in BATCHES.items()},
             "schedule": f"linear warm-up over {trials.WARMUP_FRACTION:.0%} of the budget, "
                         "then half a cosine to 0 at its end",
             "weight_decay_per_step": WEIGHT_DECAY,
@@ -601,7 +623,8 @@ def report(cells, noise):
             "stop": f"each trial stops at the top target {max(TARGETS)}; tuning trials "
                     "run from the grid's centre outward, each giving up at its first "
                     f"evaluation past the fewest steps to {PRIMARY_TARGET} so far unless "
-                    "it reached it by then",
+                    f"it reached it by then, or before any has, below {EARLY_ACCURACY} at "
+                    f"{EARLY_FRACTION:.0%} of the budget",
             "critical_batch": f"the largest measured B whose step to the next grid batch rB "
                               f"cuts the median steps by >= {CUT_PER_DOUBLING}^log2(r); "
                               "fitted: S(B) = S_min (1 + B_crit / B) by least squares in "

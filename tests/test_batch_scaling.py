@@ -120,8 +120,8 @@ class CellTest(absltest.TestCase):
         rates = learning_rates(batch_scaling.grid("adamw", 128))
         self.assertEqual(rates, [0.002, 0.005, 0.01, 0.02, 0.05, 0.1])
 
-        def get(learning_rate, seed, give_up_steps):
-            asked.append((learning_rate, seed, give_up_steps))
+        def get(learning_rate, seed, give_up):
+            asked.append((learning_rate, seed, give_up))
             # Fewer steps the larger the rate up to 0.2, which beats 0.1 and 0.5.
             steps = {0.1: 350, 0.2: 300, 0.5: 500}.get(learning_rate,
                                                         int(20 / learning_rate))
@@ -130,12 +130,16 @@ class CellTest(absltest.TestCase):
         cell = batch_scaling.cell("adamw", 128, get)
         self.assertTrue(cell["complete"])
         self.assertEqual(cell["edge_moves"], 2)  # 0.1 was best, then 0.2; then inside
-        # From the centre (the pick 0.01) outward, lower first; each trial gives up past
-        # the fewest steps so far (20 / rate: 2000 at 0.01, 1000 at 0.02, 400 at 0.05,
-        # ...); the second seed runs in full.
-        self.assertEqual(asked, [(0.01, 0, None), (0.005, 0, 2000), (0.02, 0, 2000),
-                                 (0.002, 0, 1000), (0.05, 0, 1000), (0.1, 0, 400),
-                                 (0.2, 0, 350), (0.5, 0, 300), (0.2, 1, None)])
+        # From the centre (the pick 0.01) outward, lower first; the first, with no trial
+        # at 0.90 yet, gives up below 0.5 at a tenth of the budget (4680 steps), each
+        # after it past the fewest steps to 0.90 so far (20 / rate: 2000 at 0.01, 1000 at
+        # 0.02, 400 at 0.05, ...); the second seed runs in full.
+        self.assertEqual(batch_scaling.budget_steps(128), 4680)
+        early = (468, batch_scaling.EARLY_ACCURACY)
+        self.assertEqual(asked, [(0.01, 0, early)] + [
+            (rate, 0, (steps, 0.9)) for rate, steps in (
+                (0.005, 2000), (0.02, 2000), (0.002, 1000), (0.05, 1000), (0.1, 400),
+                (0.2, 350), (0.5, 300))] + [(0.2, 1, None)])
         self.assertEqual(cell["chosen"], {"learning_rate": 0.2})
         self.assertFalse(cell["best_at_edge"])
         self.assertEqual(cell["to_target"]["0.9"]["median_steps"], 300)
@@ -151,8 +155,10 @@ class CellTest(absltest.TestCase):
                          10 * (batch_scaling.TRAIN_EXAMPLES // 128))
 
     def test_unreached_rank_by_accuracy_and_diverged_last(self):
-        def get(learning_rate, seed, give_up_steps):
-            self.assertIsNone(give_up_steps)  # no trial reached the target
+        def get(learning_rate, seed, give_up):
+            # No trial reaches the target: a collapsed one gives up early, a second seed
+            # runs in full.
+            self.assertEqual(give_up, None if seed else (468, batch_scaling.EARLY_ACCURACY))
             if learning_rate >= 0.5:
                 return batch_scaling.diverged_record(learning_rate, seed, "nan")
             return trial(learning_rate, None, best_accuracy=0.8 + learning_rate / 10,
@@ -164,7 +170,7 @@ class CellTest(absltest.TestCase):
         self.assertEqual(cell["to_target"]["0.9"]["reached"], 0)
 
     def test_a_missing_trial_leaves_the_cell_incomplete_with_what_it_has(self):
-        def get(learning_rate, seed, give_up_steps):
+        def get(learning_rate, seed, give_up):
             return trial(learning_rate, 100) if learning_rate <= 0.1 else None
 
         cell = batch_scaling.cell("sgd_nesterov", 128, get)
@@ -318,9 +324,8 @@ class WorkDirTest(InWorkDir):
                                     {"train_time_s": 45.0, "steps": 450, "val_accuracy": 0.85}]}
 
         with mock.patch.object(trials, "run", run):
-            record = batch_scaling.run_trial("adamw", 128, 0.01, 0, give_up_steps=400)
-        self.assertEqual((asked["give_up_steps"], asked["give_up_accuracy"]),
-                         (400, batch_scaling.PRIMARY_TARGET))
+            record = batch_scaling.run_trial("adamw", 128, 0.01, 0, give_up=(400, 0.9))
+        self.assertEqual((asked["give_up_steps"], asked["give_up_accuracy"]), (400, 0.9))
         self.assertTrue(record["gave_up"])
         self.assertEqual(batch_scaling.rank(record), (1, -0.85))
         # A run that gave up is finished although it neither reached its target nor ran
