@@ -38,7 +38,7 @@ process (a global batch is what data-parallel workers would share):
   evaluation past the fewest steps to 0.90 of the cell's trials so far unless it reached
   0.90 by then (the trainer's `give_up_steps`): it could no longer win, and the pick is
   the one the full runs would give. Before any trial of the cell has reached 0.90, one
-  below 0.5 at a tenth of the budget gives up (EARLY_ACCURACY; from 2026-12-02 12:55
+  below 0.5 at a tenth of the budget gives up (EARLY_ACCURACY; from 2026-12-02 12:43
   UTC, batch 8192's SGD on): it has collapsed. The chosen point runs again with a second seed; an
   entry's steps and wall time (training only, evaluation excluded) to each target are
   the medians over the two seeds.
