@@ -39,9 +39,9 @@ process (a global batch is what data-parallel workers would share):
   0.90 by then (the trainer's `give_up_steps`): it could no longer win, and the pick is
   the one the full runs would give. Before any trial of the cell has reached 0.90, one
   below 0.5 at a tenth of the budget gives up (EARLY_ACCURACY; from 2026-12-02 12:43
-  UTC, batch 8192's SGD on): it has collapsed. The chosen point runs again with a second seed; an
-  entry's steps and wall time (training only, evaluation excluded) to each target are
-  the medians over the two seeds.
+  UTC, batch 8192's SGD on): it has collapsed. The chosen point runs again with a
+  second seed; an entry's steps and wall time (training only, evaluation excluded) to
+  each target are the medians over the two seeds.
 - The gradient noise scale B_simple (McCandlish et al.'s predictor of the critical batch
   size) per epoch, from one more run of each entry at batch 128 and its chosen point
   (NOISE_BATCH; plain, and for K-FAC also preconditioned).
