@@ -49,9 +49,10 @@ process (a global batch is what data-parallel workers would share):
   secondary, and not the trials' own clocks: those ran hours or sessions apart, on
   machines that differ (AdamW's batch-2048 step 2.4x apart on two of them) and shared
   with other work. After a batch size's cells, every chosen point trains RETIME_REPEATS
-  interleaved blocks in one process (`retime`, bench/timed_steps.py); an entry's time to
-  a target is its first steps' time (tracing included) plus the rest of its median steps
-  at its median block step time.
+  interleaved blocks in one process (`retime`, bench/timed_steps.py), compiled with XLA
+  and without (COMPILATIONS; the trials ran without); an entry's time to a target is its
+  first steps' time (tracing included) plus the rest of its median steps at its median
+  block step time, in the compilation that gets there first.
 
 Critical batch size, defined before measuring: on our grid (each batch 4x the last) a
 step from B to rB "still scales" when it cuts the median steps to the target by at least
@@ -192,6 +193,10 @@ NOISE_KEYS = ("noise_scale", "preconditioned_noise_scale")
 # in RETIME_REPEATS interleaved blocks in one process, from RETIME_CACHED_BATCHES batches
 # cycled in memory (the input pipeline, the same for all, is not timed).
 RETIME_REPEATS, RETIME_CACHED_BATCHES = 5, 4
+# Each chosen point is retimed compiled both ways (`--xla` or not; its steps are the same
+# either way) and its times to target are those of the faster, so that every entry runs
+# as it runs best at every batch size.
+COMPILATIONS = {"graph": False, "xla": True}
 
 flags.DEFINE_list("batch_sizes", ["128", "2048", "512", "8192"],
                   f"Batch sizes to run, in this order, among {', '.join(map(str, BATCHES))}.")
@@ -435,57 +440,77 @@ def retime_path(batch):
 
 
 def read_retime(batch):
-    """The retime run of `batch` in the work dir, else None."""
+    """The retime run of `batch` in the work dir, else None (also for a run of other
+    compilations than COMPILATIONS: it is run again)."""
     if not os.path.exists(retime_path(batch)):
         return None
     with open(retime_path(batch), encoding="utf-8") as f:
-        return json.load(f)
+        done = json.load(f)
+    return done if done.get("compilations") == list(COMPILATIONS) else None
 
 
 def retime(batch, cells):
     """The chosen points of every complete cell at `batch` (of `cells`, {entry: {batch:
-    cell}}) trained side by side in one process, RETIME_REPEATS interleaved blocks each,
-    so that their times to target compare on one machine at one time; the trials' own
-    clocks ran hours or sessions apart, on machines that differ. Kept in the work dir;
-    run again when the complete cells there are others."""
+    cell}}) trained side by side in one process, in each of COMPILATIONS,
+    RETIME_REPEATS interleaved blocks each, so that their times to target compare on one
+    machine at one time; the trials' own clocks ran hours or sessions apart, on machines
+    that differ. Kept in the work dir; run again when the complete cells there (or the
+    compilations) are others."""
     chosen = {entry: by_batch[batch]["chosen"] for entry, by_batch in cells.items()
               if batch in by_batch and by_batch[batch]["complete"]}
     done = read_retime(batch)
     if not chosen or (done is not None and set(done["entries"]) == set(chosen)):
         return done
     block_steps = BATCHES[batch]["timing_block_steps"]
-    print(f"--- retiming batch {batch}: {', '.join(chosen)}", flush=True)
+    print(f"--- retiming batch {batch}: {', '.join(chosen)}; {', '.join(COMPILATIONS)}",
+          flush=True)
+    runs = [(entry, compilation) for entry in chosen for compilation in COMPILATIONS]
     with tempfile.TemporaryDirectory() as model_dir:
-        timed = {entry: timed_steps.Timed(config_lib.TrainConfig(
-            model_dir=os.path.join(model_dir, entry), verbose=0,
-            **trial_settings(entry, batch, point["learning_rate"], SEEDS[0])),
-            RETIME_CACHED_BATCHES, block_steps) for entry, point in chosen.items()}
-        for entry in timed.values():
-            entry.warm_up()
-        samples = harness.interleave({name: entry.block for name, entry in timed.items()},
+        timed = {f"{entry} {compilation}": timed_steps.Timed(config_lib.TrainConfig(
+            model_dir=os.path.join(model_dir, f"{entry}-{compilation}"), verbose=0,
+            xla=COMPILATIONS[compilation],
+            **trial_settings(entry, batch, chosen[entry]["learning_rate"], SEEDS[0])),
+            RETIME_CACHED_BATCHES, block_steps) for entry, compilation in runs}
+        for run in timed.values():
+            run.warm_up()
+        samples = harness.interleave({name: run.block for name, run in timed.items()},
                                      RETIME_REPEATS)
+    entries = {entry: {"chosen": point, "compilations": {}} for entry, point in chosen.items()}
+    for entry, compilation in runs:
+        run = timed[f"{entry} {compilation}"]
+        entries[entry]["compilations"][compilation] = {
+            "start_steps": run.warm_up_steps, "start_s": run.warm_up_s,
+            "blocks_step_s": harness.by_figure(samples[f"{entry} {compilation}"])["wall"]}
     result = {"batch": batch, "block_steps": block_steps, "repeats": RETIME_REPEATS,
-              "entries": {name: {"chosen": chosen[name], "start_steps": entry.warm_up_steps,
-                                 "start_s": entry.warm_up_s,
-                                 "blocks_step_s": harness.by_figure(samples[name])["wall"]}
-                          for name, entry in timed.items()}}
+              "compilations": list(COMPILATIONS), "entries": entries}
     with open(retime_path(batch), "w", encoding="utf-8") as f:
         json.dump(harness.stamp(result), f, indent=1)
     return read_retime(batch)
 
 
 def retimed(cell, timing):
-    """A complete `cell`'s times to target from its entry's `timing` in a retime run: its
-    start (the first steps, tracing included) and the rest of its median steps at the
-    median step time of its blocks."""
-    step_s = statistics.median(timing["blocks_step_s"])
-    times = {}
-    for target, reached in cell["to_target"].items():
-        steps = reached["median_steps"]
-        times[target] = (None if steps is None else
-                         timing["start_s"] + (steps - timing["start_steps"]) * step_s)
-    return {"start_s": timing["start_s"], "start_steps": timing["start_steps"],
-            "step_s": harness.spread(timing["blocks_step_s"]), "time_s_to_target": times}
+    """A complete `cell`'s times to target from its entry's `timing` in a retime run, in
+    the compilation that reaches the primary target first (else the one with the faster
+    step): its start (the first steps, tracing included) and the rest of its median
+    steps at the median step time of its blocks; the other compilation's step beside."""
+    by_compilation = {}
+    for compilation, run in timing["compilations"].items():
+        step_s = statistics.median(run["blocks_step_s"])
+        times = {}
+        for target, reached in cell["to_target"].items():
+            steps = reached["median_steps"]
+            times[target] = (None if steps is None else
+                             run["start_s"] + (steps - run["start_steps"]) * step_s)
+        by_compilation[compilation] = {
+            "compilation": compilation, "start_s": run["start_s"],
+            "start_steps": run["start_steps"], "step_s": harness.spread(run["blocks_step_s"]),
+            "time_s_to_target": times}
+    faster = min(by_compilation.values(), key=lambda found: (
+        found["time_s_to_target"][str(PRIMARY_TARGET)] or math.inf,
+        found["step_s"]["median"]))
+    return dict(faster, other_step_s={name: found["step_s"]["median"]
+                                      for name, found in by_compilation.items()
+                                      if name != faster["compilation"]})
 
 
 # ---------------------------------------------------------------------- the analysis
@@ -633,10 +658,12 @@ def report(cells, noise):
                            f"chosen point, seed {SEEDS[0]}, measured every {NOISE_INTERVAL} "
                            "steps from the batch's halves"},
             "retimed": f"per batch size, every complete cell's chosen point trained side by "
-                       f"side in one process, {RETIME_REPEATS} interleaved blocks of "
-                       "timing_block_steps steps each from cached batches; time to a "
-                       "target = the first steps' time (tracing included) + the rest of "
-                       "the median steps x the median block step time",
+                       f"side in one process, compiled with XLA and without, "
+                       f"{RETIME_REPEATS} interleaved blocks of timing_block_steps steps "
+                       "each from cached batches; time to a target = the first steps' time "
+                       "(tracing included) + the rest of the median steps x the median "
+                       "block step time, in the compilation that reaches the primary "
+                       "target first",
         "entries": entries,
     }
 
@@ -761,7 +788,8 @@ def _step_ms(timing):
     if not timing:
         return "–"
     step = {key: value * 1e3 for key, value in timing["step_s"].items()}
-    return f"{step['median']:.1f} [{step['min']:.1f}-{step['max']:.1f}]"
+    return (f"{step['median']:.1f} [{step['min']:.1f}-{step['max']:.1f}]"
+            f"{' XLA' if COMPILATIONS[timing['compilation']] else ''}")
 
 
 def _critical(critical):

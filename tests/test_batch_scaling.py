@@ -469,14 +469,17 @@ class RetimeTest(InWorkDir):
             timing = batch_scaling.retime(128, cells)
         self.assertEqual(set(timing["entries"]), {"sgd_nesterov", "kfac_inverse"})
         self.assertEqual((timing["block_steps"], timing["repeats"]), (3, 2))
-        kfac, sgd = timing["entries"]["kfac_inverse"], timing["entries"]["sgd_nesterov"]
-        # K-FAC's first steps hold each kind of its steps: factors and decompositions,
-        # stale ones, a factor step (every 10).
-        self.assertEqual((kfac["start_steps"], sgd["start_steps"]), (11, 2))
-        for entry in (kfac, sgd):
-            self.assertLen(entry["blocks_step_s"], 2)
-            self.assertTrue(all(0 < step_s < entry["start_s"]
-                                for step_s in entry["blocks_step_s"]))
+        self.assertEqual(timing["compilations"], ["graph", "xla"])
+        for compilation in ("graph", "xla"):
+            kfac, sgd = (timing["entries"][name]["compilations"][compilation]
+                         for name in ("kfac_inverse", "sgd_nesterov"))
+            # K-FAC's first steps hold each kind of its steps: factors and
+            # decompositions, stale ones, a factor step (every 10).
+            self.assertEqual((kfac["start_steps"], sgd["start_steps"]), (11, 2))
+            for entry in (kfac, sgd):
+                self.assertLen(entry["blocks_step_s"], 2)
+                self.assertTrue(all(0 < step_s < entry["start_s"]
+                                    for step_s in entry["blocks_step_s"]))
         with open(batch_scaling.retime_path(128)) as f:
             self.assertEqual(json.load(f), timing)
         # The same complete cells: read back, nothing trains.
@@ -486,12 +489,22 @@ class RetimeTest(InWorkDir):
     def test_times_to_target_and_their_ratio_from_the_retime_run(self):
         self.fill("sgd_nesterov", 128, best=0.1, best_steps=1000)
         self.fill("kfac_inverse", 128, best=0.05, best_steps=600)
-        timing = {"entries": {
-            "sgd_nesterov": {"chosen": {"learning_rate": 0.1}, "start_steps": 2,
-                             "start_s": 3.0, "blocks_step_s": [0.05, 0.04, 0.06]},
+        # SGD's XLA step is faster, and so is its time to 0.90 despite its slower start;
+        # K-FAC's XLA start (compiling) outweighs its slightly faster step.
+        timing = {"compilations": ["graph", "xla"], "entries": {
+            "sgd_nesterov": {"chosen": {"learning_rate": 0.1}, "compilations": {
+                "graph": {"start_steps": 2, "start_s": 1.0, "blocks_step_s": [0.2, 0.2]},
+                "xla": {"start_steps": 2, "start_s": 3.0,
+                        "blocks_step_s": [0.05, 0.04, 0.06]}}},
             "kfac_inverse": {"chosen": batch_scaling.setting("kfac_inverse", 0.05),
-                             "start_steps": 11, "start_s": 9.0,
-                             "blocks_step_s": [0.07, 0.06, 0.08, 0.09]}}}
+                             "compilations": {
+                "graph": {"start_steps": 11, "start_s": 9.0,
+                          "blocks_step_s": [0.07, 0.06, 0.08, 0.09]},
+                "xla": {"start_steps": 11, "start_s": 90.0,
+                        "blocks_step_s": [0.07, 0.07]}}}}}
+        with open(batch_scaling.retime_path(128), "w") as f:
+            json.dump(dict(timing, compilations=["graph"]), f)
+        self.assertIsNone(batch_scaling.read_retime(128))  # other compilations: run again
         with open(batch_scaling.retime_path(128), "w") as f:
             json.dump(timing, f)
         batch_scaling.collect()
@@ -506,8 +519,18 @@ class RetimeTest(InWorkDir):
         self.assertIsNone(kfac["time_s_to_target"]["0.91"])
         for key, value in {"min": 0.06, "median": 0.075, "max": 0.09}.items():
             self.assertAlmostEqual(kfac["step_s"][key], value)
+        self.assertEqual((sgd["compilation"], kfac["compilation"]), ("xla", "graph"))
+        self.assertEqual((sgd["other_step_s"], kfac["other_step_s"]),
+                         ({"graph": 0.2}, {"xla": 0.07}))
         ratio = entries["kfac_inverse"]["over_best_first_order"]["128"]["0.9"]
         self.assertAlmostEqual(ratio["time"], (9.0 + 639 * 0.075) / (3.0 + 1048 * 0.05))
+        # The tables say which compilation each step time is.
+        with open(os.path.join(self.output_dir, "batch_scaling.json")) as f:
+            lines = batch_scaling.tables(json.load(f)).splitlines()
+        self.assertTrue(any(line.startswith("| SGD, Nesterov | 0.1 | 50.0 [40.0-60.0] XLA |")
+                            for line in lines))
+        self.assertTrue(any(line.startswith("| K-FAC inverse, KL clip (momentum SGD) | 0.05 "
+                                            "| 75.0 [60.0-90.0] |") for line in lines))
 
 if __name__ == "__main__":
     absltest.main()
