@@ -464,23 +464,21 @@ def retime(batch, cells):
     block_steps = BATCHES[batch]["timing_block_steps"]
     print(f"--- retiming batch {batch}: {', '.join(chosen)}; {', '.join(COMPILATIONS)}",
           flush=True)
-    runs = [(entry, compilation) for entry in chosen for compilation in COMPILATIONS]
     with tempfile.TemporaryDirectory() as model_dir:
-        timed = {f"{entry} {compilation}": timed_steps.Timed(config_lib.TrainConfig(
-            model_dir=os.path.join(model_dir, f"{entry}-{compilation}"), verbose=0,
-            xla=COMPILATIONS[compilation],
-            **trial_settings(entry, batch, chosen[entry]["learning_rate"], SEEDS[0])),
-            RETIME_CACHED_BATCHES, block_steps) for entry, compilation in runs}
+        timed = {(entry, compilation): timed_steps.Timed(config_lib.TrainConfig(
+            model_dir=os.path.join(model_dir, f"{entry}-{compilation}"), verbose=0, xla=xla,
+            **trial_settings(entry, batch, point["learning_rate"], SEEDS[0])),
+            RETIME_CACHED_BATCHES, block_steps)
+            for entry, point in chosen.items() for compilation, xla in COMPILATIONS.items()}
         for run in timed.values():
             run.warm_up()
-        samples = harness.interleave({name: run.block for name, run in timed.items()},
+        samples = harness.interleave({key: run.block for key, run in timed.items()},
                                      RETIME_REPEATS)
     entries = {entry: {"chosen": point, "compilations": {}} for entry, point in chosen.items()}
-    for entry, compilation in runs:
-        run = timed[f"{entry} {compilation}"]
+    for (entry, compilation), run in timed.items():
         entries[entry]["compilations"][compilation] = {
             "start_steps": run.warm_up_steps, "start_s": run.warm_up_s,
-            "blocks_step_s": harness.by_figure(samples[f"{entry} {compilation}"])["wall"]}
+            "blocks_step_s": harness.by_figure(samples[entry, compilation])["wall"]}
     result = {"batch": batch, "block_steps": block_steps, "repeats": RETIME_REPEATS,
               "compilations": list(COMPILATIONS), "entries": entries}
     with open(retime_path(batch), "w", encoding="utf-8") as f:
