@@ -27,8 +27,13 @@ _KFAC_SCHEDULE_FREE = dict(_KFAC, kfac_method="inverse",
 # CONSTANT_LEARNING_RATE trains on the protocol's schedule with its weight decay
 # (`protocol`).
 OPTIMIZERS = {
+    # The declared default (docs/benchmarks.md, "Protocol"): what `tfkfac.KFAC()` and the
+    # trainer give with no arguments, spelled out so that the entry measures it whatever
+    # the defaults become; it tunes its learning rate alone.
+    "kfac": dict(_KFAC_SCHEDULE_FREE, damping=0.03),
     "adamw": dict(optimizer="adamw"),
-    "sgd": dict(optimizer="sgd"),  # with the trainer's momentum 0.9
+    # Nesterov momentum, tuned in learning rate x momentum (Shallue et al.'s space).
+    "sgd": dict(optimizer="sgd", nesterov=True),
     "kfac_inverse": dict(_KFAC, kfac_method="inverse"),
     "kfac_eigen": dict(_KFAC, kfac_method="eigen"),
     # The earlier protocol, for reference: constant learning rate 0.05, KL clip 1e-3
@@ -118,11 +123,15 @@ def points(**axes):
         *(axes[name] for name in names))]
 
 
-def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
+def grids(model, sgd_effective_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
           eigen_adam_from=1e-5, schedule_free_like_from=2e-3):
     """The tuning points of every entry `model` runs: 8 each. First-order entries and
     Adam-length K-FAC (eigen_adam, whose damping does not enter) tune the learning rate
-    over the 1-2-5 series (AdamW from 1e-4, SGD from `sgd_from`); K-FAC with the KL
+    over the 1-2-5 series (AdamW from 1e-4); SGD with Nesterov momentum tunes learning
+    rate x momentum (`sgd_points`, from the effective rate `sgd_effective_from`); the
+    declared default K-FAC tunes its learning rate on ScheduleFreeAdamW's series (its
+    inner rule's), 5e-4 to 0.1, as the other entries with an Adam-type step length (its
+    damping is the declared one); K-FAC with the KL
     clip tunes learning rate x damping x KL clip jointly (2 x 2 x 2; once the clip binds,
     the step length is the clip's and the learning rate sets when the decayed schedule
     takes over); K-FAC under an inner AdamW or grafted to Adam tunes 4 Adam-like
@@ -153,8 +162,9 @@ def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
     schedule_free_kfac = points(learning_rate=series(schedule_free_like_from, 4),
                                 damping=dampings)
     entries = {
+        "kfac": points(learning_rate=series(5e-4)),
         "adamw": points(learning_rate=series(1e-4)),
-        "sgd": points(learning_rate=series(sgd_from)),
+        "sgd": sgd_points(sgd_effective_from),
         "kfac_inverse": clipped, "kfac_eigen": clipped,
         "kfac_constant": points(damping=series(2e-3)),
         "kfac_adamw": adam_like, "kfac_graft_adam": grafted,
@@ -171,12 +181,26 @@ def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
     return entries
 
 
+# SGD's momenta: Shallue et al. (JMLR 2019) find the best 1 - momentum anywhere from 1e-3
+# to 0.3 and trading off against the learning rate through the effective rate
+# η / (1 - μ); two momenta x four effective rates keep SGD at the common trial count.
+SGD_MOMENTA = (0.9, 0.97)
+
+
+def sgd_points(effective_from):
+    """SGD's 8 tuning points: momentum in SGD_MOMENTA x 4 effective learning rates
+    η / (1 - μ) of the 1-2-5 series from `effective_from` (so the two momenta try the
+    same step sizes)."""
+    return [dict(learning_rate=float(f"{rate * (1 - momentum):.6g}"), momentum=momentum)
+            for momentum in SGD_MOMENTA for rate in series(effective_from, 4)]
+
+
 # Dampings from the constant-rate tuning (docs/benchmarks.md): the CNN picked 0.1 (both
 # methods), ResNet-20 1e-2 (inverse) and 3e-3 (eigen), the ViT 3e-2 (inverse) and 0.1
-# (eigen). SGD's constant-rate picks: CNN 0.1, ResNet-20 3e-3..1e-2, ViT 3e-3, so its
-# series starts at 1e-3 on the CNN (up to 0.2) and at 5e-4 on ResNet-20 (up to 0.1).
-# On the ViT it started at 5e-4 too; with the schedule its best was 0.1, the edge, so it
-# moved one step: 1e-3 to 0.2. Grafted K-FAC's and K-FAC over AdamW's bests on the ViT
+# (eigen). SGD (momentum 0.9, no Nesterov) picked 0.1 on the CNN and the ViT and 0.05 on
+# ResNet-20 on the 8-rate learning-rate grids of the warm-up + cosine protocol: effective
+# rates 1 and 0.5, so its effective rates span 0.5 to 5 (CNN, ViT) and 0.2 to 2
+# (ResNet-20). Grafted K-FAC's and K-FAC over AdamW's bests on the ViT
 # were at their top learning rates (5e-4 and 5e-3, damping 3e-2), so their series moved
 # one step too: 1e-4 to 1e-3, and 1e-3 to 1e-2. On ResNet-20 eigen_adam's best was its
 # top rate (2e-3: 0.9108 against 1e-3's 0.9107), so its series moved one step up.
@@ -187,10 +211,11 @@ def grids(model, sgd_from, dampings, grafted_from=5e-5, adam_like_from=5e-4,
 # best there was the top rate (5e-2, damping 3e-3: 0.9215 against 2e-2's 0.9210), so it
 # moved one step more: 1e-2 to 1e-1.
 GRIDS = {
-    "cnn": grids("cnn", sgd_from=1e-3, dampings=(3e-2, 0.1), schedule_free_like_from=5e-3),
-    "resnet20": grids("resnet20", sgd_from=5e-4, dampings=(3e-3, 1e-2), eigen_adam_from=2e-5,
-                      schedule_free_like_from=1e-2),
-    "vit": grids("vit", sgd_from=1e-3, dampings=(3e-2, 0.1), grafted_from=1e-4,
+    "cnn": grids("cnn", sgd_effective_from=0.5, dampings=(3e-2, 0.1),
+                 schedule_free_like_from=5e-3),
+    "resnet20": grids("resnet20", sgd_effective_from=0.2, dampings=(3e-3, 1e-2),
+                      eigen_adam_from=2e-5, schedule_free_like_from=1e-2),
+    "vit": grids("vit", sgd_effective_from=0.5, dampings=(3e-2, 0.1), grafted_from=1e-4,
                  adam_like_from=1e-3),
 }
 assert all(len(grid) == TUNING_TRIALS for model in GRIDS.values() for grid in model.values())
