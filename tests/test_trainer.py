@@ -399,6 +399,25 @@ class RecorderBookkeepingTest(absltest.TestCase):
         self.assertFalse(log.gave_up)
         self.assertFalse(reporting.EvaluationLog(counters).gave_up)  # no give_up given
 
+    def test_evaluation_spacing_is_a_share_of_the_steps_done(self):
+        due = reporting.EvaluationSchedule(every=0, spacing=0.1)
+        steps = [s for s in range(1, 200) if due(s)]
+        # Gaps of 5 until 10% of the steps done exceeds 5, then 10% of them (rounded down).
+        self.assertEqual(steps[:12], [5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60])
+        self.assertEqual(steps[12:16], [66, 72, 79, 86])
+        gaps = [b - a for a, b in zip(steps, steps[1:])]
+        self.assertTrue(all(gap <= max(5, 0.1 * a) for gap, a in zip(gaps, steps)))
+        # A schedule that starts late (a resumed run) evaluates at the same steps.
+        resumed = reporting.EvaluationSchedule(every=0, spacing=0.1)
+        self.assertEqual([s for s in range(100, 200) if resumed(s)],
+                         [s for s in steps if s >= 100])
+        capped = reporting.EvaluationSchedule(every=7, spacing=0.1)
+        capped_steps = [s for s in range(1, 200) if capped(s)]
+        self.assertEqual(max(b - a for a, b in zip(capped_steps, capped_steps[1:])), 7)
+        every = reporting.EvaluationSchedule(every=4, spacing=0)
+        self.assertEqual([s for s in range(1, 13) if every(s)], [4, 8, 12])
+        self.assertFalse(reporting.EvaluationSchedule(every=0, spacing=0)(5))
+
     def test_first_crossing_is_recorded_with_totals_at_that_point(self):
         counters = reporting.RunCounters()
         fresh_per_epoch = {"count": 0}

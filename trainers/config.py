@@ -62,7 +62,7 @@ RENAMED_FIELDS = {old: new for old, new in kfac_config.RENAMED.items() if new in
 # the run live, how much is printed. Every other field must stay as it was; a resumed
 # run takes the fields not given from the run's own settings.
 RESUME_MAY_CHANGE_FIELDS = (
-    "steps", "epochs", "eval_every_steps", "noise_scale", "noise_scale_interval",
+    "steps", "epochs", "eval_every_steps", "eval_spacing", "noise_scale", "noise_scale_interval",
     "target_accuracy", "stop_at_target", "give_up_steps", "give_up_accuracy",
     "data_dir", "idx_dir", "model_dir", "verbose", "resume", "auto_resume", "phase_clocks",
     "preemption_grace_seconds", "distribution", "startup_timeout_seconds",
@@ -113,6 +113,10 @@ class _RunConfig:
     read_latency: float = 0.0
     precision: str = "float32"
     eval_every_steps: int = 0
+    # Evaluations also this share of the steps done apart (at least
+    # reporting.MIN_EVAL_GAP steps): a time to a target is known to within this share of
+    # itself. 0: off.
+    eval_spacing: float = 0.0
     # The gradient noise scale in the epoch logs (tfkfac.GradientNoiseScale), measured
     # every noise_scale_interval steps.
     noise_scale: bool = False
@@ -169,6 +173,7 @@ class _RunConfig:
         if self.steps is not None:
             validation.positive_integer("steps", self.steps)
         validation.integer("eval_every_steps", self.eval_every_steps, 0, validation.INT64_MAX)
+        validation.finite_number("eval_spacing", self.eval_spacing, 0, 1)
         validation.positive_integer("noise_scale_interval", self.noise_scale_interval)
         if "noise_scale_interval" in explicitly_set and not self.noise_scale:
             raise ValueError("noise_scale_interval applies to noise_scale, which is off; "

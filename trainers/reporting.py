@@ -16,6 +16,7 @@ import csv
 import dataclasses
 import io
 import json
+import math
 import os
 import time
 from typing import Dict, List, Optional
@@ -226,6 +227,29 @@ def add_history_row(counters, logs):
         counters.history.append(row)
 
 
+# The smallest gap between two evaluations an `eval_spacing` places.
+MIN_EVAL_GAP = 5
+
+
+class EvaluationSchedule:
+    """Which steps are evaluated mid-epoch: every `every` steps, or, with `spacing` > 0,
+    steps s_0 = 0, s_(k+1) = s_k + max(MIN_EVAL_GAP, floor(spacing * s_k)), each gap at most
+    `every` when that is given too. The steps are a function of the step count alone, so
+    a resumed run evaluates where the uninterrupted one did."""
+
+    def __init__(self, every, spacing):
+        self._every, self._spacing = every, spacing
+        self._next = 0
+
+    def __call__(self, steps):
+        if not self._spacing:
+            return bool(self._every) and steps % self._every == 0
+        while self._next < steps:
+            gap = max(MIN_EVAL_GAP, math.floor(self._spacing * self._next))
+            self._next += min(gap, self._every) if self._every else gap
+        return self._next == steps
+
+
 class EpochRecorder(keras.callbacks.Callback):
     """Keeps a run's `RunCounters` as `fit` calls back, and completes each epoch's logs.
 
@@ -244,7 +268,8 @@ class EpochRecorder(keras.callbacks.Callback):
       fresh_examples_fn: returns the fresh examples this rank read in the current epoch.
       phase_fn: names the work of the step just finished ("factors", ...).
       evaluate_fn: returns this rank's eval metrics ({"val_accuracy": ...}) mid-epoch.
-      eval_every_steps: evaluate every this many steps too (0: only at epoch ends).
+      eval_every_steps, eval_spacing: evaluate mid-epoch too, at the steps of
+        `EvaluationSchedule` (both 0: only at epoch ends).
       target_accuracy: eval accuracy whose first crossing is recorded, or None.
       stop_at_target: ends training once the target is reached.
       give_up: (steps, accuracy): ends training once it has given up (`EvaluationLog`).
@@ -256,7 +281,7 @@ class EpochRecorder(keras.callbacks.Callback):
     """
 
     def __init__(self, counters, communicator, scalars_fn, fresh_examples_fn, phase_fn,
-                 evaluate_fn=None, eval_every_steps=0, target_accuracy=None,
+                 evaluate_fn=None, eval_every_steps=0, eval_spacing=0.0, target_accuracy=None,
                  stop_at_target=False, give_up=None, steps_per_epoch=None,
                  epoch_metrics=None):
         super().__init__()
@@ -270,7 +295,7 @@ class EpochRecorder(keras.callbacks.Callback):
         self._scalars_fn = scalars_fn
         self._fresh_examples_fn = fresh_examples_fn
         self._evaluate_fn = evaluate_fn
-        self._eval_every_steps = eval_every_steps
+        self._evaluation_due = EvaluationSchedule(eval_every_steps, eval_spacing)
         self._stop_at_target = stop_at_target
         self._steps_per_epoch = steps_per_epoch
         self._epoch_steps = 0
@@ -299,7 +324,7 @@ class EpochRecorder(keras.callbacks.Callback):
         self.counters.steps = self._timer.step
         self._epoch_steps += 1
         last_of_epoch = self._epoch_steps == self.params.get("steps")
-        if (self._eval_every_steps and self.counters.steps % self._eval_every_steps == 0
+        if (self._evaluation_due(self.counters.steps)
                 and not last_of_epoch):  # fit itself evaluates after the last step
             self._evaluate_mid_epoch()
 

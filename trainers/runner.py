@@ -365,7 +365,7 @@ class Trainer:
             fresh_examples_fn=self.data.fresh_examples,
             phase_fn=phase_fn(self.optimizer),
             evaluate_fn=lambda: self._evaluate_mid_epoch(eval_data),
-            eval_every_steps=config.eval_every_steps,
+            eval_every_steps=config.eval_every_steps, eval_spacing=config.eval_spacing,
             target_accuracy=config.target_accuracy,
             stop_at_target=config.stop_at_target,
             give_up=self._give_up(),

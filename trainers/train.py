@@ -120,6 +120,11 @@ flags.DEFINE_enum("precision", _DEFAULTS.precision, config_lib.PRECISIONS,
 flags.DEFINE_integer("eval_every_steps", _DEFAULTS.eval_every_steps,
                      "Also evaluate every this many steps (finer time-to-target and "
                      "accuracy-vs-time curves); 0 evaluates at epoch ends only.")
+flags.DEFINE_float("eval_spacing", _DEFAULTS.eval_spacing,
+                   "Also evaluate whenever the steps since the last evaluation reach this "
+                   "share of the steps done (at least 5 apart; with --eval_every_steps, at "
+                   "most that many apart): dense early, sparse later, so a time to a target "
+                   "is known to within this share of itself. 0: off.")
 flags.DEFINE_bool("noise_scale", _DEFAULTS.noise_scale,
                   "Log the gradient noise scale B_simple per epoch (noise_scale, and under "
                   "kfac preconditioned_noise_scale); see docs/design.md.")
