@@ -138,7 +138,7 @@ BATCHES = {
 KFAC_BATCH_SETTINGS = ("factor_update_freq", "decomposition_update_freq",
                        "factor_batch_fraction")
 # Entry -> its bench/trials.py entry, the settings added to it, and its batch-128 pick:
-# bench/results/time_to_accuracy.json (cnn: sgd, adamw, kfac_inverse, kfac_eigen_adam),
+# bench/results/variants/time_to_accuracy.json (cnn: sgd, adamw, kfac_inverse, kfac_eigen_adam),
 # bench/results/trial_summaries/cnn (muon, lamb) and
 # bench/results/cnn_kfac_schedule_free/time_to_accuracy.json (the batch-128 race's
 # winners: schedule_free_adamw among first-order entries, kfac_schedule_free_adamw among

@@ -85,7 +85,7 @@ class GridTest(absltest.TestCase):
         self.assertIsNone(batch_scaling.outward(indices, 4))
 
     def test_picks_are_the_recorded_batch_128_bests(self):
-        with open(os.path.join(REPO_ROOT, "bench/results/time_to_accuracy.json")) as f:
+        with open(os.path.join(REPO_ROOT, "bench/results/variants/time_to_accuracy.json")) as f:
             cnn = json.load(f)["models"]["cnn"]
         # A measured entry's setting, or the pick of one tuned and awaiting its timed runs.
         picks = {**{entry: tuning["best"] for entry, tuning in cnn["tuned_only"].items()},
