@@ -153,9 +153,9 @@ def grids(model, sgd_effective_from, dampings, grafted_from=5e-5, adam_like_from
     weight norm (its trust ratio), a relative step of the size AdamW's best rates make,
     and it is tuned at Adam-like rates that grow with the batch (ResNet strikes back:
     5e-3 at batch 2048); on the MLP (one epoch) 5e-3 beat 2e-2 and 5e-2 diverged, so its
-    series is AdamW's moved up one step, 2e-4 to 5e-2. A model with no weight Muon
-    orthogonalizes (config.MODELS_WITHOUT_MUON_WEIGHTS) has no Muon entry: Muon would
-    train it as AdamW, and the trainer refuses it."""
+    series is AdamW's moved up one step, 2e-4 to 5e-2. On a model with no weight Muon
+    orthogonalizes (config.MODELS_WITHOUT_MUON_WEIGHTS) Muon is its AdamW step on every
+    weight: what a Keras user gets, raced as such."""
     adam_like = points(learning_rate=series(adam_like_from, 4), damping=dampings)
     grafted = points(learning_rate=series(grafted_from, 4), damping=dampings)
     clipped = points(learning_rate=(0.05, 0.2), damping=dampings, kl_clip=(1e-3, 1e-2))
@@ -176,8 +176,6 @@ def grids(model, sgd_effective_from, dampings, grafted_from=5e-5, adam_like_from
         "lamb": points(learning_rate=series(2e-4)),
     }
     entries.update({entry: entries[base] for entry, base in TUNED_AS.items()})
-    if model in config_lib.MODELS_WITHOUT_MUON_WEIGHTS:
-        del entries["muon"]
     return entries
 
 

@@ -80,7 +80,7 @@ class MuonTest(parameterized.TestCase):
         self.assertEqual((muon.weight_decay, muon.adam_weight_decay), (0.01, 0.01))
         self.assertEqual((muon.momentum, muon.rms_rate), (0.95, 0.2))  # its own defaults
 
-    def test_models_it_would_train_as_adamw_are_the_refused_ones(self):
+    def test_models_it_trains_as_adamw_are_the_named_ones(self):
         for name in models.MODEL_NAMES:
             model = models.build_model(name, (28, 28, 1), 10)
             on_muon = orthogonalized(model)
@@ -92,11 +92,13 @@ class MuonTest(parameterized.TestCase):
         self.assertEqual(vit, {f"block{b}_mlp_{part}/kernel" for b in range(models.VIT_DEPTH)
                                for part in ("hidden", "output")})
 
-    def test_refused_where_it_would_be_adamw(self):
+    def test_said_where_it_trains_as_adamw(self):
         config, given = config_from_argv("--optimizer=muon", "--model=resnet20")
-        with self.assertRaisesRegex(ValueError, "optimizer=muon would train model=resnet20 "
-                                    "as adamw: .*only 2-D kernels .*use optimizer=adamw"):
-            config.validate(given)
+        config.validate(given)
+        with self.assertLogs(level="WARNING") as logs:
+            runner._options("muon", config, steps_per_epoch=10, output_layer="logits")
+        self.assertRegex(logs.output[0], "orthogonalizes no weight of model=resnet20 .*every "
+                         "weight takes Muon's AdamW step")
 
     def test_kfac_in_front_of_it_is_refused_saying_why(self):
         config, given = config_from_argv("--kfac_inner_optimizer=muon")
