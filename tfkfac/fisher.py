@@ -90,12 +90,16 @@ class PredictiveDistribution(typing.NamedTuple):
         return tf.reshape(draws, tf.shape(values)[:-1])
 
 
-def predictive_distribution(loss):
+SAMPLED_PURPOSE = ("KFAC(fisher='sampled') draws labels from the predictive distribution "
+                   "of the compiled loss")
+
+
+def predictive_distribution(loss, purpose=SAMPLED_PURPOSE):
     """The `PredictiveDistribution` of `loss` (what `model.compile(loss=...)` took), or a
-    ValueError naming it and the losses the sampled Fisher supports."""
+    ValueError naming it and the losses supported, after `purpose` (what needs it: the
+    sampled Fisher, or the exact curvature of tfkfac/ggn.py)."""
     def refuse(why):
-        return ValueError(f"KFAC(fisher='sampled') draws labels from the predictive "
-                          f"distribution of the compiled loss; {why}. It supports {ALLOWED}.")
+        return ValueError(f"{purpose}; {why}. It supports {ALLOWED}.")
 
     if loss is None:
         raise refuse("the model is compiled without a loss")

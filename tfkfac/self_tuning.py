@@ -1,0 +1,223 @@
+"""Self-tuning K-FAC (Martens & Grosse 2015 §6.5-§7; docs/design.md §14): the step's
+learning rate α and momentum μ from the quadratic model of the exact curvature, and the
+damping λ from the Levenberg-Marquardt rule, so that none of the three is a setting.
+
+Each step, with Δ the K-FAC direction (−P, P the preconditioned gradient at damping γ),
+δ₀ the previous update, ∇h the gradient and F the exact Fisher/GGN (tfkfac/ggn.py):
+C = F + (λ + η) I, (α, μ) minimise M(δ) = ½ δᵀ C δ + ∇hᵀ δ over δ = α Δ + μ δ₀ (a 2×2
+system), and the update is δ. Every T₁ steps the loss after the update, on the same
+batch, gives the reduction ratio ρ = (h(θ + δ) − h(θ)) / M(δ), and λ shrinks by ω₁ when
+ρ > 3/4 and grows by 1/ω₁ when ρ < 1/4. The factors' damping γ is tied to λ, as kfac-jax
+ties them: γ = λ + η.
+
+The pure functions take and give float64 tensors and are what the tests check against
+numpy; `SelfTuning` holds the state (λ, γ, δ₀), saved with the optimizer. Every input is
+reduced over ranks before it reaches them (the Gram matrix of F by the communicator, the
+gradient averaged, the losses averaged), so every rank takes the same decisions.
+"""
+
+import dataclasses
+import math
+
+import keras
+import tensorflow as tf
+
+from tfkfac import state as state_lib, validation
+
+# Martens & Grosse §6.5: λ adapted every T₁ = 5 steps by ω₁ = (19/20)^T₁.
+ADAPTATION_INTERVAL = 5
+DECAY = (19.0 / 20.0) ** ADAPTATION_INTERVAL
+# λ shrinks above UPPER and grows below LOWER (§6.5).
+LOWER, UPPER = 0.25, 0.75
+# λ's bounds: kfac-jax's lower one; an upper one so that a run of failed steps (ρ NaN)
+# cannot take λ to infinity, where Δ vanishes and the 2×2 system with it.
+MIN_DAMPING, MAX_DAMPING = 1e-8, 1e8
+# A 2×2 matrix whose determinant is below this share of its diagonal's product holds
+# (numerically) parallel Δ and δ₀: the step is then taken along Δ alone.
+PARALLEL_TOLERANCE = 1e-10
+
+
+@dataclasses.dataclass(frozen=True)
+class LevenbergMarquardt:
+    """The Levenberg-Marquardt rule for λ (§6.5), checked when made: every `interval`
+    steps (the steps k, 0-based, with (k + 1) a multiple of it), λ ← `decay`·λ if
+    ρ > `upper`, λ ← λ / `decay` if ρ < `lower` or ρ is NaN, then clipped to
+    [`min_damping`, `max_damping`]."""
+
+    interval: int = ADAPTATION_INTERVAL
+    decay: float = DECAY
+    lower: float = LOWER
+    upper: float = UPPER
+    min_damping: float = MIN_DAMPING
+    max_damping: float = MAX_DAMPING
+
+    def __post_init__(self):
+        validation.positive_integer("interval", self.interval)
+        validation.finite_number("decay", self.decay, 0, 1, low_open=True, high_open=True)
+        validation.finite_number("lower", self.lower)
+        validation.finite_number("upper", self.upper, low=self.lower)
+        validation.finite_number("min_damping", self.min_damping, low=0, low_open=True)
+        validation.finite_number("max_damping", self.max_damping, low=self.min_damping)
+
+    def due(self, step):
+        """Whether λ is adapted after step `step` (0-based; a tensor or an int)."""
+        return tf.equal(tf.math.floormod(tf.cast(step, tf.int64) + 1, self.interval), 0)
+
+    def adapted(self, damping, rho):
+        """λ after a step of reduction ratio `rho` (float64 tensors)."""
+        damping = float64(damping)
+        rho = float64(rho)
+        failed = tf.logical_or(tf.math.is_nan(rho), rho < self.lower)
+        new = tf.where(failed, damping / self.decay,
+                       tf.where(rho > self.upper, damping * self.decay, damping))
+        return tf.clip_by_value(new, self.min_damping, self.max_damping)
+
+
+def check_initial_damping(name, value, rule):
+    """`value` (the initial λ) is a number in the rule's bounds."""
+    return validation.finite_number(name, value, rule.min_damping, rule.max_damping)
+
+
+def float64(value):
+    """`value` as a float64 tensor; a Python number converted directly, never through
+    float32 (as `tf.cast` would)."""
+    if tf.is_tensor(value) or isinstance(value, (tf.Variable, keras.Variable)):
+        return tf.cast(value, tf.float64)
+    return tf.constant(value, tf.float64)
+
+
+def inner_products(vectors, others=None):
+    """The matrix [⟨vᵢ, wⱼ⟩] (float64) of `vectors` and `others` (default: `vectors`),
+    each a list of tensors (one per variable; None is zero)."""
+    others = vectors if others is None else others
+    return tf.stack([tf.stack([_dot(v, w) for w in others]) for v in vectors])
+
+
+def _dot(v, w):
+    terms = [tf.reduce_sum(tf.cast(a, tf.float64) * tf.cast(b, tf.float64))
+             for a, b in zip(v, w) if a is not None and b is not None]
+    return tf.add_n(terms) if terms else tf.constant(0.0, tf.float64)
+
+
+def quadratic_model(curvature_gram, vector_gram, gradient_dots, damping, l2=0.0):
+    """(A, b) of M(w) = ½ wᵀ A w + bᵀ w for δ = w₀ v₀ + w₁ v₁ + ...: A = [vᵢᵀ F vⱼ] +
+    (λ + η) [vᵢᵀ vⱼ], b = [∇hᵀ vᵢ]; float64."""
+    curvature_gram = float64(curvature_gram)
+    weight = float64(damping) + float64(l2)
+    return (curvature_gram + weight * float64(vector_gram),
+            float64(gradient_dots))
+
+
+def solve(matrix, gradient_dots):
+    """(α, μ, M(δ)) minimising the quadratic model (A = `matrix` 2×2, b = `gradient_dots`)
+    over δ = α Δ + μ δ₀: [α, μ]ᵀ = −A⁻¹ b and M(δ) = ½ (α b₀ + μ b₁). Without δ₀
+    (A₁₁ = 0: the first step, or δ₀ = 0) or with δ₀ parallel to Δ (det A ≤
+    PARALLEL_TOLERANCE · A₀₀ A₁₁), μ = 0 and α = −b₀ / A₀₀ (0 when A₀₀ = 0: Δ = 0)."""
+    a = float64(matrix)
+    b = float64(gradient_dots)
+    a00, a01, a10, a11 = a[0, 0], a[0, 1], a[1, 0], a[1, 1]
+    det = a00 * a11 - a01 * a10
+    both = tf.logical_and(a11 > 0, det > PARALLEL_TOLERANCE * a00 * a11)
+    safe_det = tf.where(both, det, tf.ones_like(det))
+    alpha = tf.where(both, -(a11 * b[0] - a01 * b[1]) / safe_det,
+                     -tf.math.divide_no_nan(b[0], a00))
+    mu = tf.where(both, -(a00 * b[1] - a10 * b[0]) / safe_det, tf.zeros_like(det))
+    return alpha, mu, 0.5 * (alpha * b[0] + mu * b[1])
+
+
+def reduction_ratio(new_loss, old_loss, model_change):
+    """ρ = (h(θ + δ) − h(θ)) / M(δ), float64 (NaN when M(δ) = 0 or a loss is not finite,
+    which the rule treats as a failed step)."""
+    new_loss = float64(new_loss)
+    old_loss = float64(old_loss)
+    model_change = float64(model_change)
+    rho = (new_loss - old_loss) / model_change
+    return tf.where(tf.math.is_finite(rho), rho, tf.constant(math.nan, tf.float64))
+
+
+class SelfTuning:
+    """The self-tuning state of one optimizer and the two moments of its step.
+
+    State (saved under "self_tuning:<name>"): λ ("damping"), γ ("factor_damping", the
+    damping K-FAC's preconditioning uses: λ + η), δ₀ ("previous_update:<variable path>"),
+    and, for the logs, the last α, μ, M(δ) and ρ ("learning_rate", "momentum",
+    "model_change", "rho"). `initial_damping`: λ's first value; `l2`: η; `rule`: a
+    `LevenbergMarquardt`.
+    """
+
+    SCALARS = ("damping", "factor_damping", "learning_rate", "momentum", "model_change", "rho")
+
+    def __init__(self, initial_damping=1.0, l2=0.0, rule=None):
+        self.rule = LevenbergMarquardt() if rule is None else rule
+        self.initial_damping = check_initial_damping("initial_damping", initial_damping,
+                                                     self.rule)
+        self.l2 = validation.finite_number("l2", l2, low=0)
+        self.scalars, self.previous, self._index, self._paths = {}, [], {}, []
+
+    def create_state(self, model_variables, variable_paths, add_variable):
+        """λ and γ at their first values, δ₀ = 0 per model variable (in its dtype), the
+        logged scalars at NaN; `add_variable(shape, initializer, name, dtype)`."""
+        first = {"damping": self.initial_damping,
+                 "factor_damping": self.initial_damping + self.l2}
+        for name in self.SCALARS:
+            value = first.get(name, math.nan)
+            self.scalars[name] = add_variable(
+                (), lambda shape, dtype, value=value: tf.fill(shape, tf.constant(value, dtype)),
+                f"self_tuning_{name}", "float64")
+        self.previous = [add_variable(v.shape, "zeros", f"self_tuning_previous_{i}", v.dtype)
+                         for i, v in enumerate(model_variables)]
+        self._index = {id(v): i for i, v in enumerate(model_variables)}
+        self._paths = list(variable_paths)
+
+    def saved_variables(self):
+        return ([(state_lib.key("self_tuning", name), self.scalars[name])
+                 for name in self.SCALARS]
+                + [(state_lib.key("self_tuning", "previous_update", path), variable)
+                   for path, variable in zip(self._paths, self.previous)])
+
+    def factor_damping(self):
+        """γ, the damping of this step's K-FAC direction (float64)."""
+        return tf.convert_to_tensor(self.scalars["factor_damping"])
+
+    def update(self, grads, preconditioned, variables, curvature_gram):
+        """(δ per variable, M(δ)) of this step, δ₀ ← δ, α and μ logged.
+
+        `grads`: ∇h per variable (averaged over ranks; None: no gradient);
+        `preconditioned`: P per variable (Δ = −P); `curvature_gram(vectors)`: the 2×2
+        [vᵢᵀ F vⱼ] of [Δ, δ₀] (`tfkfac.ggn.quadratic_forms`, averaged over ranks). A step
+        whose α or μ is not finite updates nothing (δ = 0, δ₀ kept; M(δ) NaN, so that
+        the next adaptation raises λ).
+        """
+        previous = [self.previous[self._index[id(v)]] for v in variables]
+        direction = [None if p is None else -tf.convert_to_tensor(p) for p in preconditioned]
+        zeros = [tf.zeros_like(v) for v in variables]
+        delta0 = [tf.convert_to_tensor(p) for p in previous]
+        vectors = [[z if d is None else d for d, z in zip(direction, zeros)], delta0]
+        matrix, b = quadratic_model(curvature_gram(vectors), inner_products(vectors),
+                                    inner_products([grads], vectors)[0],
+                                    self.scalars["damping"], self.l2)
+        alpha, mu, change = solve(matrix, b)
+        finite = tf.logical_and(tf.math.is_finite(alpha), tf.math.is_finite(mu))
+        alpha = tf.where(finite, alpha, tf.zeros_like(alpha))
+        mu = tf.where(finite, mu, tf.zeros_like(mu))
+        change = tf.where(finite, change, tf.constant(math.nan, tf.float64))
+        delta = [tf.cast(alpha, v.dtype) * d + tf.cast(mu, v.dtype) * p
+                 for d, p, v in zip(vectors[0], delta0, variables)]
+        for variable, value in zip(previous, delta):
+            variable.assign(tf.where(finite, value, variable))
+        for name, value in (("learning_rate", alpha), ("momentum", mu),
+                            ("model_change", change)):
+            self.scalars[name].assign(value)
+        return delta, change
+
+    def adapt(self, step, new_loss, old_loss):
+        """After step `step`'s update: when due, ρ from the losses on the step's batch
+        before and after it (averaged over ranks) and the logged M(δ), then λ and γ."""
+        def adapted():
+            rho = reduction_ratio(new_loss(), old_loss, self.scalars["model_change"])
+            damping = self.rule.adapted(self.scalars["damping"], rho)
+            return tf.group(self.scalars["rho"].assign(rho),
+                            self.scalars["damping"].assign(damping),
+                            self.scalars["factor_damping"].assign(damping + self.l2))
+
+        return tf.cond(self.rule.due(step), adapted, tf.no_op)
