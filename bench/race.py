@@ -119,3 +119,16 @@ def _divide(mine, theirs):
     if math.isinf(theirs):
         return 0.0
     return math.inf if math.isinf(mine) else mine / theirs
+
+
+def bootstrap_medians(groups, samples=BOOTSTRAP_SAMPLES):
+    """{group: `samples` bootstrap medians of its values}, each group of `groups` ({group:
+    values, inf where a seed never reached}) resampled with replacement on its own, for
+    a statistic of several groups' medians (e.g. the critical batch over batch sizes,
+    bench/batch_scaling.py): draw k of every group makes its k-th sample."""
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    medians = {}
+    for group, values in groups.items():
+        values = np.asarray(values, dtype=float)
+        medians[group] = np.median(rng.choice(values, size=(samples, len(values))), axis=1)
+    return medians

@@ -68,9 +68,9 @@ flags.DEFINE_list("sgd_steps", None, "Steps to target for SGD: one value, or one
                   "count (global batch changes with it).")
 flags.DEFINE_list("kfac_steps", None, "Steps to target for K-FAC, as --sgd_steps.")
 flags.DEFINE_string("steps_from", None,
-                    "A batch-scaling JSON (bench/results/batch_scaling.json): steps to target "
-                    "at each global batch (--batch x workers) interpolated from the measured "
-                    "ones, in place of --sgd_steps/--kfac_steps.")
+                    "A batch-scaling JSON (e.g. bench/results/variants/batch_scaling.json): "
+                    "steps to target at each global batch (--batch x workers) interpolated "
+                    "from the measured ones, in place of --sgd_steps/--kfac_steps.")
 flags.DEFINE_float("steps_target", None, "--steps_from: the test accuracy whose steps are "
                    "read (default: the JSON's primary target).")
 flags.DEFINE_string("sgd_entry", "sgd_nesterov", "--steps_from: the entry read as SGD's steps.")
