@@ -22,8 +22,8 @@ Fashion-MNIST, one process (a global batch is what data-parallel workers would s
   step); `adamw`; `lamb`.
 - Tuning reads no test data. Every trial trains seed 0 on trials.TUNE_SPLIT
   (train[:54000]) for the batch's budget in steps (the steps, warm-up and schedule of a
-  final run) and evaluates on trials.VALIDATION_SPLIT (train[54000:]) where a final run
-  does (below), stopping at the primary target 0.90. Its score: its steps to 0.90
+  final run) and evaluates on trials.VALIDATION_SPLIT (train[54000:]) at the steps a
+  final run does (below), stopping at the primary target 0.90. Its score: its steps to 0.90
   (fewest wins; one that never reaches it ranks below every one that did, by its best
   accuracy; a diverged one last). Every (entry, batch) runs trials.TUNING_TRIALS = 8
   trials: GRID_TRIALS = 4 around the entry's batch-128 pick x √(B/128) on the 1-2-5
@@ -42,15 +42,16 @@ Fashion-MNIST, one process (a global batch is what data-parallel workers would s
   its tuned point on the full train split, its test accuracy evaluated at the steps the
   trainer's `eval_spacing` places (EVAL_SPACING, 2.5% of the steps done apart, at least
   5 steps, at most the batch's `eval_every_steps`: every step from 2048 up), so a run's
-  steps to a target are late by at most 2.5% or 5 steps (1 from 2048 up): under 3% of
-  K-FAC's steps to each target in the earlier protocol (275 or more at 128, 44 or more
-  above); each crossing records its own. Each run stops at the top target 0.91 or at
-  the end of its budget. Seeds are fresh (race.FIRST_SEED = 1, 2, ...): 5 for `kfac` and for the
-  first-order entry with the best tuning score at that batch, 3 for the others,
-  interleaved round by round (race.rounds: seed k of every entry, the order reversed
-  every other round). A run's time to a target is its training clock there (evaluation
-  excluded); `kfac` compiles with XLA at 8192 and above, every other run without (each
-  family's faster mode in the earlier protocol's retimes).
+  steps to a target are late by at most the larger of 2.5% and 5 steps (1 step from
+  2048 up): under 3% of K-FAC's steps to each target in the earlier protocol (275 or
+  more at 128, 44 or more above); each crossing records its own. Each run stops at the
+  top target 0.91 or at the end of its budget. Seeds are fresh (race.FIRST_SEED = 1, 2,
+  ...): 5 for `kfac` and for the first-order entry with the best tuning score at that
+  batch, 3 for the others, interleaved round by round (race.rounds: seed k of every
+  entry, the order reversed every other round). A run's time to a target is its
+  training clock there (evaluation excluded); `kfac` compiles with XLA at 8192 and
+  above, every other run without (each family's faster mode in the earlier protocol's
+  retimes).
 - Budgets: an entry whose median over its seeds misses 0.90 within the budget runs its
   seeds again at EXTENSION = 2 times it (its tuned point, the schedule stretched),
   interleaved the same way: its curve at twice the budget, reported beside the budget's
