@@ -355,7 +355,7 @@ def plot_tuning(axis, model, report):
 def carry_over(report):
     """The models (and the autoencoder entries) this run did not measure, from the JSON
     of `--output_dir` as the last run left it, each marked with the commit it was
-    measured at."""
+    measured at; a kept model's entries keep their settings in the protocol's."""
     previous = read_report(os.path.join(FLAGS.output_dir, "time_to_accuracy.json"))
     if previous is None or "race" not in previous["protocol"]:
         return
@@ -366,6 +366,10 @@ def carry_over(report):
                 "measured_at_commit", measured_at))
             report["budgets"][model] = previous["budgets"][model]
             report["tuning"]["grids"][model] = previous["tuning"]["grids"][model]
+            for entry in previous["tuning"]["grids"][model]:  # the settings of its entries
+                if entry in previous["protocol"]["entries"]:
+                    report["protocol"]["entries"].setdefault(
+                        entry, previous["protocol"]["entries"][entry])
     for optimizer, result in previous.get("autoencoder", {}).items():
         if optimizer not in report["autoencoder"]:
             report["autoencoder"][optimizer] = dict(result, measured_at_commit=result.get(

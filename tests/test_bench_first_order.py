@@ -1,11 +1,15 @@
-"""bench/time_to_accuracy.py's entries of Keras's Muon, ScheduleFreeAdamW and Lamb: an
-8-trial grid on every model each runs, the protocol's weight decay and schedule (none for
-ScheduleFreeAdamW), runs of the trainer from the protocol's settings, and ratios of K-FAC
-against the best first-order entry among all of them."""
+"""bench/time_to_accuracy.py's first-order entries, Keras's Muon, ScheduleFreeAdamW and Lamb
+beside SGD and AdamW: an 8-trial grid on every model each runs, the protocol's weight
+decay and schedule (none for ScheduleFreeAdamW), runs of the trainer from the protocol's
+settings, the refusal before any trial of a race the trainer cannot run or that has no
+first-order entry, and the race's baselines: the best-tuned first-order entry runs the
+default's seed count, the best-ending one sets the targets, and the default is compared
+with every one of them."""
 
 import os
 import subprocess
 import sys
+from unittest import mock
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,8 +20,8 @@ from absl.testing import absltest, flagsaver, parameterized  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import trials  # noqa: E402
 import time_to_accuracy  # noqa: E402
+import trials  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 from trainers import config as config_lib, runner  # noqa: E402
 
@@ -30,8 +34,11 @@ class EntriesTest(parameterized.TestCase):
     def test_every_model_tunes_each_on_eight_points_the_trainer_runs(self):
         for model, grids in trials.GRIDS.items():
             for entry in NEW_ENTRIES:
-                if entry == "muon" and model in config_lib.MODELS_WITHOUT_MUON_WEIGHTS:
-                    self.assertNotIn(entry, grids)
+                settings = time_to_accuracy.run_settings(
+                    model, entry, trials.GRIDS["vit"][entry][0], EPOCHS)
+                if entry not in grids:  # only where the trainer refuses it
+                    with self.assertRaises(ValueError, msg=f"{model} {entry}"):
+                        trials.check_entry(entry, settings)
                     continue
                 self.assertLen({trials.slug(point) for point in grids[entry]},
                                trials.TUNING_TRIALS, f"{model} {entry}")
@@ -40,14 +47,35 @@ class EntriesTest(parameterized.TestCase):
                         entry, point, EPOCHS, WEIGHT_DECAY), model=model))
         self.assertEqual(trials.GRIDS["vit"]["muon"], trials.GRIDS["vit"]["adamw"])
 
-    def test_a_model_muon_would_train_as_adamw_is_refused_naming_why(self):
-        with flagsaver.flagsaver(models=["resnet20"], optimizers=["muon"]):
-            with self.assertRaisesRegex(ValueError, "entry muon: optimizer=muon would train "
-                                        "model=resnet20 as adamw"):
+    def test_an_entry_the_trainer_cannot_run_is_refused_before_any_trial(self):
+        # Lamb given a setting of a feature this trainer does not have (yet).
+        with mock.patch.dict(trials.OPTIMIZERS["lamb"], no_such_setting=1), \
+                flagsaver.flagsaver(models=["cnn"], optimizers=["kfac", "lamb"]), \
+                mock.patch.object(trials, "run", side_effect=AssertionError("ran a trial")):
+            with self.assertRaisesRegex(ValueError, r"entry lamb needs the trainer setting\(s\) "
+                                        "no_such_setting"):
                 time_to_accuracy.main()
 
-    def test_they_are_first_order_baselines(self):
-        self.assertContainsSubset(NEW_ENTRIES, time_to_accuracy.FIRST_ORDER)
+    def test_an_entry_without_a_grid_for_the_model_is_refused_naming_the_model(self):
+        with mock.patch.dict(trials.GRIDS["resnet20"]), \
+                flagsaver.flagsaver(models=["resnet20"], optimizers=["kfac", "adamw", "muon"]), \
+                mock.patch.object(trials, "run", side_effect=AssertionError("ran a trial")):
+            trials.GRIDS["resnet20"].pop("muon", None)
+            with self.assertRaisesRegex(ValueError, r"resnet20 has no tuning grid for \['muon'\]"):
+                time_to_accuracy.main()
+
+    def test_a_race_without_a_first_order_entry_is_refused(self):
+        with flagsaver.flagsaver(models=["cnn"], optimizers=["kfac", "kfac_eigen"]), \
+                mock.patch.object(trials, "run", side_effect=AssertionError("ran a trial")):
+            with self.assertRaisesRegex(ValueError, "must hold a first-order entry"):
+                time_to_accuracy.main()
+
+    def test_they_are_first_order_baselines_of_the_default(self):
+        self.assertContainsSubset(NEW_ENTRIES + ("sgd", "adamw"), time_to_accuracy.FIRST_ORDER)
+        self.assertEqual(time_to_accuracy.DEFAULT_ENTRY, "kfac")
+        self.assertNotIn("kfac", time_to_accuracy.FIRST_ORDER)
+        self.assertEqual(time_to_accuracy.FLAGS["optimizers"].default,
+                         ["kfac", *time_to_accuracy.FIRST_ORDER])
 
     def test_help_lists_them(self):
         help_text = subprocess.run(
@@ -101,30 +129,37 @@ class ProtocolTest(parameterized.TestCase):
             self.assertEqual(summary["config"]["optimizer"], entry)
 
 
-def measured(seconds_to_target):
-    """An entry's result, one seed reaching 0.9 after `seconds_to_target` (None: it never
-    did, within a run of 50 s)."""
-    curve = [[50.0, 500, 0.85]] if seconds_to_target is None else [
-        [seconds_to_target, int(10 * seconds_to_target), 0.9]]
-    return {"to_target": {"0.9": trials.to_target([{"curve": curve}], 0.9)}}
+def tuned(accuracy):
+    return {"best": {"learning_rate": 1e-3}, "best_validation_accuracy": accuracy}
+
+
+def ending_at(seeds, final_accuracy):
+    """Timed runs of `seeds`, each 0.05 below `final_accuracy` at 10 s and at it at 20 s."""
+    return [{"seed": seed, "curve": [[10.0, 100, final_accuracy - 0.05],
+                                     [20.0, 200, final_accuracy]]} for seed in seeds]
 
 
 class BestFirstOrderTest(absltest.TestCase):
 
-    def test_kfac_is_compared_with_the_fastest_first_order_entry(self):
-        results = {"sgd": measured(40.0), "adamw": measured(30.0), "muon": measured(20.0),
-                   "lamb": measured(None), "kfac_eigen_adam": measured(10.0)}
-        ratio = time_to_accuracy.ratios_over_best(results, "kfac_eigen_adam")["0.9"]
-        self.assertEqual(ratio["baseline"], "muon")
-        self.assertAlmostEqual(ratio["time"], 0.5)
+    def test_the_best_tuned_first_order_entry_runs_the_defaults_seeds(self):
+        tunings = {"kfac": tuned(0.95), "kfac_eigen_adam": tuned(0.94), "sgd": tuned(0.90),
+                   "adamw": tuned(0.91), "muon": tuned(0.92), "lamb": tuned(0.89)}
+        self.assertEqual(time_to_accuracy.best_first_order(tunings), "muon")
 
-    def test_where_none_reached_it_the_bound_holds_against_each(self):
-        results = {"muon": measured(None), "schedule_free_adamw": measured(None),
-                   "kfac_eigen_adam": measured(10.0)}
-        results["schedule_free_adamw"]["to_target"]["0.9"]["median_above"]["time_s"] = 40.0
-        ratio = time_to_accuracy.ratios_over_best(results, "kfac_eigen_adam")["0.9"]
-        self.assertEqual(ratio["baseline"], "schedule_free_adamw")
-        self.assertAlmostEqual(ratio["time_below"], 10.0 / 40.0)
+    def test_kfac_is_compared_with_every_first_order_entry(self):
+        # Lamb tuned worst but ends best: its median final accuracy is the final target.
+        runs = {"kfac": ending_at(range(1, 6), 0.93), "muon": ending_at(range(1, 6), 0.90),
+                "schedule_free_adamw": ending_at((1, 2, 3), 0.89),
+                "lamb": ending_at((1, 2, 3), 0.92)}
+        result = time_to_accuracy.summarize(runs)
+        self.assertEqual(result["final_target"], {"accuracy": 0.92, "entry": "lamb"})
+        self.assertEqual(set(result["ratios"]), {"kfac"})
+        self.assertEqual(set(result["ratios"]["kfac"]),
+                         {"muon", "schedule_free_adamw", "lamb"})
+        # At 0.9: K-FAC and Lamb at 20 s, Muon at 20 s, ScheduleFreeAdamW never.
+        at_90 = {baseline: by_target["0.9"]["time_s"]["median"]
+                 for baseline, by_target in result["ratios"]["kfac"].items()}
+        self.assertEqual(at_90, {"muon": 1.0, "schedule_free_adamw": 0.0, "lamb": 1.0})
 
 
 if __name__ == "__main__":
