@@ -90,7 +90,7 @@ steps of the batches that reached the target (least squares in 1/B): its B_crit 
 the noise scale B_simple predicts.
 
 Runs live in `--work_dir`: each run's summary.json is written when it finishes, a
-restarted run skips finished runs (and diverged ones, marked DIVERGED_FILE) and resumes
+restarted run skips finished runs (and diverged ones, marked trials.DIVERGED_FILE) and resumes
 an interrupted one from its checkpoint. The work, batch size by batch size in
 `--batch_sizes`' order: every entry's tuning (`--entries`' order), the noise runs at
 128, the race, the misses at twice the budget, the retime. `--tune_only` runs the tuning
@@ -124,7 +124,7 @@ import harness
 import race
 import timed_steps
 import trials
-from trainers import config as config_lib, errors
+from trainers import config as config_lib
 
 FLAGS = flags.FLAGS
 MODEL = "cnn"
@@ -206,7 +206,6 @@ LABELS = {
     "lamb": "Lamb",
 }
 FIRST_ORDER = ("sgd", "schedule_free_adamw", "muon", "adamw", "lamb")
-DIVERGED_FILE = "diverged.json"
 # The load average before and after a run, beside its summary.
 LOAD_FILE = "load_average.json"
 # The gradient noise scale (docs/design_options.md §13), which McCandlish et al. find
@@ -342,25 +341,16 @@ def trial(name, settings, run, give_up=None):
     `give_up` (steps, accuracy) stops once past those steps without having reached that
     accuracy by then; the load average before and after it is kept beside it."""
     model_dir = os.path.join(FLAGS.work_dir, name)
-    marker = os.path.join(model_dir, DIVERGED_FILE)
-    if os.path.exists(marker):
-        with open(marker, encoding="utf-8") as f:
-            return {"diverged": json.load(f)["message"]}
-    summary = trials.read(FLAGS.work_dir, name, **settings)
+    summary = (trials.diverged(FLAGS.work_dir, name)
+               or trials.read(FLAGS.work_dir, name, **settings))
     if summary is not None or not run:
         return summary
     if give_up is not None:
         settings = dict(settings, give_up_steps=give_up[0], give_up_accuracy=give_up[1])
     before = os.getloadavg()
-    try:
-        summary = trials.run(FLAGS.work_dir, name, **settings)
-    except errors.RunError as error:
-        if "training diverged" not in str(error):
-            raise
-        with open(marker, "w", encoding="utf-8") as f:
-            json.dump({"message": str(error)}, f)
-        print(f"--- {name}: diverged", flush=True)
-        return {"diverged": str(error)}
+    summary = trials.run_or_diverged(FLAGS.work_dir, name, **settings)
+    if "diverged" in summary:
+        return summary
     with open(os.path.join(model_dir, LOAD_FILE), "w", encoding="utf-8") as f:
         json.dump({"before": before, "after": os.getloadavg()}, f)
     return summary

@@ -142,12 +142,15 @@ def tune(model, optimizer):
     else:
         scores = []
         for name, setting in zip(names, GRIDS[model][optimizer]):
-            summary = trial(name, **run_settings(model, optimizer, setting,
-                                                 BUDGETS[model]["tune_epochs"]),
-                            train_split=TUNE_SPLIT, eval_split=VALIDATION_SPLIT)
+            summary = trials.run_or_diverged(
+                FLAGS.work_dir, name, batch_size=FLAGS.batch_size,
+                **run_settings(model, optimizer, setting, BUDGETS[model]["tune_epochs"]),
+                train_split=TUNE_SPLIT, eval_split=VALIDATION_SPLIT)
+            # A diverged trial scores None: below every finite accuracy.
             scores.append({"setting": setting,
-                           "validation_accuracy": summary["final_eval_accuracy"]})
-    best = max(scores, key=lambda s: s["validation_accuracy"])
+                           "validation_accuracy": summary.get("final_eval_accuracy")})
+    best = max(scores, key=lambda s: -1.0 if s["validation_accuracy"] is None
+               else s["validation_accuracy"])
     return {"trials": scores, "best": best["setting"],
             "best_validation_accuracy": best["validation_accuracy"]}
 

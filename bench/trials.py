@@ -14,7 +14,7 @@ import math
 import os
 import statistics
 
-from trainers import checkpoints, config as config_lib, runner
+from trainers import checkpoints, config as config_lib, errors, runner
 
 # Tuning trains on TUNE_SPLIT and scores accuracy on the held-out VALIDATION_SPLIT.
 TUNE_SPLIT, VALIDATION_SPLIT = "train[:54000]", "train[54000:]"
@@ -282,6 +282,38 @@ def run(work_dir, name, **settings):
         resume=checkpoints.read_state(model_dir) is not None, **settings)
     print(f"--- {name}: {json.dumps(settings, sort_keys=True)}", flush=True)
     return runner.run(config)
+
+
+# Marks the directory of a run that diverged, so that a restarted benchmark skips it.
+DIVERGED_FILE = "diverged.json"
+
+
+def diverged(work_dir, name):
+    """{"diverged": message} if the run `name` diverged (`run_or_diverged`), else None."""
+    marker = os.path.join(work_dir, name, DIVERGED_FILE)
+    if not os.path.exists(marker):
+        return None
+    with open(marker, encoding="utf-8") as f:
+        return {"diverged": json.load(f)["message"]}
+
+
+def run_or_diverged(work_dir, name, **settings):
+    """`run`, or {"diverged": message} for a run whose weights stopped being finite
+    (marked with DIVERGED_FILE, so that it is not run again): a tuning point past the
+    stable learning rates is a result, not an error."""
+    marker = os.path.join(work_dir, name, DIVERGED_FILE)
+    if os.path.exists(marker):
+        return diverged(work_dir, name)
+    try:
+        return run(work_dir, name, **settings)
+    except errors.RunError as error:
+        if "training diverged" not in str(error):
+            raise
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "w", encoding="utf-8") as f:
+            json.dump({"message": str(error)}, f)
+        print(f"--- {name}: diverged", flush=True)
+        return {"diverged": str(error)}
 
 
 def read(work_dir, name, **settings):

@@ -597,7 +597,7 @@ class WorkDirTest(InWorkDir):
         diverged = os.path.join(self.work_dir, batch_scaling.tuning_name(
             "adamw", 128, {"learning_rate": 1.0}))
         os.makedirs(diverged)
-        with open(os.path.join(diverged, batch_scaling.DIVERGED_FILE), "w") as f:
+        with open(os.path.join(diverged, batch_scaling.trials.DIVERGED_FILE), "w") as f:
             json.dump({"message": "training diverged: ..."}, f)
         # run_tuning_trial would train (minutes) if it did not read these back.
         with mock.patch.object(trials, "run", None):
@@ -631,7 +631,7 @@ class WorkDirTest(InWorkDir):
 
         def diverges(work_dir, name, **settings):
             os.makedirs(os.path.join(work_dir, name))
-            raise batch_scaling.errors.RunError("training diverged: after step 3 ...")
+            raise batch_scaling.trials.errors.RunError("training diverged: after step 3 ...")
 
         with mock.patch.object(trials, "run", diverges):
             lost = batch_scaling.final_run("sgd", 2048, {"learning_rate": 0.5,

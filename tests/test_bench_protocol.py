@@ -33,7 +33,7 @@ import race  # noqa: E402
 import time_to_accuracy  # noqa: E402
 import trials  # noqa: E402
 from tfkfac import distributed  # noqa: E402
-from trainers import config as config_lib, runner  # noqa: E402
+from trainers import config as config_lib, errors, runner  # noqa: E402
 
 STEPS_PER_EPOCH, EPOCHS, WEIGHT_DECAY = 20, 2, 5e-5
 SCHEDULE_FREE_ENTRIES = ("kfac", "schedule_free_adamw", "kfac_schedule_free_adamw",
@@ -253,6 +253,28 @@ class RecordedTuningTest(parameterized.TestCase):
                                               time_to_accuracy.BUDGETS["cnn"]["tune_epochs"]),
                 batch_size=time_to_accuracy.FLAGS.batch_size,
                 train_split=trials.TUNE_SPLIT, eval_split=trials.VALIDATION_SPLIT))
+
+    def test_a_diverged_trial_ranks_last_and_is_not_run_again(self):
+        work_dir = tempdir()
+        grid = trials.GRIDS["cnn"]["sgd"]
+        runs = []
+
+        def run(run_work_dir, name, **settings):
+            runs.append(name)
+            if settings["learning_rate"] == grid[-1]["learning_rate"]:
+                raise errors.RunError("training diverged: after step 3 the model's weights "
+                                      "are not finite")
+            return {"final_eval_accuracy": 0.5}
+
+        with flagsaver.flagsaver(tuning_from=[], work_dir=work_dir), \
+                mock.patch.object(time_to_accuracy.trials, "run", side_effect=run):
+            tuned = time_to_accuracy.tune("cnn", "sgd")
+            self.assertLen(runs, 8)
+            self.assertIsNone(tuned["trials"][-1]["validation_accuracy"])
+            self.assertEqual(tuned["best"], grid[0])
+            again = time_to_accuracy.tune("cnn", "sgd")  # the marker stands for the run
+        self.assertLen(runs, 15)
+        self.assertEqual(again["trials"], tuned["trials"])
 
     def test_what_only_the_timed_runs_read_does_not_void_a_tuning(self):
         budget = dict(time_to_accuracy.BUDGETS["vit"], target_accuracies=[0.84, 0.86])
