@@ -100,9 +100,10 @@ def build(source, *, batch_size, split="train", data_dir=None, echo_mode="none",
         continue mid-epoch.
       idx_dir: directory of the IDX files of "fashion_mnist"/"mnist" (see
         `pipelines.idx_dataset.prepare_idx`); only for those sources.
-      fresh_flags: yield `(image, label, fresh)`: each example's fresh flag (1 on the
-        first copy of a source example, 0 on echoed repeats) in the sample-weight slot,
-        for `tfkfac.KFAC(factor_examples="fresh")`.
+      fresh_flags: yield `(image, label, tfkfac.fresh_flags(fresh))`: each example's
+        fresh flag (1 on the first copy of a source example, 0 on echoed repeats) where
+        Keras has sample weights, in the structure `tfkfac.KFAC(factor_examples="fresh")`
+        reads (a plain tensor there is a sample weight).
 
     Example:
       >>> dataset, counters = build("fashion_mnist", batch_size=128,

@@ -10,6 +10,8 @@ buffers and do not depend on thread timing.
 import keras
 import tensorflow as tf
 
+from tfkfac import example_weights
+
 FRESH_KEY = "fresh"
 
 
@@ -30,8 +32,9 @@ class EchoCounters:
         batch's size and fresh flags to the counters as the batch is taken. Apply it
         after `prefetch`, so it runs when the consumer asks for the batch.
 
-        With `fresh_flags` the elements are `(image, label, fresh)`, the flags where
-        Keras has sample weights (what `tfkfac.KFAC(factor_examples="fresh")` reads)."""
+        With `fresh_flags` the elements are `(image, label, tfkfac.fresh_flags(fresh))`:
+        the flags in the structure `tfkfac.KFAC(factor_examples="fresh")` reads from the
+        batch's third element, where Keras has sample weights (which it tells apart)."""
 
         def take(batch):
             flags = tf.cast(batch[FRESH_KEY], tf.int64)
@@ -39,10 +42,10 @@ class EchoCounters:
                 self.fresh.assign_add(tf.reduce_sum(flags)),
                 self.trained.assign_add(tf.size(flags, out_type=tf.int64)),
             ]):
-                element = (batch["image"], batch["label"])
+                element = tuple(tf.identity(t) for t in (batch["image"], batch["label"]))
                 if fresh_flags:
-                    element += (batch[FRESH_KEY],)
-                return tuple(tf.identity(t) for t in element)
+                    element += (example_weights.fresh_flags(tf.identity(batch[FRESH_KEY])),)
+                return element
 
         # tf.data's autotuner would inject a prefetch after this map, which would run
         # it ahead of the consumer; the counts must follow what training has taken.

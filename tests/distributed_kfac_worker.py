@@ -71,6 +71,9 @@ RESTORE_STEPS, RESTORE_DECOMPOSITION_FREQ = 6, 4
 # fresh examples on rank 1 only. The inverse method: 2 ranks measured 4.6e-6 x max|w| from
 # one process (the eigen method 7.0e-5, too near EQUIVALENCE_RTOL to tell bugs from noise).
 FRESH_PATTERNS = ("rank0", "none", "mixed", "all", "none", "rank1")
+# The echo-aware scenario's examples carry sample weights too (docs/design.md §2, sample
+# weights): their statistics are normalized by the weight of the fresh examples of all ranks.
+FRESH_SAMPLE_WEIGHTS = (0.5, 1.0, 2.0, 0.25, 1.5)
 FRESH_SETTINGS = dict(factor_update_freq=1, decomposition_update_freq=2, method="inverse")
 
 
@@ -198,7 +201,8 @@ class LateOnRank1(keras.metrics.SparseCategoricalAccuracy):
 
 
 def echoed_examples():
-    """(x, y, fresh) of the echo-aware scenario, global batches of 2B in order.
+    """(x, y, fresh, sample weights) of the echo-aware scenario, global batches of 2B in
+    order.
 
     A repeat is a copy of an example seen before: its batch's fresh copy (example
     echoing) or the whole previous batch (batch echoing).
@@ -221,26 +225,30 @@ def echoed_examples():
         x[rows] = np.where(fresh[:, None, None, None], x[rows], x[rows][sources])
         y[rows] = np.where(fresh, y[rows], y[rows][sources])
         flags[step] = fresh
-    return x, y, flags.reshape(-1)
+    weights = np.resize(np.asarray(FRESH_SAMPLE_WEIGHTS, np.float32), flags.size)
+    return x, y, flags.reshape(-1), weights
 
 
 def run_echo_aware(comm):
     """factor_examples="fresh" on this rank's part of `echoed_examples()` (with
     `comm.size == 1`: the single-process reference with batch 2B)."""
     global_batch = 2 * EQUIVALENCE_BATCH
-    x, y, fresh = (rank_part(a, global_batch, comm.rank, comm.size) for a in echoed_examples())
+    x, y, fresh, weights = (rank_part(a, global_batch, comm.rank, comm.size)
+                            for a in echoed_examples())
     model = small_cnn(seed=7, batch_norm=False)
     optimizer = compiled(model, comm, factor_examples="fresh", **FRESH_SETTINGS)
     log = CounterLog(comm, optimizer)
-    model.fit(x, y, sample_weight=fresh, batch_size=global_batch // comm.size, epochs=1,
-              shuffle=False, verbose=0, callbacks=[log])
+    model.fit(x, y, sample_weight=tfkfac.fresh_flags(fresh, sample_weight=weights),
+              batch_size=global_batch // comm.size, epochs=1, shuffle=False, verbose=0,
+              callbacks=[log])
     return dict(log.results(), **final_state(model, optimizer))
 
 
 def first_step_fresh_alone(comm):
-    """Plain K-FAC's factors after one step on the fresh examples of the first batch."""
-    x, y, fresh = (a[: 2 * EQUIVALENCE_BATCH] for a in echoed_examples())
-    return first_step_on(x[fresh == 1], y[fresh == 1], comm)
+    """Plain K-FAC's factors after one step on the fresh examples of the first batch,
+    with their sample weights."""
+    x, y, fresh, weights = (a[: 2 * EQUIVALENCE_BATCH] for a in echoed_examples())
+    return first_step_on(x[fresh == 1], y[fresh == 1], comm, weights[fresh == 1])
 
 
 def run_batch_fraction(comm):
@@ -257,11 +265,12 @@ def run_batch_fraction(comm):
     return dict(log.results(), kept=kept_examples(len(x), 0.5, 0, comm.rank).numpy())
 
 
-def first_step_on(x, y, comm):
+def first_step_on(x, y, comm, sample_weight=None):
     """Plain K-FAC's factors after one step on the batch (x, y)."""
     model = small_cnn(seed=7, batch_norm=False)
     log = CounterLog(comm, compiled(model, comm, **FRESH_SETTINGS))
-    model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0, callbacks=[log])
+    model.fit(x, y, sample_weight=sample_weight, batch_size=len(x), epochs=1, shuffle=False,
+              verbose=0, callbacks=[log])
     return log.results()
 
 

@@ -5,7 +5,8 @@
   replay finds it due and nowhere else, its interval and next due step after every step
   are the replay's (doubled below the threshold, halved above it, between the base
   interval and the cap), and decompositions change exactly where the replay recomputes
-  them (at a decomposition step, of the blocks refreshed since their last one). The run
+  them (at a decomposition step, of the blocks refreshed since their last one); the
+  counters count the steps that refreshed or decomposed a block. The run
   takes both decisions (some intervals grow, some shrink), and its relative changes are
   nowhere near the threshold (a tie would make the comparison meaningless).
 - Stale steps: a step runs the factor train function exactly when some block's factors
@@ -106,6 +107,22 @@ class ReplayTest(absltest.TestCase):
         # A decomposition step that recomputed only some blocks' was seen.
         self.assertTrue(any(r["decomposition_step"] and 0 < len(r["decomposed"]) <
                             len(self.records[0]["factors"]) for r in self.replayed[1:]))
+
+    def test_counters_count_the_steps_that_did_the_work(self):
+        # `factor_updates`: the steps that refreshed a block; `decomposition_updates`:
+        # those that decomposed one, not every due decomposition step. Decompositions due
+        # every step while the factor intervals grow (every change below α) leave steps
+        # with none to decompose.
+        x, y = one_process_batches(steps=16)
+        _, optimizer, records, _ = worker.train(x, y, 2 * worker.BATCH, threshold=1e3,
+                                                decomposition_update_freq=1)
+        replayed = worker.replay(records, threshold=1e3, decomposition_freq=1)
+        self.assertTrue(any(not r["decomposed"] for r in replayed))
+        for run, steps in ((self.optimizer, self.replayed), (optimizer, replayed)):
+            counters = run.counters()
+            self.assertEqual(counters["factor_updates"], sum(any(r["due"]) for r in steps))
+            self.assertEqual(counters["decomposition_updates"],
+                             sum(bool(r["decomposed"]) for r in steps))
 
     def test_a_step_is_a_factor_step_exactly_when_factors_or_decompositions_are_due(self):
         expected = ["factor" if any(r["due"]) or r["decomposition_step"] else "stale"

@@ -22,8 +22,8 @@ with `model.fit`; each rank saves what it holds. The checks:
 - factor_examples="fresh" (data echoing): with fresh examples on one rank only, on both,
   or on none (batch-echo repeats), 2 ranks equal 1 process on the concatenated batches;
   the first factors equal plain K-FAC's on the fresh examples alone (the other rank has
-  none: no NaN); steps without fresh examples send no factors, and the fresh count rides
-  in the gradient allreduce;
+  none: no NaN), all with sample weights; steps without fresh examples send no factors,
+  and the fresh count and weight ride in the gradient allreduce;
 - factor_batch_fraction=0.5: each rank draws its own half of its batch, and the factors
   (averaged over ranks) equal one process's on the two halves together;
 - a rank that raises inside `model.fit` ends the whole job within 60 s, error visible.
@@ -211,11 +211,11 @@ class DistributedKfacTest(checks.ScenarioChecks, absltest.TestCase):
                     "decomposition_update_freq"]
         self.assert_weights_match(name, self.echo_reference,
                                   [STEPS, sum(fresh), decompositions])
-        # Stale steps send no factors; the fresh count rides with the gradients.
+        # Stale steps send no factors; the fresh count and weight ride with the gradients.
         np.testing.assert_array_equal(per_step(self.shared_counts(name, "calls", "factors")),
                                       np.asarray(fresh, int))
         np.testing.assert_array_equal(per_step(self.shared_counts(name, "bytes", "gradients")),
-                                      (PARAMS + 1) * FLOAT32)
+                                      (PARAMS + 2) * FLOAT32)
         # Step 0 had fresh examples on rank 0 only: the factors are those of plain K-FAC
         # on them alone.
         self.assertEqual(worker.FRESH_PATTERNS[0], "rank0")

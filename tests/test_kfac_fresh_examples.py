@@ -30,6 +30,7 @@ from absl.testing import absltest  # noqa: E402
 
 import pipelines  # noqa: E402
 import tfkfac  # noqa: E402
+from tfkfac import example_weights  # noqa: E402
 from modern_net import modern_net  # noqa: E402
 from trainer_testing import SMALL_FLAGS, config_from_argv  # noqa: E402
 from trainers import runner  # noqa: E402
@@ -142,7 +143,14 @@ class EchoedStreamTest(absltest.TestCase):
             "label": RNG.integers(0, 10, 64)})
         dataset, _ = pipelines.build(source, batch_size=self.BATCH, seed=5, num_epochs=None,
                                      shuffle_buffer=16, fresh_flags=True, **echo)
-        return [tuple(t.numpy() for t in batch) for batch in dataset.take(self.STEPS)]
+        batches = []
+        for image, label, slot in dataset.take(self.STEPS):
+            # The flags come in `tfkfac.fresh_flags`'s structure, never as a plain tensor
+            # (which would be a sample weight).
+            self.assertEqual(set(slot), {example_weights.FRESH_KEY})
+            batches.append((image.numpy(), label.numpy(),
+                            slot[example_weights.FRESH_KEY].numpy()))
+        return batches
 
     def check(self, batches):
         model = small_cnn(seed=2)
@@ -158,8 +166,9 @@ class EchoedStreamTest(absltest.TestCase):
                 custom_step(reference, reference_model, x[flags == 1], y[flags == 1])
 
         dataset = tf.data.Dataset.from_generator(
-            lambda: iter(batches), output_signature=tuple(
-                tf.TensorSpec(t.shape, t.dtype) for t in batches[0]))
+            lambda: ((x, y, tfkfac.fresh_flags(flags)) for x, y, flags in batches),
+            output_signature=tuple(tf.TensorSpec(t.shape, t.dtype) for t in batches[0][:2])
+            + (tfkfac.fresh_flags(tf.TensorSpec(batches[0][2].shape, batches[0][2].dtype)),))
         lockstep = keras.callbacks.LambdaCallback(on_train_batch_begin=reference_step)
         model.fit(dataset, epochs=1, steps_per_epoch=len(batches), verbose=0, shuffle=False,
                   callbacks=[lockstep])
@@ -232,7 +241,8 @@ class BadSettingsTest(absltest.TestCase):
         optimizer = kfac(model, factor_examples="fresh")
         model.compile(optimizer=optimizer, loss=LOSS)
         with self.assertRaisesRegex(ValueError, r"third element of every training batch, "
-                                                r"\(x, y, fresh\)"):
+                                                r"made by `tfkfac.fresh_flags\(flags\)`.*"
+                                                "this batch has no third element"):
             model.fit(x, y, batch_size=4, verbose=0)
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "one flag per example"):
             custom_step(optimizer, model, x, y, fresh=np.ones(3, np.int32))

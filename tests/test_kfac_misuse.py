@@ -2,8 +2,8 @@
 works as it should: a plain tape or one passed as `var_list`, schedules that return bad
 values, learning rates whose square overflows the KL clip, layers frozen after `attach`,
 two KFACs on one model, an attached model recompiled with another optimizer or a new
-KFAC, a wrapping optimizer as inner optimizer, real sample weights taken for fresh
-flags, and steps a LossScaleOptimizer skips."""
+KFAC, a wrapping optimizer as inner optimizer, real sample weights where fresh flags
+are expected, and steps a LossScaleOptimizer skips."""
 
 import os
 
@@ -65,9 +65,13 @@ class MisuseTest(parameterized.TestCase):
         ("interval_fraction", dict(decomposition_update_freq=lambda step: 2.5),
          "decomposition_update_freq"))
     def test_schedule_giving_a_bad_value_stops_training_naming_it(self, settings, name):
+        # One line (not TensorFlow's graph trace of the failed check): name, allowed
+        # values, step and the value given.
         model = mlp()
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
-                                    rf"schedule of `{name}`.*at step"):
+                                    rf"^KFAC: the schedule of `{name}` must give (a finite "
+                                    r"number|an integer) >=? [0-9.]+; at step 0 it gave "
+                                    r"[^\n]+$"):
             fit(model, tfkfac.KFAC(**settings).attach(model))
 
     @parameterized.named_parameters(
@@ -178,13 +182,19 @@ class MisuseTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "`model` must be a keras.Model; received list"):
             tfkfac.KFAC().attach([])
 
-    def test_fresh_examples_refuse_real_sample_weights(self):
+    def test_fresh_examples_never_read_sample_weights_as_flags(self):
+        # A plain tensor in the sample-weight slot is a sample weight: under
+        # factor_examples="fresh" the batch then lacks its flags, said before any step.
         model = mlp()
+        before = model.get_weights()
         optimizer = tfkfac.KFAC(factor_examples="fresh").attach(model)
         weights = np.full(64, 0.5, "float32")
-        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
-                                    "real sample weights cannot be combined"):
+        with self.assertRaisesRegex(ValueError, r"^KFAC\(factor_examples='fresh'\) takes "
+                                    r".*`tfkfac.fresh_flags\(flags\)`.*this batch has a "
+                                    "sample weight there"):
             fit(model, optimizer, sample_weight=weights)
+        for old, new in zip(before, model.get_weights()):
+            np.testing.assert_array_equal(old, new)
 
     def test_steps_the_loss_scale_skips_are_counted(self):
         keras.mixed_precision.set_global_policy("mixed_float16")

@@ -47,8 +47,9 @@ KFAC_SETTINGS = dict(method="eigen", damping=DAMPING, factor_update_freq=10 ** 6
                      decomposition_update_freq=10 ** 6, kl_clip=None)
 
 
-def fit(optimizer, x, y, batch, interval=1, strategy=None, **callback_options):
-    """The epoch logs of one epoch of `fit` with a GradientNoiseScale, weights fixed."""
+def fit(optimizer, x, y, batch, interval=1, strategy=None, callbacks=(), **callback_options):
+    """The epoch logs of one epoch of `fit` with a GradientNoiseScale (and `callbacks`
+    after it), weights fixed."""
     with (strategy or tf.distribute.get_strategy()).scope():
         model = reference.model()
         if optimizer == "kfac":
@@ -57,7 +58,7 @@ def fit(optimizer, x, y, batch, interval=1, strategy=None, **callback_options):
         model.compile(optimizer=optimizer, loss="mean_squared_error")
     callback = tfkfac.GradientNoiseScale(interval=interval, **callback_options)
     history = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-                        callbacks=[callback])
+                        callbacks=[callback, *callbacks])
     np.testing.assert_allclose(model.layers[0].kernel.numpy()[:, 0], reference.W_START,
                                rtol=0, atol=0)
     return {name: values[0] for name, values in history.history.items()}
@@ -97,6 +98,27 @@ class OnEachBatchTest(absltest.TestCase):
                                            self.expected(interval, preconditioner), rtol=1e-4)
         logs = fit("kfac", self.x, self.y, self.BATCH, preconditioned=False)
         self.assertNotIn("preconditioned_noise_scale", logs)
+
+    def test_batches_of_one_example_are_refused_after_the_first_step(self):
+        # One process measures from each batch's halves: one example has none, which
+        # would report NaN at the epoch's end without a word.
+        for optimizer in (keras.optimizers.SGD(0.0), "kfac"):
+            with self.subTest(optimizer=getattr(optimizer, "name", optimizer)):
+                steps = []
+                with self.assertRaisesRegex(ValueError, r"^GradientNoiseScale: on one "
+                                            r"process .* a batch of 1 example has no two "
+                                            r"halves.*`batch_size` >= 2"):
+                    fit(optimizer, self.x[:3], self.y[:3], 1,
+                        callbacks=[keras.callbacks.LambdaCallback(
+                            on_train_batch_begin=lambda batch, logs: steps.append(batch))])
+                self.assertLen(steps, 1)  # stopped after the first step
+        # A last batch of one example after measured ones is simply not measured.
+        logs = fit(keras.optimizers.SGD(0.0), self.x[:self.BATCH + 1],
+                   self.y[:self.BATCH + 1], self.BATCH)
+        np.testing.assert_allclose(
+            logs["noise_scale"],
+            reference.noise_scale(reference.step_estimates(self.gradients, self.BATCH)[:1]),
+            rtol=1e-4)
 
     def test_bad_arguments_are_refused(self):
         with self.assertRaisesRegex(ValueError, "interval"):

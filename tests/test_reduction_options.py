@@ -78,8 +78,18 @@ class RefusedTest(absltest.TestCase):
 
     def test_overlap_refused_in_one_process(self):
         model = plan_worker.build_model()
-        with self.assertRaisesRegex(ValueError, "overlap_reduction.*1 rank"):
+        with self.assertRaisesRegex(ValueError, r"^`overlap_reduction` .* needs several "
+                                    r"ranks; this job has one \(one process, without Horovod "
+                                    r"or a tf.distribute strategy of several replicas\)"):
             tfkfac.KFAC(overlap_reduction=True).attach(model)
+        # Under a strategy of one replica the error names the strategy (not "SingleProcess").
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+        with strategy.scope():
+            model = plan_worker.build_model()
+            with self.assertRaisesRegex(ValueError, r"needs several ranks; this job has one "
+                                        r"\(MirroredStrategy with 1 replica, on "
+                                        r"[^)]*CPU:0\), where nothing is reduced"):
+                model.compile(optimizer=tfkfac.KFAC(overlap_reduction=True), loss="mse")
 
     def test_overlap_refused_when_every_block_reads_its_factors(self):
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

@@ -110,8 +110,9 @@ class ChoiceTest(absltest.TestCase):
             with self.subTest(**settings), chosen_functions() as ran:
                 model, optimizer = compiled(**settings)
                 if "factor_examples" in settings:  # fresh flags where sample weights go
-                    model.fit(x, y, sample_weight=np.ones(len(y), "float32"),
-                              batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+                    flags = tfkfac.fresh_flags(np.ones(len(y), "float32"))
+                    model.fit(x, y, sample_weight=flags, batch_size=BATCH, epochs=1,
+                              shuffle=False, verbose=0)
                 else:
                     fit(model, x, y)
                 self.assertEqual(ran, [])  # the factor function alone, not the choice

@@ -14,10 +14,11 @@ from tfkfac import _compat  # noqa: E402
 _compat.require_supported(__version__)
 
 from tfkfac.config import KFACConfig  # noqa: E402
+from tfkfac.example_weights import fresh_flags  # noqa: E402
 from tfkfac.methods import Eigen, EigenAdam, Inverse, Method  # noqa: E402
 from tfkfac.noise_scale import GradientNoiseScale  # noqa: E402
 from tfkfac.optimizer import KFAC  # noqa: E402
 from tfkfac.schedules import OsawaInterval, WarmupDamping  # noqa: E402
 
 __all__ = ["KFAC", "KFACConfig", "Eigen", "EigenAdam", "GradientNoiseScale", "Inverse",
-           "Method", "OsawaInterval", "WarmupDamping", "__version__"]
+           "Method", "OsawaInterval", "WarmupDamping", "fresh_flags", "__version__"]

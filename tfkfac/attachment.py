@@ -16,7 +16,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tfkfac import keras_integration
+from tfkfac import example_weights, keras_integration
 from tfkfac.blocks.base import as_float, batch_size
 from tfkfac.capture import Recorder
 
@@ -36,24 +36,20 @@ SAMPLED_IN_CUSTOM_LOOP = (
     "KFAC(fisher='sampled') draws its labels in the train step KFAC installs on the model "
     "(`model.fit`), from the compiled loss and the model's predictions; a custom loop "
     "(`record()` and `minimize`) hands K-FAC neither: use fisher='empirical' there.")
-FRESH_HINT = (
-    "KFAC(factor_examples='fresh') takes each example's fresh flag (1 on the first copy "
-    "of a source example, 0 on an echoed repeat) from the third element of every "
-    "training batch, (x, y, fresh), where Keras has sample weights (e.g. "
-    "`pipelines.build(..., fresh_flags=True)`), or from `minimize(..., fresh=flags)`.")
-
-
 class Captures(typing.NamedTuple):
     """What one step gives the optimizer's `apply` (docs/design_options.md §7).
 
-    `calls()`: per block, the (inputs, unscaled output gradients) of every call. It
+    `calls()`: per block, the (inputs, unscaled output gradients) of every call, each
+    example's output gradients multiplied by its `output_scales` entry (docs/design.md
+    §2, sample weights). It
     builds the unscaling (and, for the sampled Fisher, the backward pass that gives the
     output gradients) when called, so that inside the factor update's branch it runs on
     factor steps only: a stale step never reads the output gradients, which are as large
     as the layers' activations. `weights`: per-example weights of the factor
     statistics, mean 1 over the examples of all ranks, or None (every example counts
-    once). `ready`: whether any rank has a fresh example (always True without fresh
-    flags). `stale`: the step was chosen outside the graph as one whose factors and
+    once): from fresh flags and sample weights (`tfkfac.example_weights`). `ready`:
+    whether any rank has an example of positive weight (always True without fresh flags
+    or sample weights). `stale`: the step was chosen outside the graph as one whose factors and
     decompositions are not due (`tfkfac.stale_steps`): nothing was recorded, `calls` is
     None.
     """
@@ -70,7 +66,8 @@ class Captures(typing.NamedTuple):
 class Attachment:
     """The recorder, rank averaging and train step of the one model K-FAC manages.
 
-    With `fresh_only`, each step needs the batch's fresh flags (`FRESH_HINT`). `fisher`:
+    With `fresh_only`, each step needs the batch's fresh flags
+    (`example_weights.FRESH_HINT`). `fisher`:
     a `tfkfac.fisher.SampledFisher`, whose draws give the output gradients, or None (the
     empirical Fisher: those of the observed labels).
     """
@@ -81,6 +78,7 @@ class Attachment:
         # Counts a step a wrapping optimizer (Keras's LossScaleOptimizer) skips for
         # non-finite gradients without calling K-FAC's `apply`.
         self._count_skipped_step = count_skipped_step
+        self._blocks = list(blocks)
         self._recorder = Recorder(blocks)
         self._comm = communicator
         self._captures = None
@@ -103,7 +101,7 @@ class Attachment:
             yield tape
 
     def step(self, tape, loss, variables, apply, loss_scale=1.0, replicas=1, fresh=None,
-             wrapped=False, stale=False, sampled=None, y_pred=None):
+             wrapped=False, stale=False, sampled=None, y_pred=None, sample_weight=None):
         """Gradients of `loss` (recorded by `tape`), then `apply(gradients, variables)`
         with this step's `Captures` provided to the optimizer. `fresh`: the batch's
         fresh flags (N,), needed exactly when `fresh_only`. `replicas`: under a
@@ -115,15 +113,16 @@ class Attachment:
         recorded no layer calls. `sampled`: for the sampled Fisher, (the predictions, a
         function giving the gradient of the loss at drawn labels with respect to them).
         `y_pred`: the predictions `loss` was computed from, for `noise_probe` (on one
-        process `tape` is then persistent)."""
+        process `tape` is then persistent). `sample_weight`: the weights `loss` gave the
+        examples, which weigh their factor statistics (docs/design.md §2, sample weights)."""
         if self._fisher is not None and sampled is None and not stale:
             raise ValueError(SAMPLED_IN_CUSTOM_LOOP)
         if self.fresh_only != (fresh is not None):
-            raise ValueError(FRESH_HINT if self.fresh_only else
+            raise ValueError(example_weights.FRESH_HINT if self.fresh_only else
                              "`fresh` flags are used only with KFAC(factor_examples="
                              "'fresh'); this optimizer counts every example")
         gradients, captures = self._gradients(tape, loss, variables, loss_scale, replicas,
-                                              fresh, stale, sampled, y_pred)
+                                              fresh, stale, sampled, y_pred, sample_weight)
         self._captures = captures
         try:
             apply(gradients, variables)
@@ -142,7 +141,8 @@ class Attachment:
 
     def train_step(self, forward, fresh=None, sample_weight=None, stale=False):
         """Keras's train step with K-FAC's tape: `forward()` gives (scaled loss, y_pred).
-        `sample_weight`: the loss's, for the sampled Fisher's loss at drawn labels.
+        `sample_weight`: the loss's, for the sampled Fisher's loss at drawn labels and
+        the weights of the factor statistics.
         `stale`: a step known to be stale (`tfkfac.stale_steps`): a plain tape, no layer
         call recorded, no output gradient asked for."""
         model = self.model
@@ -159,7 +159,7 @@ class Attachment:
                   loss_scale=model.optimizer.scale_loss(1.0),
                   replicas=keras_integration.replicas_in_sync(), fresh=fresh,
                   wrapped=keras_integration.train_step_owner(model) is not model.optimizer,
-                  stale=stale, sampled=sampled, y_pred=y_pred)
+                  stale=stale, sampled=sampled, y_pred=y_pred, sample_weight=sample_weight)
         return y_pred
 
     def averaged_over_ranks(self, logs):
@@ -170,7 +170,7 @@ class Attachment:
         return {**logs, **dict(zip(names, values))}
 
     def _gradients(self, tape, loss, variables, loss_scale, replicas, fresh, stale=False,
-                   sampled=None, y_pred=None):
+                   sampled=None, y_pred=None, sample_weight=None):
         """(weight gradients averaged over ranks, `Captures` with unscaled output
         gradients; on a `stale` step, without any).
 
@@ -203,16 +203,21 @@ class Attachment:
                 message="`fresh` must hold one flag per example of the batch")
             tf.debugging.assert_equal(
                 flags * (1.0 - flags), tf.zeros_like(flags),
-                message="KFAC(factor_examples='fresh') reads fresh flags, 0 or 1, where Keras "
-                        "has sample weights; these are other numbers: real sample weights "
-                        "cannot be combined with factor_examples='fresh'")
-        fresh_count = [] if flags is None else [tf.reduce_sum(flags)]
+                message="KFAC(factor_examples='fresh'): the fresh flags must be 0 or 1")
+        # The loss's weights per example weigh the factor statistics (docs/design.md §2,
+        # sample weights); a stale step computes none.
+        weights = (example_weights.per_example(sample_weight, batch_size(calls[0]))
+                   if calls else None)
+        sums = example_weights.sums(flags, weights)
         reduced = self._comm.grouped_allreduce_mean(
-            present + [tf.convert_to_tensor(v) for v in statistics] + fresh_count,
+            present + [tf.convert_to_tensor(v) for v in statistics] + sums,
             category="gradients")
         for variable, value in zip(statistics, reduced[len(present):]):
             variable.assign(value)
-        weights, ready = (None, True) if flags is None else _fresh_weights(flags, reduced[-1])
+        statistics_weights = example_weights.StatisticsWeights(None, None, True)
+        if sums:
+            statistics_weights = example_weights.statistics_weights(
+                flags, weights, reduced[len(reduced) - len(sums):])
         sub_batches = None
         if self.noise_probe is not None and y_pred is not None:
             sub_batches = self.noise_probe.sub_batches(
@@ -225,11 +230,16 @@ class Attachment:
                          for g in gradients]
             loss_scale = loss_scale / replicas
 
-        def unscaled(s, g):  # float16 widened before unscaling; float64 stays float64
+        output_scales = statistics_weights.output_scales
+
+        def unscaled(s, g, axis=0):  # float16 widened before unscaling; float64 stays float64
             if g is None:
                 return tf.zeros_like(s)
             g = as_float(g)
-            return g / tf.cast(loss_scale, g.dtype)
+            g = g / tf.cast(loss_scale, g.dtype)
+            if output_scales is not None:
+                g = example_weights.scale_examples(g, output_scales, axis)
+            return g
 
         def sampled_output_grads(predictions, loss_gradient):
             # A second backward pass, from the predictions to the layer outputs only:
@@ -240,13 +250,15 @@ class Attachment:
 
         def unscaled_calls():
             grads = output_grads if sampled is None else sampled_output_grads(*sampled)
-            return [[(x, tf.nest.map_structure(unscaled, s, g))
+            return [[(x, tf.nest.map_structure(
+                        lambda s, g, axis=block.output_batch_axis: unscaled(s, g, axis), s, g))
                       for (x, s), g in zip(block_calls, block_grads)]
-                     for block_calls, block_grads in zip(calls, grads)]
+                     for block, block_calls, block_grads in zip(self._blocks, calls, grads)]
 
         if stale:
             return gradients, Captures(None, stale=True, sub_batches=sub_batches)
-        return gradients, Captures(unscaled_calls, weights, ready, sub_batches=sub_batches)
+        return gradients, Captures(unscaled_calls, statistics_weights.weights,
+                                   statistics_weights.ready, sub_batches=sub_batches)
 
 
 def running_statistics(layers):
@@ -256,18 +268,3 @@ def running_statistics(layers):
     return [v for layer in layers
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
             for v in (layer.moving_mean, layer.moving_variance)]
-
-
-def _fresh_weights(flags, mean_fresh_count):
-    """(weights, ready) from this rank's fresh flags and the mean count over ranks.
-
-    With equal batches of N per rank, w_i = flags_i · N / mean_r(n_r) has mean 1 over all
-    ranks' examples, so each rank's (1/N) Σ_i w_i (...) averaged over ranks is the sum over
-    every fresh example divided by their number (docs/design_options.md §7). Counts are whole
-    numbers, exact in float32; the ratio is taken in float64 for float64 state. A rank
-    without fresh examples contributes zeros; with none anywhere nothing is divided.
-    """
-    flags = tf.cast(flags, tf.float64)
-    batch = tf.cast(tf.size(flags), tf.float64)
-    mean_fresh_count = tf.cast(mean_fresh_count, tf.float64)
-    return (tf.math.divide_no_nan(flags * batch, mean_fresh_count), mean_fresh_count > 0)

@@ -397,7 +397,10 @@ class Curvature:
         if self.adaptive is not None:
             self.adaptive.decomposed(pending, damping)
         self.counters.failed_decompositions.assign_add(failed)
-        self.counters.decomposition_updates.assign_add(1)
+        # The steps that decomposed (with adaptive stale statistics, any block: a due step
+        # with none refreshed since its last decomposition decomposes nothing).
+        self.counters.decomposition_updates.assign_add(
+            1 if pending is None else tf.cast(tf.reduce_any(pending), tf.int64))
         return failed
 
     def rebuild_decompositions(self, damping):
@@ -595,14 +598,26 @@ def _check_overlap(method, blocks, reads_factors, comm):
     reduction), or no block whose preconditioning reads no factors."""
     if comm.size == 1:
         raise ValueError("`overlap_reduction` overlaps the factor reduction over ranks with "
-                         f"preconditioning; received it with 1 rank ({type(comm).__name__}), "
-                         "where nothing is reduced: set overlap_reduction=False")
+                         f"preconditioning, and needs several ranks; this job has one "
+                         f"({_one_rank()}), where nothing is reduced: set "
+                         "overlap_reduction=False")
     if all(reads_factors):
         raise ValueError(
             "`overlap_reduction` preconditions the layers whose preconditioning reads no "
             f"factors while the factors are reduced; under method={method!r} no managed "
             f"layer is one (managed: {[b.path for b in blocks]}): set "
             "overlap_reduction=False")
+
+
+def _one_rank():
+    """What makes this job one rank, in words: the tf.distribute strategy in scope with one
+    replica, or one process without one."""
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        devices = getattr(strategy.extended, "worker_devices", ())
+        return (f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} replica, "
+                f"on {', '.join(devices) or 'one device'}")
+    return "one process, without Horovod or a tf.distribute strategy of several replicas"
 
 
 def kept_examples(examples, fraction, step, rank):

@@ -33,11 +33,14 @@ Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras obj
 """
 
 import inspect
+import re
 import warnings
 import weakref
 
 import keras
 import tensorflow as tf
+
+from tfkfac import example_weights
 
 # Optimizer attributes holding lists of blocks or state would otherwise be tracked by
 # Keras and their variables saved twice or in another order; checkpoints depend on it.
@@ -142,7 +145,7 @@ def _calling_model(methods, matches):
 
 # What `install_train_step` sets on a model; `uninstall_train_step` takes it away.
 _INSTALLED = ("train_step", "make_train_function", "_tfkfac_owner", "_maybe_symbolic_build",
-              "test_step")
+              "test_step", "fit")
 
 
 def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale,
@@ -157,18 +160,20 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale
     train step (`uninstall_train_step`) and Keras's own runs. `stale` (a
     `tfkfac.stale_steps.StaleSteps`) gives the stale steps their own train function
     where it can, and chooses between the two before each step. With
-    `fresh_in_sample_weight` the batch's sample-weight slot holds the fresh flags: they
-    go to `step_with_tape` (None otherwise), and the loss and metrics get no sample
-    weights. The loss and its metric are `forward_pass`'s; only `model` is changed.
-    `alone`: no other process trains the model (`_symbolic_build_on_local_batch`).
+    `fresh_in_sample_weight` (factor_examples="fresh") the batch's third element holds
+    `tfkfac.fresh_flags(flags, sample_weight)`: the flags go to `step_with_tape` (None
+    otherwise); a plain tensor there is always a sample weight, which the loss, the
+    metrics and the factor statistics get (`tfkfac.example_weights`); `fit` refuses
+    `class_weight` then (Keras would put it where the flags are). The loss and its metric
+    are `forward_pass`'s; only `model` is changed. `alone`: no other process trains the
+    model (`_symbolic_build_on_local_batch`). A schedule's bad value stops `fit` with the
+    one line of its check (`one_line_assertion`).
     """
     multi_worker = _is_multi_worker(model.distribute_strategy)
 
     def train_step(data, step_with_tape=step_with_tape):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        fresh = None
-        if fresh_in_sample_weight:
-            fresh, sample_weight = sample_weight, None
+        x, y, slot = keras.utils.unpack_x_y_sample_weight(data)
+        fresh, sample_weight = example_weights.split_slot(slot, fresh_in_sample_weight)
         forward = lambda: forward_pass(model, x, y, sample_weight)
         y_pred = step_with_tape(forward, fresh, sample_weight)
         logs = reduce_logs(model.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
@@ -233,8 +238,9 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale
                 "silence this.", stacklevel=2)
             model.jit_compile = False
         factor_function = keras_train_function(train_step, False)
-        model.train_function = factor_function if unavailable else stale.choosing(
-            model, factor_function, keras_train_function(stale_step, model.jit_compile))
+        model.train_function = _one_line_assertions(
+            factor_function if unavailable else stale.choosing(
+                model, factor_function, keras_train_function(stale_step, model.jit_compile)))
         return model.train_function
 
     set_untracked(model, "train_step", train_step)
@@ -250,9 +256,28 @@ def install_train_step(model, owner, step_with_tape, reduce_logs, release, stale
         return model._maybe_symbolic_build(*args, **kwargs)  # the new owner's, or Keras's
 
     set_untracked(model, "_maybe_symbolic_build", maybe_symbolic_build)
-    if multi_worker:
-        keras_test_step = model.test_step
-        set_untracked(model, "test_step", lambda data: _as_vectors(keras_test_step(data)))
+    # Evaluation reads a batch's sample weights, never its fresh flags.
+    keras_test_step = model.test_step
+
+    def test_step(data):
+        logs = keras_test_step(example_weights.without_fresh_flags(data))
+        return _as_vectors(logs) if multi_worker else logs
+
+    set_untracked(model, "test_step", test_step)
+    if fresh_in_sample_weight:
+        keras_fit = model.fit
+
+        def fit(*args, **kwargs):
+            try:
+                class_weight = inspect.signature(keras_fit).bind(
+                    *args, **kwargs).arguments.get("class_weight")
+            except TypeError:
+                class_weight = None  # Keras's `fit` names the arguments it does not take
+            if class_weight is not None and compiled_optimizer(model) is owner():
+                raise ValueError(example_weights.CLASS_WEIGHT_WITH_FRESH)
+            return keras_fit(*args, **kwargs)
+
+        set_untracked(model, "fit", fit)
 
 
 def uninstall_train_step(model):
@@ -261,6 +286,33 @@ def uninstall_train_step(model):
         if name in model.__dict__:
             object.__delattr__(model, name)
     model.train_function = None
+
+
+def _one_line_assertions(train_function):
+    """`train_function` raising a failed K-FAC check of the graph (a schedule's bad value:
+    `tfkfac.schedules.checked`) as its one line instead of TensorFlow's graph trace."""
+
+    def checked_train_function(iterator):
+        try:
+            return train_function(iterator)
+        except tf.errors.InvalidArgumentError as error:
+            line = one_line_assertion(error.message)
+            if line is None:
+                raise
+            raise type(error)(error.node_def, error.op, line) from None
+
+    return checked_train_function
+
+
+def one_line_assertion(message):
+    """The K-FAC check's own line in the message of a graph's failed assertion ("KFAC:
+    the schedule of `learning_rate` must give ...; at step 3 it gave -0.1"), or None when
+    the failed assertion is not one of K-FAC's."""
+    for line in message.splitlines():
+        line = line.strip()
+        if line.startswith("assertion failed: [KFAC"):
+            return " ".join(re.findall(r"\[([^\[\]]*)\]", line))
+    return None
 
 
 def _as_vectors(logs):
@@ -316,6 +368,7 @@ def _symbolic_build_on_local_batch(model, alone):
         if iterator is not None:
             data_batch = tf.nest.map_structure(zeros_like_spec,
                                                iterator._get_iterator().element_spec)
+        data_batch = example_weights.without_fresh_flags(data_batch)
         with strategy.scope():
             try:
                 model._symbolic_build(data_batch=tf.nest.map_structure(local, data_batch))

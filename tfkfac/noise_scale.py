@@ -21,6 +21,11 @@ from tfkfac import keras_integration, validation
 
 # What the epoch logs get: B_simple of the plain gradient and of K-FAC's preconditioned one.
 LOG_NAMES = ("noise_scale", "preconditioned_noise_scale")
+ONE_EXAMPLE = (
+    "GradientNoiseScale: on one process (and for Keras's own optimizers, on each rank) it "
+    "compares the gradients of each batch's two halves, and a batch of 1 example has no "
+    "two halves: it measures nothing. Train with batches of at least 2 examples per rank "
+    "(`batch_size` >= 2)")
 
 
 def square_norm(gradients):
@@ -93,6 +98,11 @@ class NoiseScaleProbe:
                                 name="noise_scale_sums",
                                 synchronization=tf.VariableSynchronization.ON_READ,
                                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        # Due steps left unmeasured because the batch held 1 example (one process).
+        self.single_example_steps = tf.Variable(
+            tf.zeros([], tf.int64), trainable=False, name="noise_scale_single_example_steps",
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     def due(self, step):
         """Whether `step` (0-based) is measured."""
@@ -152,12 +162,18 @@ class NoiseScaleProbe:
 
         if isinstance(sub_batches, Halves):  # a batch of one example has no halves
             measured = tf.logical_and(self.due(step), sub_batches.first > 0)
+            self.single_example_steps.assign_add(tf.cast(
+                tf.logical_and(self.due(step), sub_batches.first <= 0), tf.int64))
         else:
             measured = self.due(step)
         return tf.cond(measured, add, lambda: tf.constant(False))
 
     def reset(self):
         self.sums.assign(tf.zeros([5], tf.float64))
+
+    def measured_and_single_example_steps(self):
+        """(steps measured since the last `reset`, due steps of one example so far)."""
+        return int(self.sums.numpy()[0]), int(self.single_example_steps.numpy())
 
     def noise_scales(self):
         """{log name: B_simple} of the sums so far (NaN before a measured step)."""
@@ -196,6 +212,7 @@ class GradientNoiseScale(keras.callbacks.Callback):
         self.interval = interval
         self.preconditioned = preconditioned
         self.probe = None
+        self._measuring_seen = False
 
     def on_train_begin(self, logs=None):
         model = self.model
@@ -216,6 +233,18 @@ class GradientNoiseScale(keras.callbacks.Callback):
         if changed:  # the train function `fit` made before the callbacks start
             model.train_function = None
             model.make_train_function()
+        self._measuring_seen = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Until a step is measured: a due step of a one-example batch means that every
+        # batch is one (a short last batch comes after a measured one), so nothing can be
+        # measured. Said after that first step, not as a NaN at the epoch's end.
+        if self._measuring_seen:
+            return
+        measured, single = self.probe.measured_and_single_example_steps()
+        if single and not measured:
+            raise ValueError(ONE_EXAMPLE)
+        self._measuring_seen = measured > 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self.probe.reset()

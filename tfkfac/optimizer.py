@@ -246,7 +246,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         """Custom loop: a `tf.GradientTape` that also records the managed layers' calls."""
         return self._attached().record()
 
-    def minimize(self, loss, var_list=None, tape=None, fresh=None):
+    def minimize(self, loss, var_list=None, tape=None, fresh=None, sample_weight=None):
         """Custom loop: gradients from `tape` (opened by `record()`), then the update.
 
         Under a tf.distribute strategy call it inside `strategy.run`, with the loss as
@@ -254,6 +254,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         divided by the global batch (what Keras's losses and `tf.nn.compute_average_loss`
         give); K-FAC averages the gradients over replicas itself.
         `fresh`: the batch's fresh flags (N,), given exactly when factor_examples="fresh".
+        `sample_weight`: the weights (N,) `loss` gives the examples, if any, which weigh
+        their factor statistics as under `fit` (docs/design.md §2, sample weights).
         """
         if isinstance(var_list, tf.GradientTape):
             raise ValueError(
@@ -267,7 +269,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
             var_list = attachment.model.trainable_variables
         attachment.step(tape, loss, list(var_list), self.apply,
                         loss_scale=self.scale_loss(1.0),
-                        replicas=keras_integration.replicas_in_sync(), fresh=fresh)
+                        replicas=keras_integration.replicas_in_sync(), fresh=fresh,
+                        sample_weight=sample_weight)
 
     # ---------------------------------------------------------------- state
     def build(self, var_list):
