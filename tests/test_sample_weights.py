@@ -173,6 +173,14 @@ class WeightedStatisticsTest(absltest.TestCase):
             for old, new in zip(before, model.get_weights()):
                 np.testing.assert_array_equal(new, old)
 
+    def test_negative_weights_stop_fit_in_one_line(self):
+        weights = WEIGHTS.copy()
+        weights[2] = -1.0
+        model = conv_dense()
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    r"^KFAC: `sample_weight` must be >= 0 \([^\n]*\)\.?$"):
+            fit_once(model, kfac(), X, Y, sample_weight=weights)
+
     def test_weights_per_position_are_refused_naming_sample_weight(self):
         # Keras takes weights per output position; they give no weight per example.
         keras.utils.set_random_seed(1)

@@ -311,7 +311,10 @@ def one_line_assertion(message):
     for line in message.splitlines():
         line = line.strip()
         if line.startswith("assertion failed: [KFAC"):
-            return " ".join(re.findall(r"\[([^\[\]]*)\]", line))
+            # tf.debugging.Assert's data in brackets; tf.debugging.assert_*'s message is
+            # followed by its condition and values, left out.
+            line = " ".join(re.findall(r"\[([^\[\]]*)\]", line))
+            return line.split("  Condition ")[0].strip()
     return None
 
 
