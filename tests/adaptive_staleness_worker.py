@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tfkfac  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 from stale_steps_worker import LOSS, chosen_functions  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 
@@ -81,8 +81,8 @@ def train(x, y, batch, communicator=None, steps_per_execution=1, threshold=THRES
           **settings):
     """(model, optimizer, per-step records, the train function each step ran)."""
     model = dense_net()
-    optimizer = tfkfac.KFAC(communicator=communicator, stale_threshold=threshold,
-                            **dict(SETTINGS, **settings)).attach(model)
+    optimizer = sgd_kfac(communicator=communicator, stale_threshold=threshold,
+                         **dict(SETTINGS, **settings)).attach(model)
     model.compile(optimizer=optimizer, loss=LOSS, steps_per_execution=steps_per_execution)
     recorder = Recorder(optimizer)
     with chosen_functions() as ran:

@@ -41,7 +41,8 @@ def main(backup_dir, out_path, *options):
     labels = (examples.sum(axis=1) > 4).astype("int64")
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(2)])
-    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=0.01, factor_update_freq=2,
+    optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                            damping=0.01, kl_clip=1e-3, factor_update_freq=2,
                             inv_update_freq=4).attach(model)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -39,7 +39,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tfkfac  # noqa: E402
-from kfac_reference import managed_factors  # noqa: E402
+from kfac_reference import managed_factors, sgd_kfac  # noqa: E402
 from modern_net import modern_net  # noqa: E402
 from pipelines import idx_dataset  # noqa: E402
 from tfkfac import distributed  # noqa: E402
@@ -98,7 +98,7 @@ def small_cnn(seed, batch_norm):
 
 
 def compiled(model, comm, steps_per_execution=1, metrics=None, **kfac_args):
-    optimizer = tfkfac.KFAC(communicator=comm, **dict(KFAC_ARGS, **kfac_args)).attach(model)
+    optimizer = sgd_kfac(communicator=comm, **dict(KFAC_ARGS, **kfac_args)).attach(model)
     model.compile(optimizer=optimizer, loss=LOSS, metrics=metrics,
                   steps_per_execution=steps_per_execution)
     return optimizer

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import every_block_net as net  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 import tfkfac  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 
@@ -76,9 +77,9 @@ def compiled(comm, case):
     placement, method, grafting = case
     dtype = DTYPES[method]
     model = net.every_block_net(seed=7, dtype=dtype, batch_norm=False)
-    optimizer = tfkfac.KFAC(communicator=comm, placement=placement, method=method,
-                            grafting=grafting, state_dtype=dtype, factor_wire_dtype=dtype,
-                            decomposition_wire_dtype=dtype, **SETTINGS).attach(model)
+    optimizer = sgd_kfac(communicator=comm, placement=placement, method=method,
+                         grafting=grafting, state_dtype=dtype, factor_wire_dtype=dtype,
+                         decomposition_wire_dtype=dtype, **SETTINGS).attach(model)
     # The loss in the model's dtype (Keras's default: floatx).
     model.compile(optimizer=optimizer, loss=keras.losses.MeanSquaredError(dtype=dtype))
     return model, optimizer

@@ -211,8 +211,8 @@ def run_kfac(engine, name):
         keras.utils.set_random_seed(0)
         model = plan_worker.build_model()
         optimizer = tfkfac.KFAC(
-            learning_rate=LEARNING_RATE, damping=0.1, kl_clip=None, placement=placement,
-            method=method, factor_wire_dtype=factor_wire,
+            inner_optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=0.9), damping=0.1,
+            kl_clip=None, placement=placement, method=method, factor_wire_dtype=factor_wire,
             decomposition_wire_dtype=decomposition_wire, factor_update_freq=FACTOR_INTERVAL,
             decomposition_update_freq=DECOMPOSITION_INTERVAL,
             communicator=engine.comm).attach(model)

@@ -7,18 +7,30 @@ pre-activation) and gradient ∇ = [dL/dW; dL/db], the explicit-Kronecker solve
 (A ⊗ G + λI)⁻¹ vec(∇), the π-corrected factored inverse, and the one-custom-loop-step
 helper that measures an update, and `managed_factors`, which reads every managed layer's
 factors through the public `KFAC.factors`. None of it uses the optimizer's own factor or
-decomposition code.
+decomposition code. `sgd_kfac` is KFAC as the tests written before the declared default
+knew it: over momentum SGD, damping 0.1, KL clip 1e-3.
 
 Tolerances: float32 TF against float64 numpy on these small, well-conditioned problems
 agrees to rtol 1e-4, with an absolute floor of 1e-5 * max|ref| (`assert_close`).
 """
 
+import keras
 import numpy as np
+
+import tfkfac
 
 N = 8
 LR = 0.5
 DAMPING = 1e-2
 RTOL = 1e-4
+
+
+def sgd_kfac(learning_rate=0.05, momentum=0.9, **settings):
+    """tfkfac.KFAC over `keras.optimizers.SGD(learning_rate, momentum)`, with damping 0.1
+    and the KL clip 1e-3 unless `settings` give them: tfkfac's defaults before the declared
+    one (ScheduleFreeAdamW inside, docs/usage.md), which the tests using this check."""
+    return tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(learning_rate, momentum=momentum),
+                       **{"damping": 0.1, "kl_clip": 1e-3, **settings})
 
 
 def assert_close(actual, expected, rtol=RTOL, msg="", atol_scale=1e-5):

@@ -71,9 +71,10 @@ def main():
         keras.utils.set_random_seed(0)
         model = build_model()
         optimizer = tfkfac.KFAC(
-            learning_rate=0.01, damping=0.1, placement=placement,
-            factor_wire_dtype=factor_wire, decomposition_wire_dtype=decomposition_wire,
-            method=method, factor_update_freq=FACTOR_INTERVAL,
+            inner_optimizer=keras.optimizers.SGD(0.01, momentum=0.9), damping=0.1,
+            kl_clip=1e-3, placement=placement, factor_wire_dtype=factor_wire,
+            decomposition_wire_dtype=decomposition_wire, method=method,
+            factor_update_freq=FACTOR_INTERVAL,
             decomposition_update_freq=DECOMPOSITION_INTERVAL, communicator=comm).attach(model)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

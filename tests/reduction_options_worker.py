@@ -73,7 +73,8 @@ def run_fit(comm, strategy, **settings):
     with scope:
         keras.utils.set_random_seed(0)
         model = plan_worker.build_model()
-        optimizer = tfkfac.KFAC(learning_rate=0.01, damping=0.1, factor_update_freq=1,
+        optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                                damping=0.1, kl_clip=1e-3, factor_update_freq=1,
                                 decomposition_update_freq=DECOMPOSITION_INTERVAL,
                                 communicator=comm, **settings).attach(model)
         model.compile(optimizer=optimizer,

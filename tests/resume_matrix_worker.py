@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(TESTS_DIR))
 import distributed_kfac_worker as horovod_suite  # noqa: E402
 import every_block_net  # noqa: E402
 from test_saved_state_compat import saved_optimizer_state  # noqa: E402
-import tfkfac  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 
 OUT_DIR_VARIABLE = "RESUME_MATRIX_OUT_DIR"
@@ -79,7 +79,7 @@ class Engine:
         method, placement = cell
         with self.strategy.scope():
             model = horovod_suite.small_cnn(seed=7, batch_norm=True)
-            optimizer = tfkfac.KFAC(communicator=self.comm, placement=placement, **dict(
+            optimizer = sgd_kfac(communicator=self.comm, placement=placement, **dict(
                 SETTINGS, **METHODS[method], **overrides)).attach(model)
             model.compile(optimizer=optimizer, loss=horovod_suite.LOSS)
             optimizer.build(model.trainable_variables)

@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tfkfac  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 
 OUT_DIR_VARIABLE = "SAMPLED_FISHER_OUT_DIR"
@@ -43,7 +43,7 @@ def batches():
 def first_step_and_rest(comm):
     """({layer: G after the first step}, the model, the optimizer after STEPS steps)."""
     model = net()
-    optimizer = tfkfac.KFAC(communicator=comm, **SETTINGS).attach(model)
+    optimizer = sgd_kfac(communicator=comm, **SETTINGS).attach(model)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = batches()

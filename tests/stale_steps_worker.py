@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import job_results  # noqa: E402
-import tfkfac  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 from tfkfac import stale_steps  # noqa: E402
 
 OUT_DIR_VARIABLE = "STALE_STEPS_OUT_DIR"
@@ -77,7 +77,7 @@ def chosen_functions():
 def train(comm, steps_per_execution=1, jit_compile=False, **settings):
     """(model, optimizer, `chosen_functions`)."""
     model = conv_net()
-    optimizer = tfkfac.KFAC(communicator=comm, **dict(SETTINGS, **settings)).attach(model)
+    optimizer = sgd_kfac(communicator=comm, **dict(SETTINGS, **settings)).attach(model)
     model.compile(optimizer=optimizer, loss=LOSS, steps_per_execution=steps_per_execution,
                   jit_compile=jit_compile)
     x, y = rank_examples(comm)

@@ -38,6 +38,7 @@ sys.path.insert(0, TESTS_DIR)
 sys.path.insert(0, os.path.dirname(TESTS_DIR))
 
 import distributed_kfac_worker as horovod_suite  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 import tfkfac  # noqa: E402
 
 OUT_DIR_VARIABLE = "STRATEGY_KFAC_OUT_DIR"
@@ -95,7 +96,7 @@ def compiled(strategy, steps_per_execution=1, **kfac_settings):
     """small_cnn (no BatchNorm) and its KFAC, made and compiled under `strategy`."""
     with strategy.scope():
         model = horovod_suite.small_cnn(seed=7, batch_norm=False)
-        optimizer = tfkfac.KFAC(**kfac_settings).attach(model)
+        optimizer = sgd_kfac(**kfac_settings).attach(model)
         model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"],
                       steps_per_execution=steps_per_execution)
     return model, optimizer
@@ -125,7 +126,7 @@ def run_custom_loop(strategy, placement):
     x, y = horovod_suite.fixed_examples(STEPS * 2 * BATCH)
     with strategy.scope():
         model = horovod_suite.small_cnn(seed=7, batch_norm=False)
-        optimizer = tfkfac.KFAC(**settings(placement=placement)).attach(model)
+        optimizer = sgd_kfac(**settings(placement=placement)).attach(model)
     batches = strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * BATCH))
 
@@ -147,7 +148,7 @@ def run_plain_gradient(strategy):
     x, y = horovod_suite.fixed_examples(2 * BATCH)
     with strategy.scope():
         model = horovod_suite.small_cnn(seed=7, batch_norm=False)
-        optimizer = tfkfac.KFAC(learning_rate=PLAIN_LEARNING_RATE, momentum=0.0,
+        optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(PLAIN_LEARNING_RATE),
                                 skip_layers=[".*"]).attach(model)
         model.compile(optimizer=optimizer, loss=LOSS)
     before = [np.asarray(v) for v in model.get_weights()]
@@ -170,7 +171,7 @@ def run_batchnorm(strategy):
     with strategy.scope():
         keras.utils.set_random_seed(5)
         model = bn_model()
-        model.compile(optimizer=tfkfac.KFAC(**settings()).attach(model), loss=LOSS)
+        model.compile(optimizer=sgd_kfac(**settings()).attach(model), loss=LOSS)
     model.fit(x, y, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
     layer = model.layers[0]
     (mean, variance), identical = held(

@@ -35,6 +35,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)
 
 import adaptive_staleness_worker as worker  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 import tfkfac  # noqa: E402
 import trainer_testing as tt  # noqa: E402
 from stale_steps_worker import state  # noqa: E402
@@ -159,8 +160,8 @@ class CheckpointTest(parameterized.TestCase):
             model, optimizer, _, _ = worker.train(x[:rows], y[:rows], batch, **settings)
             tf.train.Checkpoint(model=model, optimizer=optimizer).write(path)
             model = worker.dense_net()
-            optimizer = tfkfac.KFAC(stale_threshold=worker.THRESHOLD,
-                                    **dict(worker.SETTINGS, **settings)).attach(model)
+            optimizer = sgd_kfac(stale_threshold=worker.THRESHOLD,
+                                **dict(worker.SETTINGS, **settings)).attach(model)
             model.compile(optimizer=optimizer, loss=worker.LOSS)
             optimizer.build(model.trainable_variables)
             tf.train.Checkpoint(model=model, optimizer=optimizer).read(

@@ -25,7 +25,8 @@ def trained(names, seed=0):
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, name=names[0]),
                               keras.layers.Dense(3, name=names[1])])
-    optimizer = tfkfac.KFAC(learning_rate=0.1, factor_update_freq=1,
+    optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                            factor_update_freq=1,
                             decomposition_update_freq=2).attach(model)
     model.compile(optimizer=optimizer, loss="mse")
     optimizer.build(model.trainable_variables)

@@ -249,7 +249,8 @@ class EndToEndTest(absltest.TestCase):
                 L.Conv2D(6, 3, padding="valid", dilation_rate=2, use_bias=False,
                          activation="relu"),
                 L.Flatten(), L.Dense(4)])
-            opt = tfkfac.KFAC(learning_rate=0.1, damping=1e-2, xla=False)
+            opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                              damping=1e-2, kl_clip=1e-3, xla=False)
             opt.attach(model)
             conv_blocks = [b for b in opt._curvature.blocks
                            if isinstance(b, tfkfac.blocks.ConvBlock)]

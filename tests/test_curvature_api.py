@@ -33,7 +33,8 @@ import tensorflow as tf  # noqa: E402
 from absl.testing import absltest  # noqa: E402
 
 import tfkfac  # noqa: E402
-from kfac_reference import DAMPING, N, assert_close, kron_precondition  # noqa: E402
+from kfac_reference import (DAMPING, N, assert_close, kron_precondition,  # noqa: E402
+                             sgd_kfac)
 from trainers import runner  # noqa: E402
 
 RNG = np.random.default_rng(0)
@@ -114,8 +115,9 @@ class CurvatureApiTest(absltest.TestCase):
     def setUp(self):
         super().setUp()
         self.model = mlp()
-        self.optimizer = tfkfac.KFAC(learning_rate=0.1, damping=DAMPING, kl_clip=None,
-                                     momentum=0.0, method="eigen",
+        self.optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.1), damping=DAMPING,
+                                     kl_clip=None,
+                                     method="eigen",
                                      xla=False).attach(self.model)
         self.loss = keras.losses.MeanSquaredError()
 
@@ -163,8 +165,9 @@ class CurvatureApiTest(absltest.TestCase):
         preconditioned gradients by 8e-8 relative)."""
         for damping in (DAMPING, lambda step: DAMPING):
             self.model = mlp(dtype="float64")
-            self.optimizer = tfkfac.KFAC(learning_rate=0.1, damping=damping, kl_clip=None,
-                                         momentum=0.0, method="eigen", xla=False,
+            self.optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.1),
+                                         damping=damping, kl_clip=None,
+                                         method="eigen", xla=False,
                                          state_dtype="float64")
             self.optimizer.attach(self.model)
             self.loss = keras.losses.MeanSquaredError(dtype="float64")  # default: floatx
@@ -276,8 +279,8 @@ class CurvatureApiTest(absltest.TestCase):
         model = keras.Sequential([keras.Input((4,)), SlowForward(),
                                   keras.layers.Dense(5, activation="tanh"),
                                   keras.layers.Dense(3)])
-        optimizer = tfkfac.KFAC(xla=False, phase_clocks=True, factor_update_freq=1,
-                                decomposition_update_freq=1).attach(model)
+        optimizer = sgd_kfac(xla=False, phase_clocks=True, factor_update_freq=1,
+                             decomposition_update_freq=1).attach(model)
         curvature = optimizer._curvature
         decompose, precondition = curvature._decompose, curvature._precondition
 

@@ -71,14 +71,22 @@ class InnerOptimizerTest(absltest.TestCase):
         self.assertEqual(int(inner.iterations), 12)
         self.assertEqual(optimizer.counters()["steps"], 12)
 
-    def test_default_inner_is_momentum_sgd_from_kfacs_arguments(self):
+    def test_default_inner_is_schedule_free_adamw_from_kfacs_arguments(self):
         optimizer = tfkfac.KFAC(learning_rate=0.2, momentum=0.5, weight_decay=1e-4)
         inner = optimizer.inner_optimizer
-        self.assertIsInstance(inner, keras.optimizers.SGD)
-        self.assertEqual((float(inner.learning_rate), inner.momentum, inner.weight_decay),
-                         (np.float32(0.2), 0.5, 1e-4))
+        self.assertIs(type(inner), tfkfac.ScheduleFreeAdamW)
+        self.assertEqual((float(inner.learning_rate), inner.beta_1, inner.weight_decay,
+                          inner.warmup_steps), (np.float32(0.2), 0.5, 1e-4, 0))
         optimizer.learning_rate = 0.05  # what ReduceLROnPlateau does
         self.assertAlmostEqual(float(inner.learning_rate), 0.05)
+
+    def test_default_rule_momentum_is_beta_1_in_the_open_unit_interval(self):
+        for momentum in (0.0, 1.0, -0.1, float("nan")):
+            with self.assertRaisesRegex(ValueError, r"^`momentum` must be a finite number "
+                                        r"in \(0, 1\); received .* \(β1 of KFAC's default "
+                                        r"inner optimizer, ScheduleFreeAdamW; for SGD, pass "
+                                        r"inner_optimizer=keras.optimizers.SGD"):
+                tfkfac.KFAC(momentum=momentum)
 
     def test_update_is_the_inner_rule_on_the_preconditioned_gradient(self):
         # One step of KFAC over plain SGD (no momentum, no KL clip) moves every weight by
@@ -203,7 +211,8 @@ class InnerOptionsTest(absltest.TestCase):
         self.assertEqual((optimizer.counters()["steps"],
                           optimizer.counters()["factor_updates"]), (1, 1))
         first = mlp()
-        first_only = tfkfac.KFAC(learning_rate=0.1, **settings).attach(first)
+        first_only = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                                 **settings).attach(first)
         first.compile(optimizer=first_only, loss=LOSS)
         first.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
         for layer, first_layer in zip(model.layers, first.layers):
@@ -229,8 +238,60 @@ class InnerOptionsTest(absltest.TestCase):
 
     def test_weight_decay_exclusion_without_a_decay_is_refused(self):
         with self.assertRaisesRegex(ValueError, r"exclude_from_weight_decay: the inner "
-                                    r"optimizer \(SGD\) applies no weight decay"):
+                                    r"optimizer \(ScheduleFreeAdamW\) applies no weight "
+                                    "decay"):
             tfkfac.KFAC().exclude_from_weight_decay(var_names=["bias"])
+
+
+class MultiOptimizer(keras.optimizers.Optimizer):
+    """A Keras optimizer that hands each layer's gradients to an optimizer of its own (as
+    tf.keras's MultiOptimizer did): no one update rule K-FAC could precede."""
+
+    def __init__(self, pairs):
+        super().__init__(learning_rate=0.0)
+        self.pairs = pairs
+
+    def apply(self, grads, trainable_variables=None):
+        for optimizer, _ in self.pairs:
+            optimizer.apply(grads, trainable_variables)
+
+
+class RefusedInnerOptimizerTest(absltest.TestCase):
+    """What K-FAC cannot precede is refused in its constructor, in one line naming
+    `inner_optimizer`, by the library as by the trainer (`--kfac_inner_optimizer`)."""
+
+    def test_muon_is_refused_with_the_trainers_reason(self):
+        from trainers import config as trainer_config  # pylint: disable=import-outside-toplevel
+        reason = tfkfac.inner.refused_reason(keras.optimizers.Muon)
+        self.assertRegex(reason, "orthogonal polar factor.*discards the singular values")
+        with self.assertRaisesRegex(ValueError, r"^`inner_optimizer` Muon is refused: "
+                                    r"Muon replaces each 2-D update .*; use Muon alone, or "
+                                    r"KFAC with another inner optimizer"):
+            tfkfac.KFAC(inner_optimizer=keras.optimizers.Muon())
+        self.assertTrue(trainer_config.KFAC_REFUSED_INNER_OPTIMIZERS["muon"].startswith(
+            reason + "; "))
+
+    def test_an_optimizer_holding_others_is_refused(self):
+        multi = MultiOptimizer([(keras.optimizers.SGD(0.1), ["dense"]),
+                                (keras.optimizers.Adam(1e-3), ["dense_1"])])
+        said = (r"^`inner_optimizer` must be one Keras optimizer that applies every update: "
+                r"received MultiOptimizer, which holds other optimizers \(Adam, SGD\)")
+        with self.assertRaisesRegex(ValueError, said):
+            tfkfac.KFAC(inner_optimizer=multi)
+
+    def test_an_object_without_keras_optimizers_interface_is_refused(self):
+        class Wrapper:  # looks like an optimizer, is none
+            learning_rate = 0.1
+            inner_optimizer = keras.optimizers.SGD(0.1)
+
+        unmade = keras.optimizers.SGD.__new__(keras.optimizers.SGD)  # no constructor run
+        for received, said in ((Wrapper(), r"must be a Keras 3 optimizer \(a "
+                                           r"keras.optimizers.Optimizer\).*received "
+                                           r".*Wrapper$"),
+                               (unmade, r"^`inner_optimizer` SGD is not a usable Keras "
+                                        r"optimizer: reading its `learning_rate` fails")):
+            with self.assertRaisesRegex(ValueError, said):
+                tfkfac.KFAC(inner_optimizer=received)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ class BatchNormTest(parameterized.TestCase):
         grad = per_example.mean(axis=0)
         assert_close(grad, mean_grad, msg="mean of per-example grads vs grad of mean")
 
-        opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING, kl_clip=None,
                           diagonal_damping_multiplier=RHO_BN, xla=False)
         opt.attach(model)
         variables = [v for v in (bn.gamma, bn.beta) if v is not None]
@@ -160,7 +160,7 @@ class BatchNormTest(parameterized.TestCase):
         fisher = np.mean(per_example ** 2, axis=0)
         grad = per_example.mean(axis=0)
 
-        opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING, kl_clip=None,
                           diagonal_damping_multiplier=RHO_BN, xla=False).attach(model)
         before = np.concatenate([bn.gamma.numpy(), bn.beta.numpy()])
         with opt.record() as tape:

@@ -122,7 +122,7 @@ def ce_loss():
 
 
 def plain_kfac(**kwargs):
-    return tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+    return tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING, kl_clip=None,
                        **{"method": "eigen", "xla": False, **kwargs})
 
 

@@ -318,7 +318,7 @@ def check_against_reference(ref, factors, updates, results, scale, msg):
 
 
 def kfac(model, method, weight_sharing="expand"):
-    return tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+    return tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING, kl_clip=None,
                        method=method, weight_sharing=weight_sharing, xla=False).attach(model)
 
 

@@ -74,7 +74,7 @@ def one_loop_step(model, opt, x, y, loss):
 
 
 def plain_kfac(xla):
-    return tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+    return tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING, kl_clip=None,
                        method="eigen", xla=xla)
 
 

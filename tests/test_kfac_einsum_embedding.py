@@ -78,7 +78,7 @@ def weights(layer):
 
 # ------------------------------------------------------------------------- helpers
 def kfac(model, method="eigen", **kwargs):
-    return tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+    return tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING, kl_clip=None,
                        method=method, xla=False, **kwargs).attach(model)
 
 
@@ -207,7 +207,8 @@ class EinsumDenseTest(parameterized.TestCase):
         hidden = keras.layers.Reshape((6, 4))(first(inputs, inputs))
         hidden = keras.layers.Flatten()(second(hidden, hidden))
         model = keras.Model(inputs, keras.layers.Dense(3, name="head")(hidden))
-        opt = tfkfac.KFAC(learning_rate=0.05, factor_update_freq=1, xla=False).attach(model)
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                          factor_update_freq=1, xla=False).attach(model)
         projections = [layer.query_dense for layer in (first, second)]
         self.assertEqual([p.equation for p in projections], ["abcd,def->abcef",
                                                              "abc,cde->abde"])

@@ -166,15 +166,16 @@ class BadInputTest(parameterized.TestCase):
 
     def test_valid_defaults_construct(self):
         opt = tfkfac.KFAC()
-        self.assertEqual((opt.method, opt.damping, opt.kl_clip), ("inverse", 0.1, 1e-3))
+        self.assertEqual((opt.method, opt.damping, opt.kl_clip), ("inverse", 0.03, None))
         self.assertEqual(opt.factor_decay, 0.95)
         self.assertEqual((opt.factor_update_freq, opt.decomposition_update_freq), (10, 100))
         self.assertEqual(opt.config, tfkfac.KFACConfig())
-        # The default update rule: Keras's momentum SGD at KFAC's learning rate.
-        self.assertIsInstance(opt.inner_optimizer, keras.optimizers.SGD)
-        self.assertEqual(opt.inner_optimizer.momentum, 0.9)
-        np.testing.assert_allclose(float(opt.learning_rate), 0.05, rtol=1e-7)
-        np.testing.assert_allclose(float(opt.inner_optimizer.learning_rate), 0.05, rtol=1e-7)
+        # The default update rule (tests/test_default.py): ScheduleFreeAdamW at KFAC's
+        # learning rate, its β1 KFAC's momentum.
+        self.assertIsInstance(opt.inner_optimizer, tfkfac.ScheduleFreeAdamW)
+        self.assertEqual(opt.inner_optimizer.beta_1, 0.9)
+        np.testing.assert_allclose(float(opt.learning_rate), 0.01, rtol=1e-7)
+        np.testing.assert_allclose(float(opt.inner_optimizer.learning_rate), 0.01, rtol=1e-7)
 
     def test_settings_come_from_keywords_or_a_config_not_both(self):
         config = tfkfac.KFACConfig(damping=0.1, method="inverse")
@@ -231,7 +232,8 @@ class UnsupportedLayerTest(absltest.TestCase):
         h = keras.layers.SimpleRNN(4, name="rnn")(h)  # weights in its cell
         outputs = keras.layers.Dense(2, name="head")(h)
         model = keras.Model(inputs, outputs)
-        opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.9, xla=False)
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR, momentum=0.9), damping=DAMPING,
+                          kl_clip=1e-3, xla=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.attach(model)
@@ -276,7 +278,7 @@ class SkipLayersTest(absltest.TestCase):
             keras.layers.Dense(4, activation="tanh", name="dense_b"),
             keras.layers.Dense(3, name="head", bias_initializer="random_normal"),
         ])
-        opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING, kl_clip=None,
                           method="eigen", skip_layers=["dense_.*"], xla=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -330,7 +332,7 @@ class SharedLayerTest(absltest.TestCase):
         head = keras.layers.Dense(2, name="head")
         outputs = head(keras.layers.Concatenate()([shared(in1), shared(in2)]))
         model = keras.Model([in1, in2], outputs)
-        opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING, kl_clip=None,
                           method="eigen", xla=False)
         opt.attach(model)
         self.assertEqual([m["layer"] for m in opt.summary()["managed"]],

@@ -22,6 +22,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
+from kfac_reference import sgd_kfac  # noqa: E402
 import tfkfac  # noqa: E402
 
 N = 8
@@ -135,8 +136,8 @@ class EveryLayerTrainsTest(parameterized.TestCase):
     def test_trains_with_block_or_plain_gradient(self, name):
         input_shape, make_layer = LAYERS[name]
         model = build_model(input_shape, make_layer)
-        optimizer = tfkfac.KFAC(learning_rate=0.05, factor_update_freq=1,
-                                decomposition_update_freq=1, xla=False)
+        optimizer = sgd_kfac(0.05, factor_update_freq=1, decomposition_update_freq=1,
+                             xla=False)
         summary, messages = self.check_trains(model, optimizer)
 
         managed = {m["layer"] for m in summary["managed"]}
@@ -159,16 +160,17 @@ class EveryLayerTrainsTest(parameterized.TestCase):
         keras.mixed_precision.set_dtype_policy("mixed_float16")
         self.addCleanup(keras.mixed_precision.set_dtype_policy, "float32")
         model = build_model(*LAYERS["layer_normalization"])
-        self.check_trains(model, tfkfac.KFAC(learning_rate=0.05, xla=False))
+        self.check_trains(model, sgd_kfac(0.05, xla=False))
 
     def test_inner_optimizer_with_unmanaged_layer(self):
         model = build_model(*LAYERS["prelu"])
-        optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.Adam(1e-2), xla=False)
+        optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.Adam(1e-2), damping=0.1,
+                                kl_clip=1e-3, xla=False)
         self.check_trains(model, optimizer)
 
     def test_every_layer_unmanaged(self):
         model = build_model(*LAYERS["layer_normalization"])
-        optimizer = tfkfac.KFAC(learning_rate=0.05, skip_layers=[".*"], xla=False)
+        optimizer = sgd_kfac(0.05, skip_layers=[".*"], xla=False)
         summary, _ = self.check_trains(model, optimizer)
         self.assertEmpty(summary["managed"])
 

@@ -30,6 +30,7 @@ from absl.testing import absltest  # noqa: E402
 
 import pipelines  # noqa: E402
 import tfkfac  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 from tfkfac import example_weights  # noqa: E402
 from modern_net import modern_net  # noqa: E402
 from trainer_testing import SMALL_FLAGS, config_from_argv  # noqa: E402
@@ -57,7 +58,7 @@ def small_cnn(seed):
 
 def kfac(model, **kwargs):
     settings = dict(learning_rate=0.05, damping=1e-2, xla=False, state_dtype="float64")
-    return tfkfac.KFAC(**dict(settings, **kwargs)).attach(model)
+    return sgd_kfac(**dict(settings, **kwargs)).attach(model)
 
 
 def custom_step(optimizer, model, x, y, **fresh):

@@ -48,7 +48,7 @@ class InverseMethodTest(parameterized.TestCase):
         labels = rng.integers(0, 3, size=N)
         reference = mlp_reference(dense_layers(model), x, labels, "ce")
 
-        opt = tfkfac.KFAC(learning_rate=LR, damping=damping, momentum=0.0, kl_clip=None,
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=damping, kl_clip=None,
                           method="inverse", xla=xla)
         opt.attach(model)
         model.compile(optimizer=opt,

@@ -37,7 +37,7 @@ RNG = np.random.default_rng(0)
 
 
 def kfac(model, method="eigen", **kwargs):
-    return tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+    return tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING, kl_clip=None,
                        method=method, xla=False, **kwargs).attach(model)
 
 

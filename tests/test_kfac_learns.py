@@ -67,7 +67,8 @@ class LearnsTest(absltest.TestCase):
             lambda: keras.optimizers.SGD(lr, momentum=0.9), images, labels)
             for lr in LEARNING_RATES}
         kfac = {lr: final_training_loss(
-            lambda: tfkfac.KFAC(learning_rate=lr, damping=1e-2, method="eigen",
+            lambda: tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(lr, momentum=0.9),
+                                damping=1e-2, kl_clip=1e-3, method="eigen",
                                 factor_update_freq=1, decomposition_update_freq=10),
             images, labels)
             for lr in LEARNING_RATES}

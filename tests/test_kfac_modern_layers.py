@@ -35,9 +35,9 @@ FACTOR_RTOL = {"mixed_float16": 2e-2, "mixed_bfloat16": 1e-1}
 
 def compiled(**kfac_args):
     model = modern_net.modern_net(seed=0)
-    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, factor_update_freq=1,
-                            decomposition_update_freq=2,
-                            xla=False, **kfac_args).attach(model)
+    optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                            damping=1e-2, kl_clip=1e-3, factor_update_freq=1,
+                            decomposition_update_freq=2, xla=False, **kfac_args).attach(model)
     # float16: a loss scale that does not overflow this model's first step (Keras's
     # default 2^15 does, and the step would be skipped).
     wrapped = (keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0 ** 7)

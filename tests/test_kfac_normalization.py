@@ -87,7 +87,7 @@ class NormalizationTest(parameterized.TestCase):
         fisher = np.mean(per_example ** 2, axis=0)
         grad = per_example.mean(axis=0)
 
-        opt = tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0, kl_clip=None,
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING, kl_clip=None,
                           diagonal_damping_multiplier=RHO, xla=False).attach(model)
         kinds = {m["layer"]: m["kind"] for m in opt.summary()["managed"]}
         self.assertEqual(kinds[norm.name], kind)  # its path in the model

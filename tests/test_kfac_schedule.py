@@ -82,7 +82,7 @@ class KLClipTest(parameterized.TestCase):
         grads = [g.numpy().astype(np.float64)
                  for g in tape.gradient(loss, model.trainable_variables)]
         unclipped = loop_step(
-            model, tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0,
+            model, tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING,
                                kl_clip=None, xla=False, model=model), MSE, x, y)
         p = [-d.astype(np.float64) / LR for d in unclipped]
         per_variable = [float(np.sum(pv * gv)) for pv, gv in zip(p, grads)]
@@ -98,7 +98,7 @@ class KLClipTest(parameterized.TestCase):
             self.assertAlmostEqual(nu, target_nu or 1.0)
             model = make_model(seed)
             clipped = loop_step(
-                model, tfkfac.KFAC(learning_rate=LR, damping=DAMPING, momentum=0.0,
+                model, tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=DAMPING,
                                    kl_clip=kappa, xla=False, model=model), MSE, x, y)
             for got, want in zip(clipped, unclipped):
                 assert_close(got, nu * want.astype(np.float64), msg=f"nu={nu}")
@@ -115,7 +115,7 @@ class RunningAverageTest(parameterized.TestCase):
         else:
             damping, dampings = DAMPING, [DAMPING, DAMPING]
         model = make_model(1)
-        opt = tfkfac.KFAC(learning_rate=LR, damping=damping, momentum=0.0, kl_clip=None,
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(LR), damping=damping, kl_clip=None,
                           factor_decay=xi, method="eigen", factor_update_freq=1,
                           decomposition_update_freq=1, xla=False)
         opt.attach(model)
@@ -181,7 +181,8 @@ class FrequencyTest(parameterized.TestCase):
 
     def test_freq_2_and_4_custom_loop(self):
         model = make_model(2)
-        opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, method="eigen",
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                          damping=DAMPING, kl_clip=1e-3, method="eigen",
                           factor_update_freq=2, decomposition_update_freq=4, xla=False)
         opt.attach(model)
         history = []
@@ -193,7 +194,8 @@ class FrequencyTest(parameterized.TestCase):
     def test_freq_2_and_4_fit(self):
         # Inside model.fit the step is a tf.function: the frequency logic runs in graph.
         model = make_model(3)
-        opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, method="eigen",
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                          damping=DAMPING, kl_clip=1e-3, method="eigen",
                           factor_update_freq=2, decomposition_update_freq=4, xla=False)
         opt.attach(model)
         model.compile(optimizer=opt, loss=MSE)
@@ -213,7 +215,8 @@ class FrequencyTest(parameterized.TestCase):
         # 0, 1, 2, 3, 4, 5, 11, (22).
         interval = tfkfac.OsawaInterval(1)
         model = make_model(4)
-        opt = tfkfac.KFAC(learning_rate=0.05, damping=DAMPING, method="eigen",
+        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                          damping=DAMPING, kl_clip=1e-3, method="eigen",
                           factor_update_freq=interval, decomposition_update_freq=interval,
                           xla=False)
         opt.attach(model)

@@ -33,9 +33,12 @@ def small_cnn(seed=0):
 
 
 def kfac(**kfac_args):
-    """The tests' KFAC: their settings unless given (not the library's defaults)."""
-    if "inner_optimizer" not in kfac_args:  # else the inner optimizer has the rate
-        kfac_args.setdefault("learning_rate", 0.05)
+    """The tests' KFAC: their settings unless given (not the library's defaults): momentum
+    SGD at 0.05 under a KL clip of 1e-3, damping 1e-2, factors every step."""
+    if "inner_optimizer" not in kfac_args:
+        kfac_args["inner_optimizer"] = keras.optimizers.SGD(
+            kfac_args.pop("learning_rate", 0.05), momentum=kfac_args.pop("momentum", 0.9))
+    kfac_args.setdefault("kl_clip", 1e-3)
     kfac_args.setdefault("damping", 1e-2)
     kfac_args.setdefault("factor_update_freq", 1)
     return tfkfac.KFAC(**kfac_args)
@@ -176,7 +179,7 @@ class StateTest(absltest.TestCase):
         for inner_class, optimizer in (
                 (keras.optimizers.Adam, tfkfac.KFAC(
                     inner_optimizer=keras.optimizers.Adam(decay()), **settings)),
-                (keras.optimizers.SGD, tfkfac.KFAC(learning_rate=decay(), **settings))):
+                (tfkfac.ScheduleFreeAdamW, tfkfac.KFAC(learning_rate=decay(), **settings))):
             config = optimizer.get_config()
             saved = copy.deepcopy(config)
             rebuilt = tfkfac.KFAC.from_config(config)
@@ -190,11 +193,15 @@ class StateTest(absltest.TestCase):
 
 class UpdateRuleTest(absltest.TestCase):
 
-    def test_kfac_level_arguments_build_the_inner_sgd(self):
-        default, optimizer = compiled(small_cnn(), momentum=0.5)
-        self.assertIsInstance(optimizer.inner_optimizer, keras.optimizers.SGD)
-        self.assertEqual(optimizer.inner_optimizer.momentum, 0.5)
-        inner, _ = compiled(small_cnn(), inner_optimizer=keras.optimizers.SGD(0.05, 0.5))
+    def test_kfac_level_arguments_build_the_inner_schedule_free_adamw(self):
+        default = small_cnn()
+        optimizer = tfkfac.KFAC(learning_rate=0.02, momentum=0.5, damping=1e-2,
+                                factor_update_freq=1).attach(default)
+        default.compile(optimizer=optimizer, loss=LOSS)
+        self.assertIs(type(optimizer.inner_optimizer), tfkfac.ScheduleFreeAdamW)
+        self.assertEqual(optimizer.inner_optimizer.beta_1, 0.5)
+        inner, _ = compiled(small_cnn(), kl_clip=None,
+                            inner_optimizer=tfkfac.ScheduleFreeAdamW(0.02, beta_1=0.5))
         fit(default, steps=3)
         fit(inner, steps=3)
         self.assertEqual(max_difference(default.get_weights(), inner.get_weights()), 0.0)

@@ -63,7 +63,8 @@ class StrategySupportTest(absltest.TestCase):
         for strategy in (tf.distribute.OneDeviceStrategy("/cpu:0"), tf.distribute.get_strategy()):
             with self.subTest(strategy=type(strategy).__name__), strategy.scope():
                 model = horovod_suite.small_cnn(seed=7, batch_norm=False)
-                optimizer = tfkfac.KFAC(learning_rate=0.05).attach(model)
+                optimizer = tfkfac.KFAC(
+                    inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9)).attach(model)
                 self.assertIsInstance(optimizer._comm, distributed.SingleProcess)
                 model.compile(optimizer=optimizer, loss=worker.LOSS)
                 x, y = horovod_suite.fixed_examples(2 * worker.BATCH)

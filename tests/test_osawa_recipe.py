@@ -69,7 +69,8 @@ def batches():
 
 
 def kfac(schedule, **settings):
-    return tfkfac.KFAC(learning_rate=schedule, momentum=MOMENTUM, damping=DAMPING,
+    return tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(schedule, momentum=MOMENTUM),
+                       damping=DAMPING,
                        kl_clip=None, method="eigen", factor_decay=FACTOR_DECAY,
                        factor_update_freq=1, decomposition_update_freq=1,
                        skip_layers=("out",), state_dtype="float64", **settings)
@@ -167,7 +168,8 @@ class RescaledLayersTest(absltest.TestCase):
 
     def one_step(self, weight_rescaling):
         model = cnn()
-        optimizer = tfkfac.KFAC(learning_rate=0.1, damping=DAMPING, factor_update_freq=1,
+        optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                                damping=DAMPING, kl_clip=1e-3, factor_update_freq=1,
                                 skip_layers=("skipped",), weight_rescaling=weight_rescaling)
         model.compile(optimizer=optimizer.attach(model),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -234,7 +236,7 @@ class ErrorsTest(absltest.TestCase):
                 with self.assertRaisesRegex(ValueError, "`couple_momentum_to_lr`.*" + said):
                     tfkfac.KFAC(inner_optimizer=inner, couple_momentum_to_lr=True)
         with self.assertRaisesRegex(ValueError, "momentum 0"):
-            tfkfac.KFAC(momentum=0.0, couple_momentum_to_lr=True)
+            tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05), couple_momentum_to_lr=True)
 
     def test_settings_are_booleans(self):
         for name in ("weight_rescaling", "couple_momentum_to_lr"):

@@ -48,7 +48,8 @@ class KFACStateBytesTest(parameterized.TestCase):
     def test_state_bytes_are_the_optimizers(self, build, placement, method):
         keras.utils.set_random_seed(0)
         model = build()
-        optimizer = tfkfac.KFAC(learning_rate=0.01, placement=placement,
+        optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                                placement=placement,
                                 method=method).attach(model)
         optimizer.build(model.trainable_variables)
         needs = memory.worker_bytes(workloads.workload(model, 1, model.name), placement,

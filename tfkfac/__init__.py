@@ -1,9 +1,16 @@
 """tfkfac: K-FAC second-order optimization for TensorFlow 2 / Keras 3.
 
-    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-3).attach(model)  # SGD inner
-    # or: tfkfac.KFAC(inner_optimizer=keras.optimizers.AdamW(1e-3)).attach(model)
+    optimizer = tfkfac.KFAC()        # the default: K-FAC's directions into ScheduleFreeAdamW
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
-    model.fit(dataset, epochs=5)
+    model.fit(dataset, epochs=5, validation_data=val,
+              callbacks=[tfkfac.AveragedWeights(optimizer)])  # evaluated at the average
+
+The default (`tfkfac.KFACConfig`, docs/usage.md) was declared before the final races:
+the inverse method, damping 0.03, no KL clip, factors every 10 steps and decompositions
+every 100, handed to `tfkfac.ScheduleFreeAdamW` at learning rate 0.01. The learning rate
+is the one number to tune: start at 0.01, about 1-2x the rate ScheduleFreeAdamW alone
+would take. Any Keras optimizer can apply the update instead:
+`tfkfac.KFAC(inner_optimizer=keras.optimizers.AdamW(1e-3))`.
 """
 
 __version__ = "0.2.0"
@@ -18,7 +25,9 @@ from tfkfac.example_weights import fresh_flags  # noqa: E402
 from tfkfac.methods import Eigen, EigenAdam, Inverse, Method  # noqa: E402
 from tfkfac.noise_scale import GradientNoiseScale  # noqa: E402
 from tfkfac.optimizer import KFAC  # noqa: E402
+from tfkfac.schedule_free import AveragedWeights, ScheduleFreeAdamW  # noqa: E402
 from tfkfac.schedules import OsawaInterval, WarmupDamping  # noqa: E402
 
-__all__ = ["KFAC", "KFACConfig", "Eigen", "EigenAdam", "GradientNoiseScale", "Inverse",
-           "Method", "OsawaInterval", "WarmupDamping", "fresh_flags", "__version__"]
+__all__ = ["KFAC", "KFACConfig", "AveragedWeights", "Eigen", "EigenAdam",
+           "GradientNoiseScale", "Inverse", "Method", "OsawaInterval", "ScheduleFreeAdamW",
+           "WarmupDamping", "fresh_flags", "__version__"]

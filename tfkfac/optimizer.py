@@ -1,13 +1,14 @@
 """`tfkfac.KFAC`: K-FAC preconditioning in front of a Keras optimizer.
 
-    optimizer = tfkfac.KFAC(learning_rate=0.05, damping=1e-3).attach(model)
+    optimizer = tfkfac.KFAC().attach(model)   # the default; tune learning_rate (0.01)
     model.compile(optimizer=optimizer, loss=..., metrics=[...])
-    model.fit(dataset, epochs=...)
+    model.fit(dataset, epochs=..., callbacks=[tfkfac.AveragedWeights(optimizer)])
 
 One step (docs/design.md §1): `attachment` records the managed layers' inputs and output
 gradients, `curvature` updates factors and decompositions when due, and the update chain
 (`chain`) preconditions the gradients, applies the KL clip or grafting, and hands them to
-the inner optimizer — any Keras optimizer, momentum SGD by default. Like Keras's
+the inner optimizer — any Keras optimizer; by default `tfkfac.ScheduleFreeAdamW`, whose
+averaged weights `tfkfac.AveragedWeights` evaluates and exports. Like Keras's
 `LossScaleOptimizer`, KFAC forwards `learning_rate` and `iterations` to the inner
 optimizer, so schedules and callbacks act on the update rule.
 """
@@ -31,9 +32,16 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
 
     Args:
       learning_rate, momentum, weight_decay: of the default inner optimizer,
-        `keras.optimizers.SGD(learning_rate, momentum, weight_decay=...)` (defaults 0.05,
-        0.9, None); give them only when `inner_optimizer` is not given.
-      inner_optimizer: the Keras optimizer that applies the preconditioned gradients.
+        `tfkfac.ScheduleFreeAdamW(learning_rate, beta_1=momentum, weight_decay=...)`
+        (defaults 0.01, 0.9, None; Keras's decoupled decay): the default rule's momentum
+        is ScheduleFreeAdamW's β1. It has no warm-up: a library cannot know the run's
+        length, so for one set the inner optimizer's `warmup_steps` to about 5% of the
+        run's steps, as the trainer does. The learning rate is the one number to tune:
+        start at 0.01, about 1-2x what ScheduleFreeAdamW alone would take. Give these
+        three only when `inner_optimizer` is not given.
+      inner_optimizer: the Keras optimizer that applies the preconditioned gradients
+        (not Muon, whose orthogonalization discards K-FAC's scaling, nor an optimizer
+        that wraps or holds others).
       communicator: a `tfkfac.distributed` communicator; default
         `tfkfac.distributed.get_communicator("auto")` (Horovod under horovodrun).
       model: if given, `attach(model)` is called.

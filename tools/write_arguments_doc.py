@@ -15,8 +15,10 @@ HEADER = """# K-FAC's settings
 Generated from `tfkfac.KFACConfig` by `tools/write_arguments_doc.py`; do not edit by hand.
 Each is an argument of `tfkfac.KFAC(...)` and a field of `tfkfac.KFACConfig(...)`, and the
 trainer flag beside it sets it for `python -m trainers.train --optimizer=kfac`, with the
-same default. `learning_rate`, `momentum` and `weight_decay` are the default inner SGD's
-([usage.md](usage.md)).
+same default. The defaults, with KFAC's default inner optimizer `tfkfac.ScheduleFreeAdamW`,
+are the configuration declared before the final races ([usage.md](usage.md#the-default));
+that optimizer's `learning_rate` (0.01, the one number to tune), `momentum` (its β1, 0.9)
+and `weight_decay` (None) are arguments of `tfkfac.KFAC` too.
 """
 
 

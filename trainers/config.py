@@ -9,9 +9,11 @@ import datetime
 import os
 from typing import Optional, Tuple
 
+import keras
+
 import pipelines
 from pipelines import limits
-from tfkfac import config as kfac_config, validation
+from tfkfac import config as kfac_config, inner as kfac_inner, validation
 from trainers import distribution, models
 
 # Keras's own update rules the trainer offers (trainers/runner.py builds them).
@@ -19,13 +21,10 @@ FIRST_ORDER_OPTIMIZERS = ("sgd", "adam", "adamw", "muon", "schedule_free_adamw",
 OPTIMIZERS = ("kfac",) + FIRST_ORDER_OPTIMIZERS
 # The update rules K-FAC can precondition for (`--kfac_inner_optimizer`).
 KFAC_INNER_OPTIMIZERS = ("sgd", "adam", "adamw", "schedule_free_adamw", "lamb")
-# Update rules K-FAC refuses to precede, and why.
+# Update rules K-FAC refuses to precede, and why: the library's reason (tfkfac.inner).
 KFAC_REFUSED_INNER_OPTIMIZERS = {
-    "muon": "Muon replaces each 2-D update by its orthogonal polar factor, which discards "
-            "the singular values K-FAC's preconditioning sets (on the MLP K-FAC in front of "
-            "Muon reached 0.890 validation accuracy in an epoch against Muon's 0.887, at "
-            "1.5x its step time); use optimizer=muon, or K-FAC with "
-            "kfac_inner_optimizer=adamw",
+    "muon": f"{kfac_inner.refused_reason(keras.optimizers.Muon)}; use optimizer=muon, or "
+            "K-FAC with kfac_inner_optimizer=adamw",
 }
 # Update rules whose momentum is --momentum; the others keep their own.
 MOMENTUM_OPTIMIZERS = ("sgd",)
@@ -33,6 +32,16 @@ MOMENTUM_OPTIMIZERS = ("sgd",)
 # their own warm-up, and a decaying --lr_schedule is refused.
 SCHEDULE_FREE_OPTIMIZERS = ("schedule_free_adamw",)
 SCHEDULE_FREE_LR_SCHEDULES = ("constant", "warmup")
+# Without --warmup_epochs a schedule-free rule warms up over this share of the run's
+# steps (AlgoPerf's baselines warm up over 5% of theirs), any other rule not at all.
+SCHEDULE_FREE_WARMUP_SHARE = 0.05
+# --learning_rate when not given, by update rule (`update_rule`): K-FAC's default inner
+# ScheduleFreeAdamW takes the library's 0.01, which suits ScheduleFreeAdamW alone too
+# (its tuned rates here: 5e-3 to 2e-2); SGD the trainer's earlier 0.05; the Adam family
+# (and Muon, on AdamW's scale) Keras's 1e-3.
+DEFAULT_LEARNING_RATES = {"schedule_free_adamw": kfac_inner.DEFAULT_LEARNING_RATE,
+                          "sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "muon": 1e-3,
+                          "lamb": 1e-3}
 
 
 def update_rule(optimizer, kfac_inner_optimizer):
@@ -55,6 +64,9 @@ KFAC_FLAGS = {kfac_config.flag_name(field): field for field in kfac_config.setti
               if kfac_config.flag_name(field)}
 # Fields that only mean something to K-FAC; setting one with another optimizer is a mistake.
 KFAC_ONLY_FIELDS = (*KFAC_FLAGS, "kfac_inner_optimizer")
+# Fields added since the first saved configs whose default changed since: a run's saved
+# settings without one were written before it existed and ran with this value.
+EARLIER_DEFAULTS = {"kfac_inner_optimizer": "sgd"}
 # Saved configs of earlier versions name some fields differently: old -> new.
 RENAMED_FIELDS = {old: new for old, new in kfac_config.RENAMED.items() if new in KFAC_FLAGS}
 # Fields a resumed run may set differently from the run that wrote the checkpoint: the
@@ -82,7 +94,8 @@ class _RunConfig:
     train_split: str = "train"
     eval_split: str = "test"
     optimizer: str = "kfac"
-    learning_rate: float = 0.05
+    # None: the update rule's DEFAULT_LEARNING_RATES entry (set when the config is made).
+    learning_rate: Optional[float] = None
     momentum: float = 0.9
     # SGD's Nesterov momentum (Keras's `nesterov`), the variant Shallue et al. tune.
     nesterov: bool = False
@@ -91,14 +104,15 @@ class _RunConfig:
     # no decay for the others.
     weight_decay: Optional[float] = None
     lr_schedule: str = "constant"
-    warmup_epochs: float = 0.0
+    # None: SCHEDULE_FREE_WARMUP_SHARE of the run for a schedule-free rule, else none.
+    warmup_epochs: Optional[float] = None
     lr_decay_epochs: Tuple[float, ...] = ()
     lr_decay_factor: float = 0.1
     lr_decay_power: float = 2.0
-    # The update rule K-FAC preconditions for: momentum SGD (with --momentum), or Adam /
-    # AdamW / ScheduleFreeAdamW / Lamb (with --weight_decay), at --learning_rate and its
-    # schedule (ScheduleFreeAdamW: its own warm-up only).
-    kfac_inner_optimizer: str = "sgd"
+    # The update rule K-FAC preconditions for: ScheduleFreeAdamW (the default, with its own
+    # warm-up only), momentum SGD (with --momentum), or Adam / AdamW / Lamb, at
+    # --learning_rate and its schedule, with --weight_decay.
+    kfac_inner_optimizer: str = "schedule_free_adamw"
     batch_size: int = 128
     epochs: int = 2
     steps: Optional[int] = None
@@ -141,6 +155,10 @@ class _RunConfig:
     startup_timeout_seconds: float = distribution.DEFAULT_STARTUP_TIMEOUT_SECONDS
     # The engine (trainers/distribution.py): auto, none, horovod, mirrored, multi_worker.
     distribution: str = "auto"
+
+    def __post_init__(self):
+        if self.learning_rate is None:  # an unknown optimizer is validate's to name
+            self.learning_rate = DEFAULT_LEARNING_RATES.get(self.update_rule())
 
     def validate(self, explicitly_set=()):
         """Raises ValueError naming the first bad or inconsistent setting.
@@ -237,13 +255,15 @@ class _RunConfig:
 
     def _validate_schedule(self):
         # Every float of the schedule is checked, used by this schedule or not.
-        validation.finite_number("warmup_epochs", self.warmup_epochs, low=0)
+        if self.warmup_epochs is not None:
+            validation.finite_number("warmup_epochs", self.warmup_epochs, low=0)
         for epoch in self.lr_decay_epochs:
             validation.positive("lr_decay_epochs", epoch)
         validation.finite_number("lr_decay_factor", self.lr_decay_factor, 0, 1, low_open=True,
                                  high_open=True)
         validation.positive("lr_decay_power", self.lr_decay_power)
-        if self.lr_schedule == "warmup" and self.warmup_epochs == 0:
+        if self.lr_schedule == "warmup" and not self.warmup_epochs and (
+                self.warmup_epochs == 0 or self.update_rule() not in SCHEDULE_FREE_OPTIMIZERS):
             raise ValueError("lr_schedule=warmup needs warmup_epochs > 0")
         if self.lr_schedule == "step":
             if not self.lr_decay_epochs:
@@ -275,7 +295,7 @@ class _RunConfig:
             return
         rule = f"kfac_inner_optimizer={self.kfac_inner_optimizer}"
         if self.kfac_inner_optimizer not in MOMENTUM_OPTIMIZERS:
-            received = rule
+            received = f"{rule}; pass kfac_inner_optimizer=sgd"
         elif self.momentum == 0:
             received = f"{rule} with momentum={self.momentum}"
         elif self.nesterov:
@@ -350,5 +370,7 @@ TrainConfig = dataclasses.make_dataclass(
      for flag, field in KFAC_FLAGS.items()],
     bases=(_RunConfig,))
 TrainConfig.__module__ = __name__
-TrainConfig.__doc__ = """Settings of one run; defaults are the `make train` job (K-FAC, small CNN,
-Fashion-MNIST). K-FAC's settings are `tfkfac.KFACConfig`'s under their flag names."""
+TrainConfig.__doc__ = """Settings of one run; defaults are the `make train` job: the small CNN on
+Fashion-MNIST with the declared default K-FAC (`tfkfac.KFAC()`: inverse method, damping
+0.03, no KL clip, into ScheduleFreeAdamW at 0.01, warmed up over 5% of the run).
+K-FAC's settings are `tfkfac.KFACConfig`'s under their flag names."""

@@ -9,6 +9,8 @@ import math
 import keras
 from keras import ops
 
+from trainers import config as config_lib
+
 
 @keras.saving.register_keras_serializable(package="trainers")
 class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
@@ -75,8 +77,14 @@ class CosineDecay(keras.optimizers.schedules.LearningRateSchedule):
                 "end_step": self.end_step}
 
 
-def warmup_length(config, steps_per_epoch):
-    """The warm-up's steps: `warmup_epochs` in steps, at least 1 when it is on, else 0."""
+def warmup_length(config, steps_per_epoch, total_steps):
+    """The warm-up's steps: `warmup_epochs` in steps, at least 1 when it is on, else 0.
+    Not given (None): SCHEDULE_FREE_WARMUP_SHARE of the run's `total_steps` for a
+    schedule-free update rule (0 in runs shorter than 10 steps), 0 for the others."""
+    if config.warmup_epochs is None:
+        if config.update_rule() not in config_lib.SCHEDULE_FREE_OPTIMIZERS:
+            return 0
+        return int(round(config_lib.SCHEDULE_FREE_WARMUP_SHARE * total_steps))
     if config.warmup_epochs <= 0:
         return 0
     return max(1, int(round(config.warmup_epochs * steps_per_epoch)))
@@ -89,7 +97,7 @@ def build_learning_rate(config, steps_per_epoch, total_steps):
     step: multiplied by `lr_decay_factor` at each of `lr_decay_epochs`.
     polynomial: `(1 - step / total_steps) ** lr_decay_power`, reaching 0 at the end.
     cosine: after the warmup, half a cosine from `learning_rate` to 0 at the end.
-    Any schedule starts with a linear warmup when `warmup_epochs` > 0. "The end" is
+    Any schedule starts with a linear warmup of `warmup_length` steps. "The end" is
     `total_steps`, the run's whole budget (`--steps`/`--epochs`), so a resumed run with
     the same budget keeps the schedule's end. Raises ValueError when the warmup does not
     end before the run does: the run would never train at `learning_rate`.
@@ -98,8 +106,8 @@ def build_learning_rate(config, steps_per_epoch, total_steps):
         raise ValueError(f"steps_per_epoch and total_steps must be >= 1, got "
                          f"{steps_per_epoch} and {total_steps}")
     lr = float(config.learning_rate)
-    warmup_steps = warmup_length(config, steps_per_epoch)
-    if warmup_steps >= total_steps:
+    warmup_steps = warmup_length(config, steps_per_epoch, total_steps)
+    if warmup_steps >= total_steps:  # only a warmup_epochs given can be this long
         raise ValueError(f"lr_schedule={config.lr_schedule} reaches learning_rate only after the "
                          f"warmup, which must end before the run: warmup_epochs="
                          f"{config.warmup_epochs:g} is {warmup_steps} steps of the run's "

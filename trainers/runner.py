@@ -30,10 +30,10 @@ import numpy as np
 
 import pipelines
 import tfkfac
-from tfkfac import distributed
+from tfkfac import distributed, schedule_free
 from trainers import agreement, checkpoints, config as config_lib, data as data_lib, errors
 from trainers import data_parallel, distribution, lr_schedules, models
-from trainers import preemption as preemption_lib, reporting, run_lock, schedule_free
+from trainers import preemption as preemption_lib, reporting, run_lock
 
 SUMMARY_FILE = "summary.json"
 # What a run writes in its model_dir: name -> whether it is a directory.
@@ -173,8 +173,9 @@ def saved_settings(model_dir):
     history = checkpoints.read_run_history(model_dir)
     if saved is None:
         return None
-    # Written by an earlier version: today's names.
-    saved = {config_lib.RENAMED_FIELDS.get(name, name): value for name, value in saved.items()}
+    # Written by an earlier version: today's names, and the values of fields added since.
+    saved = {**config_lib.EARLIER_DEFAULTS,
+             **{config_lib.RENAMED_FIELDS.get(name, name): value for name, value in saved.items()}}
     _check_saved_types(os.path.join(model_dir, checkpoints.CONFIG_FILE), saved,
                        checkpoints.CONFIG_ROLE)
     if history:
@@ -282,11 +283,10 @@ class Trainer:
                                **_loss_and_metrics(config))
             # Create every optimizer variable now: the checkpoint and the broadcast need them.
             self.model.optimizer.build(self.model.trainable_variables)
-        averaged = schedule_free.update_rule(self.optimizer)
         # Callbacks of every evaluation: ScheduleFreeAdamW's runs at its averaged weights,
         # with BatchNormalization statistics from a training stream of its own.
-        self._evaluation_callbacks = [] if averaged is None else [
-            schedule_free.AveragedWeights(averaged, lambda: data_lib.TrainingData(
+        self._evaluation_callbacks = [] if schedule_free.update_rule(self.optimizer) is None \
+            else [tfkfac.AveragedWeights(self.optimizer, lambda: data_lib.TrainingData(
                 *data_settings, sizes=checked.split_sizes).train(0))]
 
         self._store = checkpoints.CheckpointStore(self.model_dir, self.model,
@@ -498,11 +498,11 @@ def _jsonable(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-# Keras's optimizers of config.FIRST_ORDER_OPTIMIZERS (ScheduleFreeAdamW: its averaging
-# step corrected, trainers/schedule_free.py).
+# Keras's optimizers of config.FIRST_ORDER_OPTIMIZERS (ScheduleFreeAdamW: tfkfac's, its
+# averaging step corrected, tfkfac/schedule_free.py).
 _KERAS_OPTIMIZERS = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam,
                      "adamw": keras.optimizers.AdamW, "muon": keras.optimizers.Muon,
-                     "schedule_free_adamw": schedule_free.ScheduleFreeAdamW,
+                     "schedule_free_adamw": tfkfac.ScheduleFreeAdamW,
                      "lamb": keras.optimizers.Lamb}
 
 
@@ -514,7 +514,7 @@ def _build_optimizer(config, steps_per_epoch, total_steps, communicator, output_
         learning_rate = float(config.learning_rate)
     else:
         learning_rate = lr_schedules.build_learning_rate(config, steps_per_epoch, total_steps)
-    options = _options(rule, config, steps_per_epoch, output_layer)
+    options = _options(rule, config, steps_per_epoch, output_layer, total_steps)
     if config.optimizer == "kfac":
         # K-FAC averages gradients (and factors) over ranks itself, before its inner
         # optimizer sees them.
@@ -524,11 +524,11 @@ def _build_optimizer(config, steps_per_epoch, total_steps, communicator, output_
                                                                           **options)
 
 
-def _options(name, config, steps_per_epoch, output_layer):
+def _options(name, config, steps_per_epoch, output_layer, total_steps=None):
     """Keyword arguments of Keras's optimizer `name`: --momentum and --nesterov for SGD;
     --weight_decay when set (unset, each keeps its own default), for Muon on both of its
     steps; Muon's exclusions (`muon_exclusions`); ScheduleFreeAdamW's warm-up of
-    --warmup_epochs."""
+    --warmup_epochs (not given: 5% of the run's `total_steps`, needed then)."""
     options = {} if config.weight_decay is None else {"weight_decay": config.weight_decay}
     if name == "sgd":
         options.update(momentum=config.momentum, nesterov=config.nesterov)
@@ -537,7 +537,8 @@ def _options(name, config, steps_per_epoch, output_layer):
             options["adam_weight_decay"] = config.weight_decay
         options["exclude_layers"] = muon_exclusions(output_layer)
     elif name == "schedule_free_adamw":
-        options["warmup_steps"] = lr_schedules.warmup_length(config, steps_per_epoch)
+        options["warmup_steps"] = lr_schedules.warmup_length(config, steps_per_epoch,
+                                                             total_steps)
     return options
 
 

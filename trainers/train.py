@@ -1,8 +1,10 @@
 """Trains a model with K-FAC or one of Keras's optimizers (SGD, Adam, AdamW, Muon,
 ScheduleFreeAdamW, Lamb): `python -m trainers.train [--flags]`.
 
-With no flags it is the `make train` job: the small CNN on real Fashion-MNIST with K-FAC,
-printing the test accuracy and where the logs went. Under
+With no flags it is the `make train` job: the small CNN on real Fashion-MNIST with the
+declared default K-FAC (`tfkfac.KFAC()`'s: inverse method, damping 0.03, no KL clip, into
+ScheduleFreeAdamW at learning rate 0.01 warmed up over 5% of the run, evaluated at its
+averaged weights), printing the test accuracy and where the logs went. Under
 `horovodrun -np N python -m trainers.train ...` or
 `python -m trainers.launch --engine=multi_worker --workers=N -- ...` (`--distribution`)
 each rank trains on its shard and rank 0 writes the logs and checkpoints.
@@ -36,7 +38,8 @@ flags.DEFINE_string("train_split", _DEFAULTS.train_split,
 flags.DEFINE_string("eval_split", _DEFAULTS.eval_split,
                     "TFDS split evaluated after every epoch, e.g. test or train[54000:].")
 flags.DEFINE_enum("optimizer", _DEFAULTS.optimizer, config_lib.OPTIMIZERS,
-                  "kfac: K-FAC preconditioning momentum SGD (--kfac_inner_optimizer); sgd: "
+                  "kfac: K-FAC in front of --kfac_inner_optimizer (default "
+                  "schedule_free_adamw); sgd: "
                   "SGD with --momentum; adam: Adam; adamw: Adam with decoupled weight decay "
                   "(--weight_decay); muon: Keras's Muon (orthogonalized momentum for Dense "
                   "kernels, AdamW's step for the output layer and other weights, on AdamW's "
@@ -44,7 +47,13 @@ flags.DEFINE_enum("optimizer", _DEFAULTS.optimizer, config_lib.OPTIMIZERS,
                   "(its averaging step corrected to the published one), with its own "
                   "warm-up (--warmup_epochs) and no schedule, evaluated at its averaged "
                   "weights; lamb: Keras's Lamb (layer-wise trust ratio).")
-flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Base learning rate.")
+flags.DEFINE_float("learning_rate", None,
+                   "Base learning rate, the one number to tune. Default by the update rule "
+                   "(--optimizer, or under kfac --kfac_inner_optimizer): " + ", ".join(
+                       f"{rule} {rate:g}" for rule, rate in
+                       config_lib.DEFAULT_LEARNING_RATES.items()) + ". Under K-FAC's "
+                   "default schedule_free_adamw start at 0.01, about 1-2x the rate "
+                   "schedule_free_adamw alone takes.")
 flags.DEFINE_float("momentum", _DEFAULTS.momentum,
                    "Momentum of SGD (also as K-FAC's inner optimizer); the other optimizers "
                    "keep their own.")
@@ -60,9 +69,11 @@ flags.DEFINE_enum("lr_schedule", _DEFAULTS.lr_schedule, config_lib.LR_SCHEDULES,
                   "the last step with power --lr_decay_power); cosine (after the warmup, "
                   "half a cosine to 0 at the last step). schedule_free_adamw takes "
                   "constant or warmup only.")
-flags.DEFINE_float("warmup_epochs", _DEFAULTS.warmup_epochs,
+flags.DEFINE_float("warmup_epochs", None,
                    "Linear learning-rate warmup length in epochs, for any schedule "
-                   "(schedule_free_adamw: its own warmup_steps).")
+                   "(schedule_free_adamw: its own warmup_steps). Not given: 5% of the "
+                   "run's steps for schedule_free_adamw (alone or inside kfac), none for "
+                   "the other rules.")
 flags.DEFINE_list("lr_decay_epochs", [], "Epochs at which lr_schedule=step decays, e.g. 10,20.")
 flags.DEFINE_float("lr_decay_factor", _DEFAULTS.lr_decay_factor,
                    "Factor of each lr_schedule=step decay.")
@@ -70,8 +81,9 @@ flags.DEFINE_float("lr_decay_power", _DEFAULTS.lr_decay_power,
                    "Power of lr_schedule=polynomial.")
 flags.DEFINE_enum("kfac_inner_optimizer", _DEFAULTS.kfac_inner_optimizer,
                   config_lib.FIRST_ORDER_OPTIMIZERS,
-                  "K-FAC: the update rule it preconditions for (sgd with --momentum, adam, "
-                  "adamw, schedule_free_adamw or lamb, with --weight_decay), at "
+                  "K-FAC: the update rule it preconditions for (schedule_free_adamw, the "
+                  "default, with its own warm-up; sgd with --momentum, where --kl_clip=1e-3 "
+                  "bounds the step; adam, adamw or lamb; any with --weight_decay), at "
                   "--learning_rate and --lr_schedule; muon is refused (its orthogonalization "
                   "discards K-FAC's scaling).")
 

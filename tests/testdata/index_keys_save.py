@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tfkfac  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 from owner_save_v0_2 import BATCH, SAVED_AFTER, examples, fit  # noqa: E402 (the same run)
 from test_saved_state_compat import LOSS, model_fn  # noqa: E402 (the same model)
 
@@ -45,7 +45,7 @@ def main(directory):
     first, rest = slice(0, SAVED_AFTER * BATCH), slice(SAVED_AFTER * BATCH, None)
     for placement in PLACEMENTS:
         model = model_fn()
-        optimizer = tfkfac.KFAC(placement=placement, **SETTINGS).attach(model)
+        optimizer = sgd_kfac(placement=placement, **SETTINGS).attach(model)
         model.compile(optimizer=optimizer, loss=LOSS)
         fit(model, x[first], y[first])
         path = os.path.join(directory, f"{placement}.keras")

@@ -27,7 +27,7 @@ import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tfkfac  # noqa: E402
+from kfac_reference import sgd_kfac  # noqa: E402
 from test_saved_state_compat import LOSS, model_fn  # noqa: E402,F401 (the same model)
 
 STEPS, SAVED_AFTER, BATCH = 4, 2, 16
@@ -49,7 +49,7 @@ def main(directory):
     os.makedirs(directory, exist_ok=True)
     x, y = examples()
     model = model_fn()
-    optimizer = tfkfac.KFAC(**SETTINGS).attach(model)
+    optimizer = sgd_kfac(**SETTINGS).attach(model)
     model.compile(optimizer=optimizer, loss=LOSS)
     fit(model, x[:SAVED_AFTER * BATCH], y[:SAVED_AFTER * BATCH])
     model.save(os.path.join(directory, "model.keras"))
