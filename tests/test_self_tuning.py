@@ -1,4 +1,4 @@
-"""Self-tuning K-FAC's core (docs/design.md §14) against an independent numpy reference
+"""Self-tuning K-FAC's core (docs/design_options.md §14) against an independent numpy reference
 (tests/self_tuning_reference.py: a tiny MLP's explicit Jacobian, each loss's Hessian by
 central differences of the loss written in numpy).
 
@@ -19,6 +19,7 @@ central differences of the loss written in numpy).
 
 import math
 import os
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -28,6 +29,7 @@ import tensorflow as tf  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 import self_tuning_reference as ref  # noqa: E402
+import tfkfac  # noqa: E402
 from tfkfac import ggn, self_tuning  # noqa: E402
 
 X, LABELS, ONE_HOT, BINARY, REAL = ref.data()
@@ -53,6 +55,11 @@ FLOAT32_RTOL, FLOAT64_RTOL = 5e-7, 1e-8
 def random_vectors(count, seed=3):
     rng = np.random.default_rng(seed)
     return [rng.normal(size=ref.PARAMS) for _ in range(count)]
+
+
+def zeros_variable(shape, name, dtype):
+    """The update chain's `add_variable` for post-transforms (tfkfac/chain.py)."""
+    return keras.Variable("zeros", shape=shape, dtype=dtype, name=name, trainable=False)
 
 
 def assert_close(actual, expected, rtol, message=""):
@@ -194,10 +201,7 @@ class QuadraticModelTest(absltest.TestCase):
         curvature = ggn.output_curvature(
             keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         tuning = self_tuning.SelfTuning(initial_damping=damping, l2=l2)
-        tuning.create_state(variables, [v.path for v in variables],
-                            lambda shape, initializer, name, dtype: keras.Variable(
-                                initializer, shape=shape, dtype=dtype, name=name,
-                                trainable=False))
+        tuning.create_state(variables, [v.path for v in variables], zeros_variable)
         rng = np.random.default_rng(6)
         previous = rng.normal(size=ref.PARAMS) * 0.1
         for variable, value in zip(tuning.previous, ref.unflat(previous, params)):
@@ -206,7 +210,7 @@ class QuadraticModelTest(absltest.TestCase):
         preconditioned = rng.normal(size=ref.PARAMS)  # P; Δ = −P
         gram = lambda vectors: ggn.quadratic_forms(  # noqa: E731
             lambda: model(x, training=True), variables, vectors, curvature)
-        delta, change = tuning.update(ref.unflat(gradient, params),
+        delta, change = tuning.solve_step(ref.unflat(gradient, params),
                                       [tf.constant(p) for p in ref.unflat(preconditioned,
                                                                            params)],
                                       variables, gram)
@@ -232,9 +236,9 @@ class QuadraticModelTest(absltest.TestCase):
             variable.assign(value)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float64")
         new_loss = lambda: loss(LABELS, model(x, training=True))  # noqa: E731
-        tuning.adapt(3, new_loss, old)
+        tuning.adapt_with(3, new_loss, old)
         self.assertEqual(tuning.scalars["damping"].numpy(), damping)
-        tuning.adapt(4, new_loss, old)
+        tuning.adapt_with(4, new_loss, old)
         expected = self_tuning.LevenbergMarquardt().adapted(damping, rho).numpy()
         self.assertEqual(tuning.scalars["damping"].numpy(), expected)
         self.assertEqual(tuning.scalars["factor_damping"].numpy(), expected + l2)
@@ -255,13 +259,12 @@ class DampingTest(absltest.TestCase):
         rhos[9:40] = [2.0] * 31  # six decreases: from 3e-8 to the lower bound, held
         rule = self_tuning.LevenbergMarquardt()
         tuning = self_tuning.SelfTuning(initial_damping=3e-8)
-        tuning.create_state([], [], lambda shape, initializer, name, dtype: keras.Variable(
-            initializer, shape=shape, dtype=dtype, name=name, trainable=False))
+        tuning.create_state([], [], zeros_variable)
         expected, damping, trajectory = [], 3e-8, []
         for step, rho in enumerate(rhos):
             # M(δ) = −1 and h(θ) = 0, so h(θ + δ) = −ρ gives ρ.
             tuning.scalars["model_change"].assign(-1.0)
-            tuning.adapt(step, lambda rho=rho: tf.constant(-rho, tf.float64), 0.0)
+            tuning.adapt_with(step, lambda rho=rho: tf.constant(-rho, tf.float64), 0.0)
             trajectory.append(tuning.scalars["damping"].numpy())
             if (step + 1) % 5 == 0:
                 if math.isnan(rho) or rho < 0.25:
@@ -321,6 +324,149 @@ class RefusalTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "one tensor per variable"):
             ggn.products(lambda: model(X), model.trainable_variables, [[1.0]],
                          ggn.output_curvature("mse"))
+
+
+# KFAC(self_tuning=True) on the tiny MLP: exact eigen directions from factors of every step.
+TRAINING = dict(self_tuning=True, method="eigen", factor_update_freq=1,
+                decomposition_update_freq=1, damping=0.5, kl_clip=None)
+STEPS = 7
+TRAIN_X, TRAIN_LABELS = (np.concatenate([ref.data(seed)[i] for seed in range(STEPS)])
+                         for i in (0, 1))
+
+
+def compiled(**settings):
+    model = ref.mlp("float32")
+    optimizer = tfkfac.KFAC(**dict(TRAINING, **settings)).attach(model)
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, optimizer
+
+
+def fit(model, first, count):
+    """Steps `first` .. `first + count - 1`, step k on batch k (ref.N examples)."""
+    chosen = slice(first * ref.N, (first + count) * ref.N)
+    model.fit(TRAIN_X[chosen].astype("float32"), TRAIN_LABELS[chosen], batch_size=ref.N,
+              shuffle=False, verbose=0)
+
+
+def batch(step):
+    chosen = slice(step * ref.N, (step + 1) * ref.N)
+    return TRAIN_X[chosen], TRAIN_LABELS[chosen]
+
+
+class KFACSelfTuningTest(absltest.TestCase):
+    """KFAC(self_tuning=True) under `model.fit` against the numpy quadratic model."""
+
+    def test_first_step_is_the_quadratic_models_along_the_kfac_direction(self):
+        model, optimizer = compiled()
+        params = ref.weights(model)
+        fit(model, 0, 1)
+        x, labels = batch(0)
+        gradient = ref.gradient(params, x, ref.cross_entropy, labels)
+        variables = model.trainable_variables
+        # The step's own direction: its decompositions (of step 0's factors) at γ, which
+        # no adaptation has changed yet.
+        direction = -ref.flat(optimizer.precondition(
+            [tf.constant(g, tf.float32) for g in ref.unflat(gradient, params)], variables))
+        gamma = optimizer.current_damping()
+        self.assertEqual(gamma, TRAINING["damping"])
+        c = ref.ggn(params, x, ref.cross_entropy, labels) + gamma * np.eye(ref.PARAMS)
+        alpha = -(gradient @ direction) / (direction @ c @ direction)  # μ = 0 at first
+        step = ref.flat(ref.weights(model)) - ref.flat(params)
+        assert_close(step, alpha * direction, 1e-5)
+        assert_close(ref.flat(optimizer._chain.post.previous), step, 1e-6)  # δ₀ ← δ
+        logged = optimizer._chain.post.values()
+        self.assertEqual(logged["momentum"], 0.0)
+        self.assertAlmostEqual(logged["learning_rate"] / alpha, 1.0, delta=1e-5)
+        self.assertAlmostEqual(logged["model_change"] / (0.5 * alpha * gradient @ direction),
+                               1.0, delta=1e-5)
+        self.assertAlmostEqual(logged["loss"], ref.loss_value(params, x, ref.cross_entropy,
+                                                              labels), delta=1e-6)
+
+    def test_later_steps_add_momentum_and_adapt_damping_on_the_fifth(self):
+        model, optimizer = compiled()
+        tuning = optimizer._chain.post
+        fit(model, 0, 4)
+        self.assertEqual(tuning.values()["damping"], TRAINING["damping"])
+        self.assertTrue(math.isnan(tuning.values()["rho"]))
+        before = ref.flat(ref.weights(model))
+        fit(model, 4, 1)  # step 4, the fifth: λ adapted after it
+        after = ref.weights(model)
+        logged = tuning.values()
+        self.assertNotEqual(logged["momentum"], 0.0)
+        assert_close(ref.flat(after) - before, ref.flat(tuning.previous), 1e-6)
+        # ρ: the numpy loss after the step on the step's batch, against the logged h(θ)
+        # (the first forward pass's, on the same batch) and M(δ).
+        x, labels = batch(4)
+        rho = ((ref.loss_value(after, x, ref.cross_entropy, labels) - logged["loss"])
+               / logged["model_change"])
+        self.assertAlmostEqual(logged["rho"], rho, delta=1e-4 * abs(rho))
+        expected = self_tuning.LevenbergMarquardt().adapted(
+            TRAINING["damping"], logged["rho"]).numpy()
+        self.assertEqual(logged["damping"], expected)
+        self.assertNotEqual(expected, TRAINING["damping"])
+        self.assertEqual(optimizer.current_damping(), expected)  # γ = λ (η = 0)
+
+    def test_exact_curvature_products_of_the_public_api(self):
+        model, optimizer = compiled()
+        x, labels = batch(0)
+        reference = ref.ggn(ref.weights(model), x, ref.cross_entropy, labels)
+        vectors = random_vectors(2)
+        variables = model.trainable_variables
+        products = optimizer.exact_curvature_products(
+            tf.constant(x, tf.float32), [ref.unflat(v, variables) for v in vectors])
+        for vector, product in zip(vectors, products):
+            assert_close(ref.flat(product), reference @ vector, FLOAT32_RTOL)
+
+    def test_resume_is_the_uninterrupted_run(self):
+        model, optimizer = compiled()
+        fit(model, 0, STEPS)
+        saved, _ = compiled()
+        fit(saved, 0, 3)
+        path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        saved.save(path)
+        loaded = keras.models.load_model(path)
+        self.assertTrue(loaded.optimizer.config.self_tuning)
+        loaded.optimizer.attach(loaded)
+        fit(loaded, 3, STEPS - 3)
+        for a, b in zip(model.get_weights(), loaded.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        self.assertEqual(optimizer._chain.post.values(), loaded.optimizer._chain.post.values())
+        keys = [key for key, _ in optimizer.saved_keys()]
+        self.assertIn("self_tuning:damping", keys)
+        self.assertIn("self_tuning:previous_update:hidden.kernel", keys)
+
+    def test_settings_that_make_no_sense_with_it_are_refused_by_name(self):
+        refused = [
+            (dict(learning_rate=0.1), "`learning_rate`"), (dict(momentum=0.9), "`momentum`"),
+            (dict(weight_decay=1e-4), "`weight_decay`"),
+            (dict(damping=tfkfac.WarmupDamping(1.0, 0.1, 10)), "`damping`"),
+            (dict(damping=0.0), "`damping`"), (dict(kl_clip=1e-3), "`kl_clip`"),
+            (dict(grafting="sgd"), "`grafting`"), (dict(method="eigen_adam"), "`method`"),
+            (dict(weight_rescaling=True), "`weight_rescaling`"),
+            (dict(inner_optimizer=keras.optimizers.Adam()), "`inner_optimizer` Adam"),
+            (dict(inner_optimizer=keras.optimizers.SGD(momentum=0.9)), "momentum"),
+            (dict(inner_optimizer=keras.optimizers.SGD(
+                keras.optimizers.schedules.ExponentialDecay(1.0, 10, 0.5))), "schedule"),
+            (dict(inner_optimizer=keras.optimizers.SGD(weight_decay=1e-4)), "weight decay"),
+        ]
+        for settings, named in refused:
+            with self.subTest(settings=settings):
+                with self.assertRaisesRegex(ValueError, named):
+                    tfkfac.KFAC(**dict(TRAINING, **settings))
+        sgd = keras.optimizers.SGD(learning_rate=1.0)
+        self.assertIs(tfkfac.KFAC(inner_optimizer=sgd, **TRAINING).inner_optimizer, sgd)
+
+    def test_a_custom_loop_and_a_loss_without_closed_form_are_refused(self):
+        model, optimizer = compiled()
+        with self.assertRaisesRegex(ValueError, "custom loop"):
+            with optimizer.record() as tape:
+                loss = keras.losses.mean_squared_error(
+                    np.zeros((ref.N, ref.D_OUT)), model(X.astype("float32")))
+            optimizer.minimize(tf.reduce_mean(loss), tape=tape)
+        model.compile(optimizer=optimizer, loss="huber")
+        with self.assertRaisesRegex(ValueError, "exact curvature"):
+            model.fit(X.astype("float32"), ONE_HOT, batch_size=ref.N, verbose=0)
 
 
 if __name__ == "__main__":

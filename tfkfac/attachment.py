@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfkfac import example_weights, keras_integration
 from tfkfac.blocks.base import as_float, batch_size
 from tfkfac.capture import Recorder
+from tfkfac.self_tuning import StepBatch
 
 NOT_ATTACHED = ("the optimizer is not attached to a model; call `optimizer.attach(model)` "
                 "first (or pass `tfkfac.KFAC(..., model=model)`)")
@@ -87,6 +88,9 @@ class Attachment:
         self._running_statistics = running_statistics(layers)
         # The `tfkfac.noise_scale.NoiseScaleProbe` measuring `train_step`'s steps, or None.
         self.noise_probe = None
+        # This step's batch for self-tuning's extra forward passes during `apply`
+        # (a `tfkfac.self_tuning.StepBatch`; None outside `train_step`).
+        self.step_batch = None
 
     @property
     def model(self):
@@ -155,11 +159,17 @@ class Attachment:
             scaled_loss, y_pred = forward()
         sampled = None if fisher is None else (y_pred, functools.partial(
             fisher.loss_gradient, distribution, y_pred, sample_weight))
-        self.step(tape, scaled_loss, model.trainable_variables, model.optimizer.apply,
-                  loss_scale=model.optimizer.scale_loss(1.0),
-                  replicas=keras_integration.replicas_in_sync(), fresh=fresh,
-                  wrapped=keras_integration.train_step_owner(model) is not model.optimizer,
-                  stale=stale, sampled=sampled, y_pred=y_pred, sample_weight=sample_weight)
+        self.step_batch = StepBatch(forward, sample_weight, model.optimizer.scale_loss(1.0)
+                                    / keras_integration.replicas_in_sync())
+        try:
+            self.step(tape, scaled_loss, model.trainable_variables, model.optimizer.apply,
+                      loss_scale=model.optimizer.scale_loss(1.0),
+                      replicas=keras_integration.replicas_in_sync(), fresh=fresh,
+                      wrapped=keras_integration.train_step_owner(model) is not model.optimizer,
+                      stale=stale, sampled=sampled, y_pred=y_pred,
+                      sample_weight=sample_weight)
+        finally:
+            self.step_batch = None
         return y_pred
 
     def averaged_over_ranks(self, logs):

@@ -11,7 +11,7 @@ import math
 import typing
 import warnings
 
-from tfkfac import grafting, methods, schedules, validation
+from tfkfac import grafting, methods, schedules, self_tuning, validation
 from tfkfac.distributed.packing import WIRE_DTYPES
 from tfkfac.fisher import FISHERS
 from tfkfac.placement import PLACEMENTS
@@ -173,6 +173,13 @@ class KFACConfig:
         False, validation.boolean,
         "Osawa et al.'s momentum coupled to the learning rate: the inner SGD's momentum "
         "m(t) = m(0)·η(t)/η_max, η_max the largest rate so far (docs/large_batch.md).")
+    self_tuning: bool = _setting(
+        False, validation.boolean,
+        "Martens & Grosse's self-tuning (docs/design_options.md §14): each step's learning "
+        "rate and momentum from the quadratic model of the exact Fisher/GGN, λ by the "
+        "Levenberg-Marquardt rule every 5 steps from `damping`, the factors' damping tied "
+        "to λ; plain SGD applies the step (no learning_rate, momentum or schedule). Two "
+        "forward-mode passes a step, a forward pass every 5; `model.fit` only.", flag=False)
     phase_clocks: bool = _setting(
         False, validation.boolean,
         "Time each phase into summary()['phase_seconds']; costs 0.2-0.6 ms a step.")
@@ -197,6 +204,8 @@ class KFACConfig:
         self._refuse_ignored_staleness_cap()
         self._refuse_unmet_reduction_options()
         self._refuse_ignored_adam_settings()
+        if self.self_tuning:
+            self_tuning.refuse_unmet(self)
 
     def _refuse_ignored_staleness_cap(self):
         """`max_factor_interval` caps adaptive stale statistics' intervals: without

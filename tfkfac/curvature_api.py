@@ -1,4 +1,5 @@
-"""KFAC's public view of its curvature: factors, preconditioning, counters, summary.
+"""KFAC's public view of its curvature: factors, preconditioning, exact curvature products,
+counters, summary.
 
 For checking tfkfac against another K-FAC, or custom updates (docs/usage.md). A mixin of
 `tfkfac.KFAC`, kept apart from the optimizer's training logic.
@@ -6,7 +7,7 @@ For checking tfkfac against another K-FAC, or custom updates (docs/usage.md). A 
 
 import tensorflow as tf
 
-from tfkfac import state as state_lib
+from tfkfac import ggn, state as state_lib
 from tfkfac.attachment import NOT_ATTACHED
 
 
@@ -65,6 +66,26 @@ class CurvatureAPI:
         if not current.numpy():
             raise RuntimeError(f"KFAC.precondition: {STALE}")
         return precondition()
+
+    def exact_curvature_products(self, x, vectors, sample_weight=None, training=True):
+        """[F v for v in `vectors`]: products with the exact Fisher/GGN F = Jᵀ H_L J of the
+        model's compiled loss on the batch `x`, averaged over the batch and over ranks as
+        the gradient is (docs/design_options.md §14); each a list of tensors aligned with the
+        model's trainable variables, as each vector is.
+
+        Why: K-FAC's Kronecker factors approximate F, and the exact products are what
+        measures a direction with the true curvature: self-tuning's quadratic model
+        (`self_tuning=True`) is built from them, and a check of how far vᵀ(F̆ + λI)v is
+        from vᵀ F v needs them. J v comes from forward mode, Jᵀ u from reverse mode.
+        `sample_weight`: the loss's weights of the examples; `training`: run the forward
+        pass in training mode (BatchNorm's batch statistics, dropout), after which the
+        model's non-trainable variables are put back. In a multi-process job every rank
+        calls it on its own batch (under tf.distribute, inside `strategy.run`).
+        """
+        model = self._attached().model
+        return ggn.products(lambda: model(x, training=training), model.trainable_variables,
+                            vectors, ggn.output_curvature(model.loss), sample_weight,
+                            self._comm, state=model.non_trainable_variables)
 
     def summary(self):
         """Managed and skipped layers, factor shapes, state size, counters, timings."""

@@ -1,5 +1,5 @@
 """Products with the exact curvature of the model's loss, the Fisher/GGN F = Jᵀ H_L J
-(docs/design.md §14): what self-tuning K-FAC measures its directions with
+(docs/design_options.md §14): what self-tuning K-FAC measures its directions with
 (tfkfac/self_tuning.py), and what a check of any curvature approximation needs.
 
 J is the Jacobian of the model's output with respect to the trainable variables, H_L
@@ -115,20 +115,22 @@ def _primal(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
-class _Restoring:
-    """Runs `predict` with the model's non-trainable `state` (BatchNorm's moving
-    statistics, dropout's seeds) put back after each call."""
+class Restoring:
+    """`function` (a forward pass) with the variables of `state` (BatchNorm's moving
+    statistics, dropout's seeds, metrics) put back after each call to the values they
+    held when this was made: every call computes the same function and changes nothing."""
 
-    def __init__(self, predict, state):
-        self._predict, self._state = predict, list(state)
+    def __init__(self, function, state):
+        self._function, self._state = function, list(state)
         self._saved = [tf.identity(_primal(v).read_value()) for v in self._state]
 
     def __call__(self):
-        predictions = self._predict()
-        with tf.control_dependencies(tf.nest.flatten(predictions)):
-            for variable, value in zip(self._state, self._saved):
-                _primal(variable).assign(value)
-        return predictions
+        outputs = self._function()
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
+            restores = [_primal(variable).assign(value)
+                        for variable, value in zip(self._state, self._saved)]
+        with tf.control_dependencies(restores):
+            return tf.nest.map_structure(tf.identity, outputs)
 
 
 def output_tangents(predict, variables, vectors, state=()):
@@ -138,7 +140,7 @@ def output_tangents(predict, variables, vectors, state=()):
     per variable (cast to its dtype). `state`: the non-trainable variables put back
     after each pass (`model.non_trainable_variables`).
     """
-    predict = _Restoring(predict, state)
+    predict = Restoring(predict, state)
     primals = [_primal(v) for v in variables]
     predictions, tangents = None, []
     for vector in vectors:
@@ -170,7 +172,7 @@ def products(predict, variables, vectors, curvature, sample_weight=None, communi
     """[F v for v in `vectors`], each a list of one tensor per variable (its dtype):
     J v forward, H_L, then Jᵀ back through the first pass's tape (one reverse pass per
     vector); averaged over the ranks of `communicator` (if given), all in one call."""
-    restoring = _Restoring(predict, state)
+    restoring = Restoring(predict, state)
     primals = [_primal(v) for v in variables]
     vectors = [_cast_like(vector, variables) for vector in vectors]
     with tf.GradientTape(persistent=len(vectors) > 1, watch_accessed_variables=False) as tape:

@@ -19,7 +19,8 @@ import tensorflow as tf
 from tfkfac import blocks as blocks_lib, chain as chain_lib
 from tfkfac import curvature as curvature_lib
 from tfkfac import distributed, fisher, inner, keras_integration
-from tfkfac import placement as placement_lib, schedules, stale_steps, state as state_lib
+from tfkfac import placement as placement_lib, schedules, self_tuning, stale_steps
+from tfkfac import state as state_lib
 from tfkfac.attachment import ATTACH_HINT, Attachment
 from tfkfac.config import KFACConfig, signature_with_settings
 from tfkfac.curvature_api import CurvatureAPI
@@ -60,8 +61,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         if not isinstance(config, KFACConfig):
             raise ValueError(f"`config` must be a tfkfac.KFACConfig; received "
                              f"{type(config).__name__}")
-        inner_optimizer = inner.inner_optimizer(inner_optimizer, learning_rate, momentum,
-                                                weight_decay)
+        rule = self_tuning.update_rule if config.self_tuning else inner.inner_optimizer
+        inner_optimizer = rule(inner_optimizer, learning_rate, momentum, weight_decay)
         super().__init__(learning_rate=0.0, name=name)
         self.config = config
         self.inner_optimizer = inner_optimizer
@@ -184,7 +185,11 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                                                  self.config.state_dtype),
             self._comm, self.config)
         self._chain = chain_lib.UpdateChain(
-            self._curvature, chain_lib.post_transform(self.config, lambda: self.learning_rate),
+            self._curvature, self_tuning.SelfTuning(
+                self.config.damping, model=model, communicator=self._comm,
+                batch=lambda: self._attached().step_batch,
+                learning_rate=lambda: self.learning_rate) if self.config.self_tuning
+            else chain_lib.post_transform(self.config, lambda: self.learning_rate),
             self.inner_optimizer, self._momentum_coupling, rescaling)
         distributed.check_model_strategy(self._comm, model.distribute_strategy)
         self._comm.broadcast_variables(model.variables, root_rank=0)
@@ -404,8 +409,11 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         # The update runs outside the cond: under a tf.distribute strategy Keras's
         # optimizers update through `merge_call`, which no cond branch may call.
         preconditioned = tf.cond(finite, kfac_step, skip_step)
-        clocks.timed("update", lambda preconditioned: chain.apply(
+        applied = clocks.timed("update", lambda preconditioned: chain.apply(
             finite, preconditioned, [variables[i] for i in slots]), inputs=(preconditioned,))
+        if config.self_tuning:  # λ from the loss after the update (tfkfac/self_tuning.py)
+            with tf.control_dependencies([applied]):
+                chain.post.adapt(tf.convert_to_tensor(self.iterations), finite)
 
     def measure_noise_scale(self, probe):
         """Measure every training step's gradient noise scale into `probe` (a
@@ -449,10 +457,14 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         return tf.constant(False)
 
     def _damping_at(self, step):
+        if self.config.self_tuning:  # γ, tied to the adapted λ (tfkfac/self_tuning.py)
+            return tf.cast(self._chain.post.factor_damping(), self.config.state_dtype)
         return schedules.checked_at("damping", self.config.damping, step,
                                     self.config.state_dtype)
 
     def current_damping(self):
+        if self.config.self_tuning:
+            return float(self._chain.post.factor_damping().numpy())
         return float(schedules.value_at(self.config.damping, self.iterations))
 
     # -------------------------------------------------------- serialization

@@ -1,4 +1,4 @@
-"""Self-tuning K-FAC (Martens & Grosse 2015 §6.5-§7; docs/design.md §14): the step's
+"""Self-tuning K-FAC (Martens & Grosse 2015 §6.5-§7; docs/design_options.md §14): the step's
 learning rate α and momentum μ from the quadratic model of the exact curvature, and the
 damping λ from the Levenberg-Marquardt rule, so that none of the three is a setting.
 
@@ -18,11 +18,12 @@ gradient averaged, the losses averaged), so every rank takes the same decisions.
 
 import dataclasses
 import math
+import typing
 
 import keras
 import tensorflow as tf
 
-from tfkfac import state as state_lib, validation
+from tfkfac import ggn, inner, state as state_lib, validation
 
 # Martens & Grosse §6.5: λ adapted every T₁ = 5 steps by ω₁ = (19/20)^T₁.
 ADAPTATION_INTERVAL = 5
@@ -135,36 +136,136 @@ def reduction_ratio(new_loss, old_loss, model_change):
     return tf.where(tf.math.is_finite(rho), rho, tf.constant(math.nan, tf.float64))
 
 
+def update_rule(optimizer, learning_rate, momentum, weight_decay):
+    """KFAC's inner optimizer under self_tuning=True: plain SGD at learning rate 1, which
+    applies δ as it is, or `optimizer` if it is a plain SGD; a ValueError naming the
+    argument that makes no sense with it (the step's rate and momentum are α and μ)."""
+    for name, value in (("learning_rate", learning_rate), ("momentum", momentum),
+                        ("weight_decay", weight_decay)):
+        if value is not None:
+            raise ValueError(
+                f"KFAC(self_tuning=True) chooses each step's learning rate and momentum from "
+                f"the quadratic model and has no weight decay in it; received `{name}`="
+                f"{value!r}: leave learning_rate, momentum and weight_decay out")
+    if optimizer is None:
+        return keras.optimizers.SGD(learning_rate=1.0)
+    inner.inner_optimizer(optimizer, None, None, None)  # the checks of any inner optimizer
+    reason = _unfit_reason(optimizer)
+    if reason:
+        raise ValueError(
+            f"`inner_optimizer` {type(optimizer).__name__} makes no sense with "
+            "self_tuning=True, which hands the update δ to plain SGD as the gradient −δ/η: "
+            f"{reason}. Leave inner_optimizer out (SGD at learning rate 1), or pass "
+            "keras.optimizers.SGD(learning_rate=1.0)")
+    return optimizer
+
+
+def _unfit_reason(optimizer):
+    """Why `optimizer` cannot apply self-tuning's δ as it is ('' when it can)."""
+    if not isinstance(optimizer, keras.optimizers.SGD):
+        return "its own update rule would rescale or remix δ"
+    config = optimizer.get_config()
+    if optimizer.momentum != 0 or optimizer.nesterov:
+        return "its momentum would add the previous update again (μ is self-tuning's)"
+    if optimizer.weight_decay is not None:
+        return "its weight decay is not part of the quadratic model"
+    if isinstance(config.get("learning_rate"), dict):
+        return "its learning rate is a schedule, and the step length is α"
+    clipped = [name for name in ("clipnorm", "clipvalue", "global_clipnorm")
+               if config.get(name) is not None]
+    if clipped:
+        return f"its {clipped[0]} would change δ"
+    if optimizer.gradient_accumulation_steps:
+        return "it accumulates gradients over steps, and δ is each step's"
+    return ""
+
+
+def refuse_unmet(config):
+    """A ValueError naming the setting of `config` (a `tfkfac.KFACConfig` with
+    self_tuning=True) that self-tuning cannot honour."""
+    rule = LevenbergMarquardt()
+    if callable(config.damping):
+        raise ValueError(
+            "`damping` is λ's first value under self_tuning=True, which the "
+            "Levenberg-Marquardt rule then adapts: give a number in "
+            f"[{rule.min_damping:g}, {rule.max_damping:g}]; received the schedule "
+            f"{config.damping!r}")
+    check_initial_damping("damping", config.damping, rule)
+    method = config.method
+    if (method == "eigen_adam") if isinstance(method, str) else \
+            type(method).__name__ == "EigenAdam":
+        raise ValueError(
+            "`method` must give K-FAC's direction −(F̆ + γI)⁻¹∇h under self_tuning=True "
+            "(eigen, inverse or a damped method object); received method='eigen_adam', "
+            "which has no damping")
+    for name, off, why in (
+            ("kl_clip", None, "the quadratic model's α sets the step length"),
+            ("grafting", None, "the quadratic model's α sets the step length"),
+            ("couple_momentum_to_lr", False, "μ is the quadratic model's"),
+            ("weight_rescaling", False,
+             "rescaled weights would make the previous update δ₀ another vector")):
+        if getattr(config, name) != off:
+            raise ValueError(f"`{name}` must be {off!r} under self_tuning=True: {why}; "
+                             f"received {name}={getattr(config, name)!r}")
+
+
+class StepBatch(typing.NamedTuple):
+    """What a train step hands self-tuning of its batch (tfkfac/attachment.py):
+    `forward()`, Keras's training forward pass on it, giving (scaled loss, predictions);
+    `sample_weight`, the loss's; `loss_scale`, the factor the loss is scaled by (mixed
+    precision's, over the tf.distribute replicas in sync)."""
+
+    forward: typing.Callable
+    sample_weight: typing.Any
+    loss_scale: typing.Any
+
+
+NO_BATCH = ("KFAC(self_tuning=True) takes its extra forward passes (the exact curvature's "
+            "and the loss after the update) in the train step KFAC installs on the model "
+            "(`model.fit`); a custom loop (`record()` and `minimize`) hands it no batch: "
+            "use `model.fit`, or self_tuning=False there.")
+
+
 class SelfTuning:
-    """The self-tuning state of one optimizer and the two moments of its step.
+    """The self-tuning state of one optimizer and its step; the post-transform of the
+    update chain (tfkfac/chain.py) under `KFAC(self_tuning=True)`.
 
     State (saved under "self_tuning:<name>"): λ ("damping"), γ ("factor_damping", the
-    damping K-FAC's preconditioning uses: λ + η), δ₀ ("previous_update:<variable path>"),
-    and, for the logs, the last α, μ, M(δ) and ρ ("learning_rate", "momentum",
-    "model_change", "rho"). `initial_damping`: λ's first value; `l2`: η; `rule`: a
-    `LevenbergMarquardt`.
+    damping of K-FAC's direction: λ + η), δ₀ ("previous_update:<variable path>"), and
+    the last step's α, μ, M(δ), h(θ) and the last ρ ("learning_rate", "momentum",
+    "model_change", "loss", "rho"; NaN until known), for the logs.
+    `initial_damping`: λ's first value; `l2`: η; `rule`: a `LevenbergMarquardt`.
+    For `update` and `adapt` (a training step): `model`, the Keras model; `batch()`, this
+    step's `StepBatch` (None in a custom loop); `communicator`, the ranks'; and
+    `learning_rate()`, the inner SGD's rate η, which applies w ← w − η g: it is handed
+    g = −δ / η.
     """
 
-    SCALARS = ("damping", "factor_damping", "learning_rate", "momentum", "model_change", "rho")
+    SCALARS = ("damping", "factor_damping", "learning_rate", "momentum", "model_change",
+               "loss", "rho")
 
-    def __init__(self, initial_damping=1.0, l2=0.0, rule=None):
+    def __init__(self, initial_damping=1.0, l2=0.0, rule=None, model=None, batch=None,
+                 communicator=None, learning_rate=None):
         self.rule = LevenbergMarquardt() if rule is None else rule
         self.initial_damping = check_initial_damping("initial_damping", initial_damping,
                                                      self.rule)
         self.l2 = validation.finite_number("l2", l2, low=0)
+        self._model, self._batch = model, batch
+        self._comm, self._learning_rate = communicator, learning_rate
         self.scalars, self.previous, self._index, self._paths = {}, [], {}, []
 
     def create_state(self, model_variables, variable_paths, add_variable):
         """λ and γ at their first values, δ₀ = 0 per model variable (in its dtype), the
-        logged scalars at NaN; `add_variable(shape, initializer, name, dtype)`."""
+        logged scalars at NaN; `add_variable(shape, name, dtype)` makes a variable of
+        zeros (the chain's post-transforms' interface)."""
         first = {"damping": self.initial_damping,
                  "factor_damping": self.initial_damping + self.l2}
         for name in self.SCALARS:
-            value = first.get(name, math.nan)
-            self.scalars[name] = add_variable(
-                (), lambda shape, dtype, value=value: tf.fill(shape, tf.constant(value, dtype)),
-                f"self_tuning_{name}", "float64")
-        self.previous = [add_variable(v.shape, "zeros", f"self_tuning_previous_{i}", v.dtype)
+            self.scalars[name] = add_variable((), f"self_tuning_{name}", "float64")
+            with tf.init_scope():  # once, where the variable is made (a restore follows)
+                self.scalars[name].assign(tf.constant(first.get(name, math.nan),
+                                                      tf.float64))
+        self.previous = [add_variable(v.shape, f"self_tuning_previous_{i}", v.dtype)
                          for i, v in enumerate(model_variables)]
         self._index = {id(v): i for i, v in enumerate(model_variables)}
         self._paths = list(variable_paths)
@@ -179,20 +280,24 @@ class SelfTuning:
         """γ, the damping of this step's K-FAC direction (float64)."""
         return tf.convert_to_tensor(self.scalars["factor_damping"])
 
-    def update(self, grads, preconditioned, variables, curvature_gram):
-        """(δ per variable, M(δ)) of this step, δ₀ ← δ, α and μ logged.
+    def values(self):
+        """{name: float} of the logged scalars (λ, γ, α, μ, M(δ), h(θ), ρ)."""
+        return {name: float(variable.numpy()) for name, variable in self.scalars.items()}
+
+    def solve_step(self, grads, preconditioned, variables, curvature_gram):
+        """(δ per variable, M(δ)) of this step; δ₀ ← δ; α and μ logged.
 
         `grads`: ∇h per variable (averaged over ranks; None: no gradient);
-        `preconditioned`: P per variable (Δ = −P); `curvature_gram(vectors)`: the 2×2
-        [vᵢᵀ F vⱼ] of [Δ, δ₀] (`tfkfac.ggn.quadratic_forms`, averaged over ranks). A step
-        whose α or μ is not finite updates nothing (δ = 0, δ₀ kept; M(δ) NaN, so that
-        the next adaptation raises λ).
+        `preconditioned`: P per variable (Δ = −P; None: zero); `curvature_gram(vectors)`:
+        the 2×2 [vᵢᵀ F vⱼ] of [Δ, δ₀] (`tfkfac.ggn.quadratic_forms`, averaged over
+        ranks). A step whose α or μ is not finite changes nothing (δ = 0, δ₀ kept; M(δ)
+        NaN, so that the next adaptation raises λ).
         """
         previous = [self.previous[self._index[id(v)]] for v in variables]
-        direction = [None if p is None else -tf.convert_to_tensor(p) for p in preconditioned]
-        zeros = [tf.zeros_like(v) for v in variables]
         delta0 = [tf.convert_to_tensor(p) for p in previous]
-        vectors = [[z if d is None else d for d, z in zip(direction, zeros)], delta0]
+        direction = [tf.zeros_like(v) if p is None else -tf.cast(p, v.dtype)
+                     for p, v in zip(preconditioned, variables)]
+        vectors = [direction, delta0]
         matrix, b = quadratic_model(curvature_gram(vectors), inner_products(vectors),
                                     inner_products([grads], vectors)[0],
                                     self.scalars["damping"], self.l2)
@@ -202,7 +307,7 @@ class SelfTuning:
         mu = tf.where(finite, mu, tf.zeros_like(mu))
         change = tf.where(finite, change, tf.constant(math.nan, tf.float64))
         delta = [tf.cast(alpha, v.dtype) * d + tf.cast(mu, v.dtype) * p
-                 for d, p, v in zip(vectors[0], delta0, variables)]
+                 for d, p, v in zip(direction, delta0, variables)]
         for variable, value in zip(previous, delta):
             variable.assign(tf.where(finite, value, variable))
         for name, value in (("learning_rate", alpha), ("momentum", mu),
@@ -210,14 +315,86 @@ class SelfTuning:
             self.scalars[name].assign(value)
         return delta, change
 
-    def adapt(self, step, new_loss, old_loss):
-        """After step `step`'s update: when due, ρ from the losses on the step's batch
-        before and after it (averaged over ranks) and the logged M(δ), then λ and γ."""
+    def adapt_with(self, step, new_loss, old_loss):
+        """After step `step` (0-based): when due, ρ from the losses on the step's batch
+        before (`old_loss`) and after (`new_loss()`) the update, averaged over ranks, and
+        the logged M(δ), then λ and γ; whether it was due."""
         def adapted():
             rho = reduction_ratio(new_loss(), old_loss, self.scalars["model_change"])
             damping = self.rule.adapted(self.scalars["damping"], rho)
-            return tf.group(self.scalars["rho"].assign(rho),
-                            self.scalars["damping"].assign(damping),
-                            self.scalars["factor_damping"].assign(damping + self.l2))
+            with tf.control_dependencies([self.scalars["rho"].assign(rho),
+                                          self.scalars["damping"].assign(damping),
+                                          self.scalars["factor_damping"].assign(
+                                              damping + self.l2)]):
+                return tf.constant(True)
 
-        return tf.cond(self.rule.due(step), adapted, tf.no_op)
+        return tf.cond(self.rule.due(step), adapted, lambda: tf.constant(False))
+
+    # ------------------------------------------------- in a training step (KFAC.apply)
+    def _step_batch(self):
+        batch = self._batch() if self._batch is not None else None
+        if batch is None:
+            raise ValueError(NO_BATCH)
+        return batch
+
+    def _passes(self, batch, losses=None):
+        """Keras's forward pass on the step's batch, restoring the model's non-trainable
+        variables and metrics after each call (one function, no side effect); the
+        predictions, each pass's loss (unscaled) appended to `losses`."""
+        model = self._model
+        restoring = ggn.Restoring(batch.forward, model.non_trainable_variables
+                                  + model.metrics_variables)
+
+        def predict():
+            scaled_loss, predictions = restoring()
+            if tf.nest.is_nested(predictions):
+                raise ValueError("KFAC(self_tuning=True) models the loss of a model of one "
+                                 "output; this model has several")
+            if losses is not None:
+                losses.append(float64(scaled_loss) / float64(batch.loss_scale))
+            return predictions
+
+        return predict
+
+    def update(self, preconditioned, step):
+        """The inner SGD's gradients for this step's `curvature.Preconditioned` (−δ / η;
+        None where the plain gradient is None): δ from the quadratic model with the exact
+        curvature of the step's batch, h(θ) kept for `adapt`. Called by the chain."""
+        batch = self._step_batch()
+        curvature = ggn.output_curvature(self._model.loss)
+        variables = preconditioned.variables
+        losses = []
+        predict = self._passes(batch, losses)
+
+        def curvature_gram(vectors):
+            gram = ggn.quadratic_forms(predict, variables, vectors, curvature,
+                                       batch.sample_weight)
+            # h(θ) rides with the Gram matrix: the first pass's loss, at θ, with the same
+            # dropout masks as the loss after the update (`adapt`).
+            gram, loss = self._comm.grouped_allreduce_mean([gram, losses[0]],
+                                                           category="gradients")
+            self.scalars["loss"].assign(loss)
+            return gram
+
+        base = preconditioned.grads()
+        delta, _ = self.solve_step(preconditioned.raw, base, variables, curvature_gram)
+        rate = self._learning_rate()
+        return [None if g is None else -d / tf.cast(rate, d.dtype)
+                for g, d in zip(base, delta)]
+
+    def adapt(self, updates, finite):
+        """After the inner update (`updates`: its count of applied updates after it, a
+        tensor that exists once the update has run; `finite`: whether the step was
+        taken): when due, h(θ + δ) on the step's batch and λ, γ adapted."""
+        batch = self._step_batch()
+
+        def new_loss():
+            losses = []
+            self._passes(batch, losses)()
+            (loss,) = self._comm.grouped_allreduce_mean(losses, category="gradients")
+            return loss
+
+        updates = tf.cast(updates, tf.int64)
+        return tf.cond(finite, lambda: self.adapt_with(updates - 1, new_loss,
+                                                       self.scalars["loss"]),
+                       lambda: tf.constant(False))

@@ -18,7 +18,9 @@ owner names, "<owner>:<parts>" (`key`: a nested layer's path "mha/query" is writ
 - under "owner", the state a resumed owner rebuilds from: "block:<layer>:decomposed:<factor>",
   the method's state under its key above, "curvature:decomposed_damping",
   "adaptive_staleness:decomposed_dampings";
-- "momentum_coupling:peak_learning_rate".
+- "momentum_coupling:peak_learning_rate";
+- "self_tuning:<name>" (λ, γ and the logged α, μ, M(δ), h(θ), ρ) and
+  "self_tuning:previous_update:<variable path>" (δ₀): self-tuning's (docs/design_options.md §14).
 A load matches keys, not positions: a key the model lacks or a missing one (another
 architecture, method, placement or setting) is a ValueError naming them.
 
