@@ -50,9 +50,10 @@ def update_rule(optimizer, kfac_inner_optimizer):
     return kfac_inner_optimizer if optimizer == "kfac" else optimizer
 
 
-# Models whose every weight Keras's Muon would give its AdamW step: Muon orthogonalizes
-# 2-D kernels only (Dense), and ResNet-20's are convolutions (4-D) but the output layer,
-# which Muon leaves out. tests/test_trainer_optimizers.py checks this against the models.
+# Models whose every weight Keras's Muon gives its AdamW step: Muon orthogonalizes 2-D
+# kernels only (Dense), and ResNet-20's are convolutions (4-D) but the output layer, which
+# Muon leaves out. That is what a Keras user gets, so the trainer runs it and says so
+# (`Trainer`); tests/test_trainer_optimizers.py checks this against the models.
 MODELS_WITHOUT_MUON_WEIGHTS = ("resnet20",)
 LR_SCHEDULES = ("constant", "warmup", "step", "polynomial", "cosine")
 ECHO_MODES = pipelines.ECHO_MODES
@@ -337,11 +338,6 @@ class _RunConfig:
                 f"without one (its weight averaging takes the decay's place): use "
                 f"lr_schedule={' or '.join(SCHEDULE_FREE_LR_SCHEDULES)}, with warmup_epochs "
                 f"for its own warm-up")
-        if rule == "muon" and self.model in MODELS_WITHOUT_MUON_WEIGHTS:
-            raise ValueError(
-                f"optimizer=muon would train model={self.model} as adamw: Keras's Muon "
-                f"orthogonalizes only 2-D kernels (Dense), and this model's only one is its "
-                f"output layer, which Muon leaves to its AdamW step; use optimizer=adamw")
 
     def kfac_config(self):
         """The run's `tfkfac.KFACConfig` (checked; a bad value names its setting)."""

@@ -536,6 +536,10 @@ def _options(name, config, steps_per_epoch, output_layer, total_steps=None):
         if config.weight_decay is not None:
             options["adam_weight_decay"] = config.weight_decay
         options["exclude_layers"] = muon_exclusions(output_layer)
+        if config.model in config_lib.MODELS_WITHOUT_MUON_WEIGHTS:
+            logging.warning("optimizer=muon orthogonalizes no weight of model=%s (Keras's Muon "
+                            "takes 2-D kernels only, and its only one is the output layer's): "
+                            "every weight takes Muon's AdamW step", config.model)
     elif name == "schedule_free_adamw":
         options["warmup_steps"] = lr_schedules.warmup_length(config, steps_per_epoch,
                                                              total_steps)
