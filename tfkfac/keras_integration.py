@@ -12,6 +12,8 @@ names that remain, each because no public API serves:
   and step-count variables, for the checkpoint layout of `checkpoint_children`; the
   latter also counts the updates (`update_count`);
 - `Trackable._trackable_children`: the hook that chooses a checkpoint's layout;
+  `Trackable._deferred_dependencies`: the values a restore holds for variables not yet
+  created (`waiting_shapes`);
 - `Optimizer._all_reduce_sum_gradients`: the sum over tf.distribute replicas that Keras's
   TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer;
 - `Model._maybe_symbolic_build`, `Model._symbolic_build` and Keras's epoch iterator's
@@ -495,13 +497,57 @@ def checkpoint_children(children, kfac):
         children["_learning_rate"] = learning_rate
     else:
         children.pop("_learning_rate", None)
-    # One wrapper per list of variables: a checkpoint asks for the children more than
-    # once and matches them by identity (a new wrapper each time fails the write).
-    variables = list(kfac.variables)
-    key = tuple(id(v) for v in variables)
-    cached = kfac.__dict__.get("_checkpoint_variables")
-    if cached is None or cached[0] != key:
-        cached = (key, tf.__internal__.tracking.wrap(variables))
-        set_untracked(kfac, "_checkpoint_variables", cached)
-    children["_variables"] = cached[1]
+    children["_variables"] = checkpoint_list(kfac, kfac.variables)
     return children
+
+
+def checkpoint_list(kfac, variables):
+    """The list a `tf.train.Checkpoint` sees as `kfac`'s `_variables`, grown to
+    `variables` (in `KFAC.variables` order): `grow_checkpoint_list`."""
+    wrapper = checkpoint_wrapper(kfac, variables)
+    grow_checkpoint_list(wrapper, variables)
+    return wrapper
+
+
+def checkpoint_wrapper(kfac, variables):
+    """The list a `tf.train.Checkpoint` sees as `kfac`'s `_variables`, not yet grown.
+
+    One TensorFlow list wrapper for the optimizer's life (a checkpoint matches children by
+    identity), which its variables join as they are created, as Keras's optimizers'
+    `_variables` does: a restore that finds fewer variables than the checkpoint holds
+    leaves the other positions' values waiting in the wrapper
+    (`Trackable._deferred_dependencies`, TensorFlow's restore-on-create), and each is
+    assigned when a variable joins at its position (docs/design.md §10). Should
+    `variables` not extend it, it is made anew: a ValueError if values were waiting.
+    """
+    variables = list(variables)
+    wrapper = kfac.__dict__.get("_checkpoint_variables")
+    if wrapper is not None and [id(v) for v in wrapper] != [
+            id(v) for v in variables[:len(wrapper)]]:
+        if waiting_shapes(wrapper):
+            raise ValueError(
+                f"KFAC {kfac.name!r}: a tf.train.Checkpoint restored before its variables "
+                "existed holds values by position in `variables`, whose order has changed "
+                "since; restore after the optimizer is built (after `model.fit` starts or "
+                "`optimizer.build(model.trainable_variables)`).")
+        wrapper = None
+    if wrapper is None:
+        wrapper = tf.__internal__.tracking.wrap([])
+        set_untracked(kfac, "_checkpoint_variables", wrapper)
+    return wrapper
+
+
+def grow_checkpoint_list(wrapper, variables):
+    """Append to `wrapper` (`checkpoint_wrapper`) those of `variables` beyond its length,
+    each taking the value a restore left waiting for its position, if any. TensorFlow
+    skips a waiting value of another shape without a word: check `waiting_shapes` first."""
+    for variable in list(variables)[len(wrapper):]:
+        wrapper.append(variable)
+
+
+def waiting_shapes(wrapper):
+    """{position: the shapes (tuples) of the values restores left waiting in `wrapper`
+    (`checkpoint_wrapper`) for a variable at that position}."""
+    wrapper._maybe_initialize_trackable()  # makes the (empty) deferred dependencies
+    return {int(name): {tuple(position.value_shape() or ()) for position in positions}
+            for name, positions in wrapper._deferred_dependencies.items() if positions}

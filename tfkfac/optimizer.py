@@ -13,6 +13,8 @@ averaged weights `tfkfac.AveragedWeights` evaluates and exports. Like Keras's
 optimizer, so schedules and callbacks act on the update rule.
 """
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -304,6 +306,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
             self.inner_optimizer.build(var_list)
         if self._attachment is not None:
             self._create_kfac_state()
+        else:
+            self._take_restored_values()
 
     def _create_kfac_state(self):
         """K-FAC's variables, after the inner optimizer's (docs: state.py)."""
@@ -317,6 +321,44 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         # keys name a variable by its shortest path (`optimizer/_factor_updates/...`).
         for name, variable in zip(self._counters.NAMES, self._counters.variables()):
             setattr(self, f"_{name}", variable)
+        self._take_restored_values()
+
+    def _take_restored_values(self):
+        """Give the variables created since the last call the values a
+        `tf.train.Checkpoint` restored before they existed holds for them, by their
+        position in `variables`, the checkpoint's key (docs/design.md §10), as Keras's
+        optimizers take theirs. A ValueError naming the keys, before any is assigned,
+        when a value's shape is not its variable's or, once K-FAC's state exists, when
+        values wait beyond `variables` (a save of another architecture or settings);
+        variables left without a value while others took theirs are named in a warning."""
+        variables = self.variables
+        wrapper = keras_integration.checkpoint_wrapper(self, variables)
+        waiting = keras_integration.waiting_shapes(wrapper)
+        if not waiting:
+            keras_integration.grow_checkpoint_list(wrapper, variables)
+            return
+        keys = [key for key, _ in self.saved_keys()]
+        joined = range(len(wrapper), len(variables))
+        shape = lambda i: tuple(variables[i].shape)
+        reshaped = [f"{keys[i]} (saved {sorted(waiting[i])[0]}, here {shape(i)})"
+                    for i in joined if waiting.get(i, {shape(i)}) != {shape(i)}]
+        beyond = sorted(i for i in waiting if i >= len(variables))
+        if reshaped or (beyond and self._counters is not None):
+            problem = (f"shapes differ for {state_lib.listed(reshaped)}" if reshaped else
+                       f"it holds optimizer variables at positions {state_lib.listed(beyond)}"
+                       f", beyond this KFAC's {len(keys)} (its last: {keys[-1]})")
+            raise ValueError(
+                f"KFAC {self.name!r}: a tf.train.Checkpoint restored into it does not match "
+                f"it: {problem}. It was saved with another architecture or K-FAC settings "
+                "(method, placement, grafting, ...): restore it into the model and settings "
+                "it was saved with.")
+        keras_integration.grow_checkpoint_list(wrapper, variables)
+        missed = [keys[i] for i in joined if i not in waiting]
+        if missed and any(i in waiting for i in joined):
+            warnings.warn(
+                f"KFAC {self.name!r}: the tf.train.Checkpoint restored into it before it was "
+                f"built holds no value for {state_lib.listed(missed)}, which start from "
+                "their initial values (a save written before they existed).", stacklevel=2)
 
     def save_own_variables(self, store):
         """Write every variable under its key (tfkfac/state.py): the inner optimizer's,
@@ -343,6 +385,10 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         if not self.built:
             with keras_integration.name_scope(self):
                 self.build(variables)
+        # Again here: Keras's `fit` retries inside the first trace a build that failed
+        # before it (`keras_integration._symbolic_build_on_local_batch`), which then finds
+        # the optimizer built.
+        self._take_restored_values()
         grads = list(grads)
         if self.loss_scale_factor is not None:  # the inner optimizer's, taken over
             grads = [None if g is None else g / self.loss_scale_factor for g in grads]

@@ -32,6 +32,8 @@ state, grafting's moments, then under "owner" the rebuild state (per block the d
 factors and the method's state, then the damping), then the momentum coupling's; the
 rebuild state comes late so that saves written before it existed still line up
 (tests/test_saved_state_compat.py and tests/test_resume_matrix.py guard the order).
+A checkpoint restored before the optimizer is built fills each variable as it is made,
+from its position (`KFAC._take_restored_values`).
 """
 
 import collections
@@ -239,7 +241,7 @@ def check_keys(saved, here):
     if missing or unexpected:
         raise ValueError(
             "The saved optimizer state does not match this KFAC's: "
-            + "; ".join(f"{what} {_listed(names)}" for what, names in (
+            + "; ".join(f"{what} {listed(names)}" for what, names in (
                 ("missing from the save:", missing),
                 ("in the save but not here:", unexpected)) if names)
             + ". Load it into the architecture and K-FAC settings (method, placement, "
@@ -248,12 +250,13 @@ def check_keys(saved, here):
                 for name, shape in here.items() if saved[name] != shape]
     if reshaped:
         raise ValueError("The saved optimizer state does not match this KFAC's: shapes "
-                         f"differ for {_listed(reshaped)}. Load it into the architecture "
+                         f"differ for {listed(reshaped)}. Load it into the architecture "
                          "it was saved with.")
 
 
-def _listed(names, most=20):
-    shown = ", ".join(names[:most])
+def listed(names, most=20):
+    """`names` (keys, positions) joined by commas, the first `most` of them."""
+    shown = ", ".join(map(str, names[:most]))
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
