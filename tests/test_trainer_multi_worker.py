@@ -1,11 +1,14 @@
 """trainers.train under MultiWorkerMirroredStrategy, started by
 `python -m trainers.launch --engine=multi_worker --workers=2`: a run saved by one process
 resumes on 2 workers and finishes, rank 0 alone writing; a worker killed mid-run ends the
-whole job, non-zero, within a minute, and no worker outlives it. No Horovod here: the
-runs have it unimportable (tests/no_horovod.py), as where it is not built."""
+whole job within a minute, the launcher naming it (exit code 137), and no worker
+outlives it; Ctrl-C to the launcher stops every worker with a checkpoint (exit code 75).
+No Horovod here: the runs have it unimportable (tests/no_horovod.py), as where it is not
+built."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +25,7 @@ sys.path.insert(0, TESTS_DIR)
 
 import no_horovod  # noqa: E402
 import trainer_testing as tt  # noqa: E402
-from trainers import launch  # noqa: E402
+from trainers import launch, preemption  # noqa: E402
 
 WORKERS = 2
 FIRST_STEPS, STEPS = 6, 12
@@ -55,6 +58,13 @@ def worker_processes(parent):
         if b"TF_CONFIG" in environ:
             found[json.loads(environ[b"TF_CONFIG"])["task"]["index"]] = int(pid)
     return found
+
+
+def kill_job(job):
+    """Kills what is left of a job the test started (its session)."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
 
 
 def alive(pid):
@@ -113,36 +123,68 @@ class TrainerMultiWorkerTest(absltest.TestCase):
         self.assertEqual(self.resumed.returncode, 0, self.resumed.stdout[-4000:])
         self.assertEqual(no_horovod.attempts(self.blocked), "")
 
-    def test_killed_worker_ends_the_job_and_leaves_no_process(self):
-        with tempfile.TemporaryDirectory(dir=absltest.get_default_test_tmpdir()) as model_dir:
+    def start_training(self, model_dir, started="run_history.json"):
+        """The launcher of a long run in `model_dir`, once `started` is there (by default
+        once both workers train): (its Popen, {worker index: pid}, the path of its
+        output)."""
+        log_path = os.path.join(model_dir + ".log")
+        with open(log_path, "w", encoding="utf-8") as log:
             job = subprocess.Popen(launcher(f"--model_dir={model_dir}", "--steps=100000"),
-                                   cwd=tt.ROOT, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True,
-                                   env=launch.job_environment(), start_new_session=True)
-            try:
-                deadline = time.time() + JOB_TIMEOUT_SECONDS
-                # Training has started once rank 0 recorded the start of the run.
-                while not os.path.exists(os.path.join(model_dir, "run_history.json")):
-                    self.assertIsNone(job.poll(), "the job ended before training")
-                    self.assertLess(time.time(), deadline, "training did not start")
-                    time.sleep(0.5)
-                time.sleep(5)
-                workers = worker_processes(job.pid)
-                self.assertEqual(sorted(workers), list(range(WORKERS)))
-                os.kill(workers[1], signal.SIGKILL)
-                killed_at = time.time()
-                job.wait(timeout=FAILURE_EXIT_SECONDS + 30)
-                seconds = time.time() - killed_at
-            finally:
-                if job.poll() is None:
-                    os.killpg(job.pid, signal.SIGKILL)
-                    job.wait()
-            logging.info("the job exited %d, %.1f s after worker 1 was killed",
-                         job.returncode, seconds)
-            self.assertNotEqual(job.returncode, 0)
-            self.assertLess(seconds, FAILURE_EXIT_SECONDS)
-            self.assertFalse([pid for pid in workers.values() if alive(pid)])
+                                   cwd=tt.ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   text=True, env=launch.job_environment(),
+                                   start_new_session=True)
+        self.addCleanup(kill_job, job)
+        deadline = time.time() + JOB_TIMEOUT_SECONDS
+        # Training has started once rank 0 recorded the start of the run.
+        while not os.path.exists(os.path.join(model_dir, started)):
+            self.assertIsNone(job.poll(), f"the job ended before {started} was written")
+            self.assertLess(time.time(), deadline, f"{started} was not written")
+            time.sleep(0.5)
+        time.sleep(5)
+        workers = worker_processes(job.pid)
+        self.assertEqual(sorted(workers), list(range(WORKERS)))
+        return job, workers, log_path
 
+    def test_killed_worker_ends_the_job_naming_it_and_leaves_no_process(self):
+        model_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        job, workers, log_path = self.start_training(model_dir)
+        os.kill(workers[1], signal.SIGKILL)
+        killed_at = time.time()
+        job.wait(timeout=FAILURE_EXIT_SECONDS + 30)
+        seconds = time.time() - killed_at
+        logging.info("the job exited %d, %.1f s after worker 1 was killed",
+                     job.returncode, seconds)
+        self.assertEqual(job.returncode, 128 + signal.SIGKILL)
+        self.assertLess(seconds, FAILURE_EXIT_SECONDS)
+        self.assertFalse([pid for pid in workers.values() if alive(pid)])
+        with open(log_path, encoding="utf-8") as log:
+            self.assertEqual(tt.own_lines(log.read())[-1], (
+                f"trainers.launch: worker 1 (pid {workers[1]}) was killed by SIGKILL; the "
+                "other workers were stopped; exit code 137"))
+
+    def test_ctrl_c_to_the_launcher_checkpoints_and_exits_75(self):
+        """SIGINT (Ctrl-C) to the launcher reaches every worker: they stop after the same
+        step with its checkpoint, the launcher exits 75 and no worker outlives it."""
+        model_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+        # After the first epoch's checkpoint (10 steps on 2 workers): training runs.
+        job, workers, log_path = self.start_training(model_dir, "checkpoints/step-10")
+        job.send_signal(signal.SIGINT)
+        job.wait(timeout=JOB_TIMEOUT_SECONDS)
+        with open(log_path, encoding="utf-8") as log:
+            lines = tt.own_lines(log.read())
+        self.assertEqual(job.returncode, preemption.EXIT_CODE, lines[-5:])
+        self.assertFalse([line for line in lines if "Traceback" in line
+                          or "KeyboardInterrupt" in line], lines[-20:])
+        found = [re.search(r"^\[worker 0\] trainers.train: preempted by SIGINT \(ranks 0, 1\): "
+                           r"checkpoint (\S+) holds step (\d+) of 100000", line) for line in lines]
+        found = [match for match in found if match]
+        self.assertLen(found, 1, lines[-10:])
+        self.assertEqual(found[0].group(1), tt.checkpoint_dir(model_dir, int(found[0].group(2))))
+        self.assertTrue(os.path.isdir(found[0].group(1)))
+        self.assertEqual(lines[-1], "trainers.launch: SIGINT forwarded to every worker; every "
+                         "worker stopped after the same step (worker 0's line above says where "
+                         "the run continues from); exit code 75")
+        self.assertFalse([pid for pid in workers.values() if alive(pid)])
 
 if __name__ == "__main__":
     absltest.main()

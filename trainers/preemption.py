@@ -18,6 +18,7 @@ continues from. A signal before training starts ends the process the same way; t
 is nothing to save yet.
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -31,6 +32,22 @@ import tensorflow as tf
 EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PREFIX = "trainers.train: "
+
+
+@contextlib.contextmanager
+def handling(handler):
+    """SIGTERM and SIGINT go to `handler` while the block runs, then to what they went to
+    before. Only the main thread may set handlers (Python's rule): elsewhere nothing
+    changes."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in SIGNALS:
+            previous[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, handler_before in previous.items():
+            signal.signal(signum, handler_before)
 
 
 class Preempted(SystemExit):
@@ -58,7 +75,7 @@ class Preemption(keras.callbacks.Callback):
 
     def __init__(self):
         super().__init__()
-        self._previous = {}
+        self._handling = None
         self._received = None  # the first signal this process received
         self._signal = None  # the signal the ranks stop for (received here or elsewhere)
         self._timer = None
@@ -70,15 +87,12 @@ class Preemption(keras.callbacks.Callback):
         self.signalled_ranks = []
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # Python's rule
-            for signum in SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
+        self._handling = handling(self._on_signal)
+        self._handling.__enter__()  # pylint: disable=unnecessary-dunder-call
         return self
 
     def __exit__(self, *exc_info):
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
+        self._handling.__exit__(None, None, None)
         if self._timer is not None:
             self._timer.cancel()
         self._training = False
