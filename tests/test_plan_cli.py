@@ -1,6 +1,7 @@
 """The planner binary as a user meets it (trainers/plan.py): one-line errors for every bad
 value, case-insensitive names, the GPU profiles and their estimates, no configuration the
-library refuses, the memory warning and GPU-hours. Fast: one process, small models."""
+library refuses, the memory warning (activations at the batch included) and GPU-hours.
+Fast: one process, small models."""
 
 import json
 import os
@@ -15,7 +16,8 @@ from absl.testing import absltest, parameterized  # noqa: E402
 
 from plan_testing import run_plan, temporary_path  # noqa: E402
 from process_output import own_lines  # noqa: E402
-from trainers.planning import floor_model, hardware, recommend, workloads  # noqa: E402
+from trainers.planning import (floor_model, hardware, memory, recommend,  # noqa: E402
+                               workloads)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -246,6 +248,41 @@ class MemoryAndCostTest(absltest.TestCase):
         with open(os.path.join(output_dir, "plan.json")) as f:
             rows = json.load(f)["memory"]["per_worker_bytes"]
         self.assertTrue(all(row["exceeds_device"] for row in rows))
+
+    def test_activations_are_every_layer_output_at_the_batch(self):
+        model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(4),
+                                  keras.layers.ReLU(), keras.layers.Dense(3)])
+        work = workloads.workload(model, 8, "small")
+        self.assertEqual(work.activation_elements, 10 + 4 + 4 + 3)  # input, 3 outputs
+        self.assertEqual(work.activation_bytes("float32"), 8 * 21 * 4)
+        self.assertEqual(work.activation_bytes("mixed"), 8 * 21 * 2)
+        self.assertEqual(memory.worker_bytes(work, "replicated", "eigen", 1,
+                                             "mixed")["activations"], 8 * 21 * 2)
+
+    def test_a_batch_whose_activations_exceed_the_device_is_warned(self):
+        """--model=cnn at 10^8 examples a worker: its activations alone are terabytes; the
+        plan says no configuration fits a V100, SGD included, on every line concerned."""
+        output_dir = temporary_path("plan")
+        code, out, err = run_plan("--model=cnn", "--batch=100000000", "--workers=1,8",
+                                  "--device=v100", f"--output_dir={output_dir}")
+        self.assertIsNone(code, err)
+        work = workloads.named("cnn").at_batch(100_000_000)
+        need = work.activation_bytes("mixed") / 1e9
+        self.assertGreater(need, 1000)
+        self.assertIn(f"activations {need:.2f} (every layer's output at the batch", out)
+        self.assertIn("WARNING: SGD alone (weights, gradients, momentum and activations) needs "
+                      "more than v100's memory per worker (16 GB) at 1 worker(s) "
+                      f"({need:.1f} GB), 8 worker(s) ({need:.1f} GB): no optimizer fits there; "
+                      "lower --batch", out)
+        self.assertIn("WARNING: no configuration compared fits in v100's memory per worker at "
+                      "any worker count", out)
+        recommended = [line for line in out.splitlines() if " workers: " in line]
+        self.assertLen(recommended, 2)
+        self.assertTrue(all("WARNING: needs" in line for line in recommended), recommended)
+        with open(os.path.join(output_dir, "plan.json")) as f:
+            rows = json.load(f)["memory"]["per_worker_bytes"]
+        self.assertTrue(all(row["exceeds_device"] and row["activations"] > 1e12
+                            for row in rows))
 
     def test_gpu_hours_to_target(self):
         output_dir = temporary_path("plan")

@@ -2,7 +2,9 @@
 measured_steps.py): log-log interpolation between measured global batches against a hand
 computation, the refusal to extrapolate, and the recommendation made from them; from a
 synthetic batch-scaling JSON in the layout bench/batch_scaling.py writes
-(tests/test_batch_scaling.py reads the one it writes back with `measured_steps.load`)."""
+(tests/test_batch_scaling.py reads the one it writes back with `measured_steps.load`). A
+field of it that is not what that script writes (steps not > 0 or NaN, a missing or
+mistyped field) is one line naming the file and the field."""
 
 import json
 import math
@@ -158,6 +160,55 @@ class PlannerTest(absltest.TestCase):
                                 f"--output_dir={temporary_path('plan')}")
         self.assertEqual(code, 2)
         self.assertIn("--steps_target only applies with --steps_from", err)
+
+    def test_bad_fields_are_one_line_naming_the_file_and_the_field(self):
+        """Steps that are not a positive number (negative, zero, NaN), a missing or
+        mistyped field, a primary target not among the targets: one line naming the
+        file, the field and what it holds, never a traceback or a flag not given."""
+        sgd_512 = lambda data: data["entries"]["sgd_nesterov"]["batches"]["512"]
+        median = "entries.sgd_nesterov.batches.512.to_target.0.9.median_steps is "
+        not_steps = ", not a number of steps > 0 \\(or null: not reached\\)"
+        for damage, field in (
+                (lambda d: sgd_512(d)["to_target"]["0.9"].update(median_steps=-800),
+                 median + r"-800 \(an integer\)" + not_steps),
+                (lambda d: sgd_512(d)["to_target"]["0.9"].update(median_steps=0),
+                 median + r"0 \(an integer\)" + not_steps),
+                (lambda d: sgd_512(d)["to_target"]["0.9"].update(median_steps=math.nan),
+                 median + r"NaN \(a float\)" + not_steps),
+                (lambda d: sgd_512(d)["to_target"]["0.9"].update(median_steps="800"),
+                 median + r'"800" \(a string\)' + not_steps),
+                (lambda d: d.update(primary_target=0.95),
+                 r"primary_target is 0.95, not one of its targets \(0.89, 0.9, 0.91\)"),
+                (lambda d: d.update(targets="0.9"),
+                 r'targets is "0.9" \(a string\), not a list of accuracies'),
+                (lambda d: d.pop("entries"), "the document has no field entries"),
+                (lambda d: d["entries"]["sgd_nesterov"].pop("batches"),
+                 "entries.sgd_nesterov has no field batches"),
+                (lambda d: d["entries"]["sgd_nesterov"]["batches"].update(big={}),
+                 'entries.sgd_nesterov.batches has the key "big", not a batch size '
+                 r"\(an integer > 0\)"),
+                (lambda d: sgd_512(d).pop("complete"),
+                 "entries.sgd_nesterov.batches.512 has no field complete"),
+                (lambda d: sgd_512(d)["to_target"].pop("0.9"),
+                 "entries.sgd_nesterov.batches.512.to_target has no field 0.9")):
+            with self.subTest(field):
+                data = document()
+                damage(data)
+                path = written(data)
+                code, _, err, _ = self.plan("--workers=1", data=data)
+                self.assertEqual(code, 2, err)
+                self.assertLen(err.splitlines(), 1, err)
+                self.assertRegex(err, f"^trainers.plan: error: --steps_from: .*batch_scaling"
+                                 f".json: {field}; it is not the batch-scaling JSON "
+                                 "bench/batch_scaling.py writes$")
+                self.assertNotIn("--steps_target", err)
+                with self.assertRaisesRegex(ValueError, f"{path}: {field}"):
+                    measured_steps.load(path, "cnn", None, ("sgd_nesterov",))
+        data = [STEPS]
+        code, _, err, _ = self.plan("--workers=1", data=data)
+        self.assertEqual(code, 2, err)
+        self.assertRegex(err, r"batch_scaling.json: the document is \[.*\(a list\), not an "
+                              "object")
 
 
 if __name__ == "__main__":

@@ -247,7 +247,8 @@ def main(argv):
     bounded = min(exact, key=results[-1]["times"].get) if exact else results[-1]["best"]
     bound = dict(recommend.one_factor_bound(work, bounded, workers, device),
                  configuration=bounded)
-    needs = memory.per_worker(work, settings["placements"], workers)
+    needs = memory.per_worker(work, settings["placements"], workers,
+                              precision=FLAGS.precision.lower())
     setting = {"model": FLAGS.model, "batch": FLAGS.batch, "device": device.name,
                "network": network.name, "precision": FLAGS.precision,
                "ranks_per_node": FLAGS.workers_per_node, "links_per_node": FLAGS.links_per_node,

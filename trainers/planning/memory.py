@@ -10,11 +10,14 @@ Per worker, in bytes (float32 state):
 - method_state: eigen_adam's second moments, one per managed parameter, on every worker
   under both placements;
 - host: under "owner", the copy of the factors last decomposed that a resumed owner
-  rebuilds from, which tfkfac keeps in host memory, not on the device.
+  rebuilds from, which tfkfac keeps in host memory, not on the device;
+- activations: the tensors the forward pass makes at the worker's batch (the input and
+  every layer's output), which the backward pass reads, in the forward/backward's
+  precision (SGD's too): a lower bound, TensorFlow may keep more.
 
 tests/test_plan_memory.py checks the K-FAC part against a real tfkfac.KFAC's
-`summary()["state_bytes"]`. Not counted: activations and the framework's workspace, which
-SGD needs as well and which depend on the batch and TensorFlow's memory planner.
+`summary()["state_bytes"]`. Not counted: the framework's workspace, which SGD needs as well
+and which depends on TensorFlow's memory planner.
 """
 
 import math
@@ -22,8 +25,10 @@ import math
 from tfkfac import config as config_lib, placement as placement_lib
 from trainers.planning import step_model
 
-COMPONENTS = ("model", "factors", "decompositions", "method_state", "host")
+COMPONENTS = ("model", "activations", "factors", "decompositions", "method_state", "host")
 DEVICE_COMPONENTS = COMPONENTS[:-1]
+# What SGD holds of them too.
+SGD_COMPONENTS = ("model", "activations")
 # Weights, gradients and momentum, each a float32 per trainable parameter.
 MODEL_COPIES = 3
 
@@ -34,23 +39,24 @@ def library_methods():
     return tuple(field.metadata["check"].choices)
 
 
-def per_worker(work, placements, workers, methods=None):
+def per_worker(work, placements, workers, methods=None, precision=None):
     """[{workers, placement, method, component: bytes..., device: their device sum}] of
     every placement and method (default: every method of the library) at every worker
-    count."""
+    count; activations in `precision` (None: not counted)."""
     rows = []
     for ranks in workers:
         for placement in placements:
             for method in methods or library_methods():
-                needs = worker_bytes(work, placement, method, ranks)
+                needs = worker_bytes(work, placement, method, ranks, precision)
                 rows.append({"workers": ranks, "placement": placement, "method": method,
                              **needs,
                              "device": sum(needs[c] for c in DEVICE_COMPONENTS)})
     return rows
 
 
-def worker_bytes(work, placement, method, ranks):
-    """{component: bytes} on the worker of `ranks` that holds the most."""
+def worker_bytes(work, placement, method, ranks, precision=None):
+    """{component: bytes} on the worker of `ranks` that holds the most; its activations
+    in the forward/backward's `precision` (None: not counted, 0)."""
     itemsize = step_model.STATE_ITEMSIZE
     geometries = list(work.geometries["expand"].values())
     factors = [sum(math.prod(s) for s in g.factor_shapes()) for g in geometries]
@@ -64,6 +70,7 @@ def worker_bytes(work, placement, method, ranks):
         rebuild = sum(f for f, g in zip(factors, geometries)
                       if any(len(s) >= 2 for s in g.factor_shapes()))
     return {"model": MODEL_COPIES * itemsize * work.trainable_parameters,
+            "activations": work.activation_bytes(precision) if precision else 0,
             "factors": itemsize * sum(factors),
             "decompositions": itemsize * held,
             "method_state": itemsize * (sum(g.parameters for g in geometries)

@@ -3,7 +3,7 @@
 import json
 import os
 
-from trainers.planning import recommend, step_model
+from trainers.planning import memory, recommend, step_model
 
 LABELS = {"forward_backward": "forward/backward", "factor_statistics": "factor statistics",
           "factor_reduction": "factor reduction", "decomposition": "decompositions (slowest)",
@@ -89,13 +89,25 @@ def _over_memory(needs, device):
             and row["device"] > device.memory_per_worker(row["workers"])}
 
 
+def _sgd_over_memory(needs, device):
+    """{workers: bytes} of SGD's own memory (`memory.SGD_COMPONENTS`) where it exceeds
+    what a worker of `device` has."""
+    over = {}
+    for row in needs:
+        sgd = sum(row[component] for component in memory.SGD_COMPONENTS)
+        limit = device.memory_per_worker(row["workers"])
+        if limit is not None and sgd > limit:
+            over[row["workers"]] = sgd
+    return over
+
+
 def memory_text(needs, device):
     """Per placement and method, the device memory of the worker holding most at each
     worker count, what it is made of, and a warning for each that exceeds the device."""
     workers = list(dict.fromkeys(row["workers"] for row in needs))
     unit, scale = ("GB", 1e9) if max(row["device"] for row in needs) >= 1e8 else ("MB", 1e6)
     first = needs[0]
-    lines = [f"Memory per worker, {unit} (the worker holding most; activations and "
+    lines = [f"Memory per worker, {unit} (the worker holding most; the framework's "
              "workspace not counted):",
              f"  {'placement, method':32s}" + "".join(f"{f'{p} worker(s)':>16s}" for p in workers)]
     for placement, method in dict.fromkeys((row["placement"], row["method"]) for row in needs):
@@ -104,12 +116,23 @@ def memory_text(needs, device):
         lines.append(f"  {placement + ' ' + method:32s}"
                      + "".join(f"{v / scale:16.2f}" for v in values))
     host = max(row["host"] for row in needs)
+    activations = (f"activations {first['activations'] / scale:.2f} (every layer's output at "
+                   "the batch, SGD's too; at least that)" if first["activations"] else
+                   "activations not counted (the model has no functional graph)")
     lines.append(f"  of which weights, gradients and momentum {first['model'] / scale:.2f} "
-                 f"(SGD's too), factors {first['factors'] / scale:.2f}, eigen_adam's moments "
+                 f"(SGD's too), {activations}, factors {first['factors'] / scale:.2f}, "
+                 "eigen_adam's moments "
                  f"{max(row['method_state'] for row in needs) / scale:.2f}; the rest is "
                  "decompositions (all under replicated, the worker's own blocks' under owner)"
                  + (f"; owner also keeps {host / scale:.2f} {unit} in host memory (the factors "
                     "last decomposed)" if host else ""))
+    sgd_over = _sgd_over_memory(needs, device)
+    if sgd_over:
+        lines.append(f"  WARNING: SGD alone (weights, gradients, momentum and activations) needs "
+                     f"more than {device.name}'s memory per worker ({device.memory / 1e9:.0f} GB"
+                     f"{', shared by its ranks' if device.cores else ''}) at "
+                     + ", ".join(f"{w} worker(s) ({b / 1e9:.1f} GB)" for w, b in sgd_over.items())
+                     + ": no optimizer fits there; lower --batch")
     over = _over_memory(needs, device)
     if over:
         lines.append(f"  WARNING: more than {device.name}'s memory per worker "
@@ -124,6 +147,10 @@ def recommendation(results, needs, device):
     over = _over_memory(needs, device)
     lines = ["Recommendation (lowest predicted time per step; the approximation's effect on "
              "steps to target is not modelled):"]
+    if over and len(over) == len(needs):
+        lines.append(f"  WARNING: no configuration compared fits in {device.name}'s memory per "
+                     "worker at any worker count (see Memory per worker): every line below "
+                     "needs more than the device has; lower --batch or choose a larger device")
     for entry in results:
         best, time = entry["best"], entry["times"][entry["best"]]
         text = (f"  {entry['workers']:5d} workers: {best.label()}: {time * 1e3:.1f} ms/step, "

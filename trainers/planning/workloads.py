@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import zipfile
+from typing import Optional
 
 import keras
 
@@ -86,7 +87,9 @@ class Workload:
     not counted); uncounted_products: those of them with a weight matrix (a weight with
     two or more dimensions above 1: an LSTM's kernels), whose products the forward/backward
     would miss, unlike elementwise weights (a scale, a bias); running_statistics: elements
-    averaged with the gradients by K-FAC.
+    averaged with the gradients by K-FAC; activation_elements: per example, the elements
+    of the tensors the forward pass makes and the backward pass reads (`activations`), or
+    None for a model without a functional graph.
     """
 
     name: str
@@ -98,6 +101,7 @@ class Workload:
     running_statistics: int
     skipped: list
     uncounted_products: list
+    activation_elements: Optional[int] = None
 
     def at_batch(self, batch):
         """This workload at `batch` examples per worker (a multiple of this one's)."""
@@ -118,6 +122,10 @@ class Workload:
 
     def update(self):
         return floor_model.update_kernels(self.trainable_parameters)
+
+    def activation_bytes(self, precision):
+        """Bytes of one worker's activations at this batch in `precision` (0 if unknown)."""
+        return self.batch * (self.activation_elements or 0) * PRECISIONS[precision]
 
     def statistics(self, rule):
         """Per block, its factor statistics' kernels under weight-sharing `rule`."""
@@ -169,8 +177,26 @@ def workload(model, batch, name):
         running_statistics=sum(math.prod(v.shape) for v in running_statistics(layers.values())),
         skipped=skipped,
         uncounted_products=[s["layer"] for s in skipped
-                            if _has_weight_matrix(layers[s["layer"]])])
+                            if _has_weight_matrix(layers[s["layer"]])],
+        activation_elements=activations(model))
     return unit.at_batch(batch)
+
+
+def activations(model):
+    """Elements per example of every tensor `model`'s forward pass makes (the input and
+    each layer's output at each of its calls), which the backward pass reads: a lower
+    bound of what training keeps per example. None when the model has no functional
+    graph to read them from (a subclassed model)."""
+    total, counted = 0, False
+    for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+        if list(layer._flatten_layers(include_self=False, recursive=False)):  # pylint: disable=protected-access
+            continue  # a model or block of layers: its layers' outputs are counted
+        for node in getattr(layer, "_inbound_nodes", []):
+            for tensor in node.output_tensors:
+                counted = True
+                if all(dimension is not None for dimension in tensor.shape[1:]):
+                    total += math.prod(tensor.shape[1:])
+    return total if counted else None
 
 
 def _has_weight_matrix(layer):
