@@ -12,9 +12,11 @@ of Fashion-MNIST):
   the step in progress and resume exactly (`PreemptionTest`); a full disk is one clear
   error that blocks no resume (`DiskFaultTest` on a small tmpfs,
   `InjectedWriteFailureTest` without root); a new --epochs on resume is the budget
-  (`ResumeBudgetTest`); absurd sizes are refused up front (`AbsurdSizeTest`); every
-  `pipelines.build` argument is checked (`PipelineArgumentTest`), damaged run files,
-  empty splits and a wrong kind of entry in model_dir are named (`RunFileTest`);
+  (`ResumeBudgetTest`); the noise scale of an epoch a checkpoint cut is the
+  uninterrupted run's (`NoiseScaleResumeTest`); absurd sizes are refused up front
+  (`AbsurdSizeTest`); every `pipelines.build` argument is checked
+  (`PipelineArgumentTest`), damaged run files, empty splits and a wrong kind of entry in
+  model_dir are named (`RunFileTest`);
   K-FAC's counters hold the steps the loss scale skipped (`SkippedStepsTest`). Preemption
   and failed ranks under Horovod are in tests/test_trainer_horovod.py.
 """
@@ -41,7 +43,8 @@ import tfkfac
 from idx_testing import write_small_idx_dir
 from pipelines import augment, idx_dataset
 import trainer_testing as tt
-from trainers import checkpoints, config as config_lib, errors, preemption, runner, storage
+from trainers import checkpoints, config as config_lib, errors, preemption, reporting
+from trainers import runner, storage
 from trainers import train
 
 FLAGS = flags.FLAGS
@@ -691,6 +694,57 @@ class ResumeBudgetTest(absltest.TestCase):
         self.assertEqual((summary["steps"], summary["epochs"]), (3 * tt.STEPS_PER_EPOCH, 3))
         history = tt.read_json(os.path.join(model_dir, checkpoints.RUN_HISTORY_FILE))
         self.assertEqual(history[-1]["changed"], {"steps": [30, None], "epochs": [2, 3]})
+
+
+class NoiseScaleResumeTest(absltest.TestCase):
+    """`--noise_scale` with a checkpoint mid-epoch, by `--steps` or by SIGTERM: the resumed
+    run's metrics.csv, the noise scale of the epoch it continued included, equals the one
+    of a run never stopped (the epoch's sums over its measured steps are checkpointed
+    with it). The SIGTERM reaches this process at step 25 (the trainer's own handler, as
+    from a job scheduler)."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.straight = os.path.join(absltest.get_default_test_tmpdir(), "noise_straight")
+        shutil.rmtree(cls.straight, ignore_errors=True)
+        run(cls.straight, steps=40, noise_scale=True, **KFAC)
+
+    def assert_same_metrics(self, model_dir):
+        have = tt.read_csv(os.path.join(model_dir, "metrics.csv"))
+        want = tt.read_csv(os.path.join(self.straight, "metrics.csv"))
+        for row in have + want:
+            row.pop("train_time_s")
+        self.assertIn("noise_scale", want[-1])
+        self.assertEqual(have, want)
+
+    def test_resumed_by_steps(self):
+        model_dir = self.create_tempdir().full_path
+        run(model_dir, steps=30, noise_scale=True, **KFAC)
+        state = tt.read_json(os.path.join(tt.checkpoint_dir(model_dir, 30),
+                                          checkpoints.STATE_FILE))
+        self.assertLen(state["noise_scale_sums"], 5)
+        self.assertEqual(state["noise_scale_sums"][0], 10)  # steps 20-29 measured
+        resume(model_dir, 40)
+        self.assert_same_metrics(model_dir)
+
+    def test_resumed_after_sigterm(self):
+        model_dir = os.path.join(self.create_tempdir().full_path, "run")
+        record_step = reporting.EpochRecorder.on_train_batch_end
+
+        def signalled_at_step_25(recorder, batch, logs=None):
+            record_step(recorder, batch, logs)
+            if recorder.counters.steps == 25:  # the trainer's handler sets its flag
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        with mock.patch.object(reporting.EpochRecorder, "on_train_batch_end",
+                               signalled_at_step_25), \
+                self.assertRaises(preemption.Preempted) as raised:
+            run(model_dir, steps=40, noise_scale=True, **KFAC)
+        self.assertEqual(raised.exception.step, 25)
+        self.assertTrue(os.path.isdir(tt.checkpoint_dir(model_dir, 25)))
+        resume(model_dir, 40)
+        self.assert_same_metrics(model_dir)
 
 
 class DivergenceTest(absltest.TestCase):

@@ -1,11 +1,16 @@
 """The trainer never loses a user's work nor answers a mistake with a traceback:
 
 - a checkpoint whose trainer state is not what the trainer writes is damage like any
-  other: the run falls back to the older checkpoint, with the same warning;
+  other: the run falls back to the older checkpoint, with the same warning; so is one
+  swapped in from another run, named with the variables that differ;
 - one run per model_dir at a time: a second trainer there ends with one line naming the
-  process that holds it (two real trainer processes);
+  process that holds it (two real trainer processes); the lock never follows a symbolic
+  link nor overwrites a file it did not create (`LockFileTest`);
 - a new run never overwrites files in its model_dir that no run of the trainer wrote;
-- a warmup longer than the run and a data_dir that cannot be used are one-line errors.
+- a warmup longer than the run and a data_dir that cannot be used are one-line errors;
+  so are a setting given under its old and its new flag name with different values,
+  overlap_reduction on one rank, and a resume's given setting that the run had otherwise
+  (in those words, not a check of defaults the run does not have).
 """
 
 import json
@@ -111,6 +116,28 @@ class TrainerStateTest(parameterized.TestCase):
         self.assertEqual(summary["steps"], 30)
         self.assertEqual(summary["fresh_examples"], 30 * tt.BATCH)
 
+    def test_checkpoint_of_another_run_is_named_with_what_differs(self):
+        """A step-25 checkpoint swapped in from a run of other settings (mixed_float16: a
+        loss-scale optimizer): the warning names it and the variables that differ (not
+        TensorFlow's RestoreV2 dtype message), and the run resumes from step 20."""
+        other = os.path.join(self.create_tempdir().full_path, "other")
+        run(other, steps=25, precision="mixed_float16")
+        model_dir, _ = self.damaged_copy(lambda state: None)
+        swapped = tt.checkpoint_dir(model_dir, 25)
+        shutil.rmtree(swapped)
+        shutil.copytree(tt.checkpoint_dir(other, 25), swapped)
+        with self.assertLogs("absl", "WARNING") as logs:
+            summary = resume(model_dir, 30)
+        warnings = [line for line in logs.output if "cannot be loaded" in line]
+        self.assertLen(warnings, 1, logs.output)
+        self.assertRegex(warnings[0], (
+            f"checkpoint {swapped} \\(step 25\\) cannot be loaded: variables "
+            f"{swapped}/variables.\\* were written by another run \\(another model, optimizer "
+            "or precision\\): it holds optimizer/\\S+ \\(and \\d+ more\\), which this run does "
+            "not have; it has no optimizer/\\S+ \\(and \\d+ more\\) of this run$"))
+        self.assertNotIn("RestoreV2", "\n".join(logs.output))
+        self.assertEqual(summary["steps"], 30)
+
     def test_epoch_metrics_of_other_metrics_is_one_error(self):
         # The right types, but not this model's 4 metric variables (loss and accuracy
         # totals and counts): found when the epoch continues, as a RunError.
@@ -167,6 +194,99 @@ class ModelDirLockTest(absltest.TestCase):
             pass
 
 
+class LockFileTest(absltest.TestCase):
+    """The lock never follows a symbolic link and never writes into a file it did not
+    create: a `.trainer.lock` that is a link (to a user's file, or to nothing), another
+    kind of file, a second name of a file, or a file of other content is refused with one
+    line naming it, before the run writes anything, and left as it was."""
+
+    def assert_refused(self, model_dir, what, kept):
+        """Taking the lock and checking a run there both raise naming the lock path and
+        `what` it is; `kept()` holds after each."""
+        message = (f"^{run_lock.path(model_dir)} {what}: the trainer takes its lock in a file "
+                   "it creates itself and never follows a link or overwrites a file it did "
+                   "not create; move it away, or choose another --model_dir$")
+        with self.assertRaisesRegex(run_lock.LockFileError, message):
+            with run_lock.holding(model_dir):
+                self.fail("the lock was taken")
+        kept()
+        with self.assertRaisesRegex(ValueError, message):
+            runner.check(config_lib.TrainConfig(model_dir=model_dir, **dict(tt.SMALL, **SGD)))
+        kept()
+        return message
+
+    def test_a_link_to_a_users_file_is_not_followed(self):
+        model_dir = self.create_tempdir().full_path
+        mine = os.path.join(self.create_tempdir().full_path, "notes.txt")
+        with open(mine, "w", encoding="utf-8") as f:
+            f.write("my notes\n")
+
+        def kept():
+            with open(mine, encoding="utf-8") as f:
+                self.assertEqual(f.read(), "my notes\n")
+            self.assertEqual(os.readlink(run_lock.path(model_dir)), mine)
+
+        os.symlink(mine, run_lock.path(model_dir))
+        message = self.assert_refused(model_dir, f"is a symbolic link \\(to {mine}\\)", kept)
+        result = tt.run_binary(f"--model_dir={model_dir}", "--steps=5", *tt.SMALL_FLAGS,
+                               *[f"--{name}={value}" for name, value in SGD.items()])
+        assert_one_line_error(self, result, message[1:])
+        kept()
+        self.assertEqual(os.listdir(model_dir), [run_lock.LOCK_FILE])
+
+    def test_a_link_to_nothing_creates_nothing(self):
+        model_dir = self.create_tempdir().full_path
+        target = os.path.join(self.create_tempdir().full_path, "elsewhere")
+        os.symlink(target, run_lock.path(model_dir))
+        self.assert_refused(model_dir, f"is a symbolic link \\(to {target}\\)",
+                            lambda: self.assertFalse(os.path.lexists(target)))
+
+    def test_a_file_it_did_not_create_is_not_overwritten(self):
+        mine = os.path.join(self.create_tempdir().full_path, "mine.txt")
+        with open(mine, "w", encoding="utf-8") as f:
+            f.write('{"pid": 1, "host": "h", "started": "t"}\n')  # a lock's content, too
+        for name, make, what in (
+                ("other_content", lambda lock: shutil.copyfile(__file__, lock),
+                 "holds something other than a lock of the trainer \\(its pid, host and "
+                 "start time\\)"),
+                ("hard_link", lambda lock: os.link(mine, lock),
+                 "is a file with 2 hard links \\(another file's name too\\)"),
+                ("fifo", os.mkfifo, "is not a regular file"),
+                ("directory", os.mkdir, "is a directory")):
+            with self.subTest(name):
+                model_dir = self.create_tempdir().full_path
+                lock = run_lock.path(model_dir)
+                make(lock)
+                before = os.lstat(lock)
+                content = None
+                if os.path.isfile(lock):
+                    with open(lock, "rb") as f:
+                        content = f.read()
+
+                def kept(lock=lock, before=before, content=content):
+                    after = os.lstat(lock)
+                    self.assertEqual((after.st_mode, after.st_ino, after.st_mtime_ns),
+                                     (before.st_mode, before.st_ino, before.st_mtime_ns))
+                    if content is not None:
+                        with open(lock, "rb") as f:
+                            self.assertEqual(f.read(), content)
+
+                self.assert_refused(model_dir, what if name != "directory" else
+                                    "(is a directory|is not a regular file)", kept)
+
+    def test_its_own_lock_file_is_taken_again(self):
+        model_dir = self.create_tempdir().full_path
+        for _ in range(2):  # created, then the one the first left
+            with run_lock.holding(model_dir):
+                self.assertTrue(run_lock.check(model_dir))
+        with open(run_lock.path(model_dir), "w", encoding="utf-8"):
+            pass  # empty: a holder stopped before writing its pid
+        with run_lock.holding(model_dir):
+            pass
+        with open(run_lock.path(model_dir), encoding="utf-8") as f:
+            self.assertEqual(json.load(f)["pid"], os.getpid())
+
+
 class NewRunTest(absltest.TestCase):
     """A new run refuses a model_dir holding files of the names it writes that no run of
     the trainer wrote, and leaves them as they were; a directory a run of the trainer
@@ -204,9 +324,41 @@ class NewRunTest(absltest.TestCase):
         self.assertEqual(run(model_dir, steps=5)["steps"], 5)
 
 
+class RenamedFlagTest(parameterized.TestCase):
+    """A setting given under its name before 0.2 and its name now with different values
+    is a usage error naming both, whichever comes last; with the same value, or the old
+    name alone, it is that value (tests/test_trainer.py: with a deprecation warning)."""
+
+    @parameterized.parameters(
+        ("eigen_wire_dtype", "decomposition_wire_dtype", "bfloat16", "float32", "bfloat16",
+         "float32"),
+        ("bn_damping_multiplier", "diagonal_damping_multiplier", "3", "5", "3.0", "5.0"),
+        ("inv_update_freq", "decomposition_update_freq", "30", "40", "30", "40"))
+    def test_both_names_with_different_values_is_an_error(self, old, new, old_text, new_text,
+                                                          old_value, new_value):
+        message = (f"^--{old} is the deprecated name of --{new}, and both were given, with "
+                   f"different values \\(--{old}={old_value}, --{new}={new_value}\\): pass "
+                   f"--{new} alone$")
+        for argv in ([f"--{old}={old_text}", f"--{new}={new_text}"],
+                     [f"--{new}={new_text}", f"--{old}={old_text}"]):
+            with self.subTest(argv=argv), self.assertRaisesRegex(ValueError, message):
+                tt.config_from_argv(*argv)
+        with self.assertLogs("absl", "WARNING"):
+            config, given = tt.config_from_argv(f"--{old}={old_text}", f"--{new}={old_text}")
+        self.assertEqual(str(getattr(config, new)), old_value)
+        self.assertIn(new, given)
+
+    def test_binary_names_both_in_one_line(self):
+        assert_one_line_error(self, tt.run_binary("--model=mlp", "--eigen_wire_dtype=bfloat16",
+                                                  "--decomposition_wire_dtype=float32"),
+                              "--eigen_wire_dtype is the deprecated name of "
+                              "--decomposition_wire_dtype, and both were given")
+
+
 class OneLineUsageErrorTest(absltest.TestCase):
-    """A warmup as long as the run or longer, and a data_dir that cannot be created or
-    is a link to nothing, are a ValueError naming the setting (the binary: one line)."""
+    """A warmup as long as the run or longer, a data_dir that cannot be created or is a
+    link to nothing, overlap_reduction on one rank, and a resume that changes a setting of
+    the run are a ValueError naming the setting (the binary: one line)."""
 
     def test_warmup_longer_than_the_run(self):
         for schedule in ("warmup", "constant"):
@@ -217,6 +369,34 @@ class OneLineUsageErrorTest(absltest.TestCase):
                     "warmup, which must end before the run: warmup_epochs=1000 is 20000 steps "
                     r"of the run's 20 \(--steps/--epochs\)$"):
                 runner.check(config)
+
+    def test_overlap_reduction_on_one_rank(self):
+        message = ("^overlap_reduction overlaps the reduction of K-FAC's factors over ranks "
+                   "with the preconditioning; this run has 1 rank \\(distribution=none\\), where "
+                   "nothing is reduced: drop overlap_reduction, or train on several ranks "
+                   "\\(horovodrun, or python -m trainers.launch\\)$")
+        with self.assertRaisesRegex(ValueError, message):
+            runner.check(config_lib.TrainConfig(model="mlp", overlap_reduction=True,
+                                                **tt.SMALL))
+        assert_one_line_error(self, tt.run_binary("--model=mlp", "--overlap_reduction",
+                                                  *tt.SMALL_FLAGS), message[1:])
+
+    def test_resume_judges_the_given_settings_against_the_runs(self):
+        """A run with fisher=sampled, fisher_seed=3, resumed with another --fisher_seed: the
+        error is that the run's setting changed, not that fisher_seed needs
+        fisher=sampled (the default the flags alone would have); the same seed given again
+        is accepted."""
+        model_dir = os.path.join(self.create_tempdir().full_path, "run")
+        run(model_dir, steps=5, optimizer="kfac", fisher="sampled", fisher_seed=3)
+        given = {"model_dir", "resume", "steps", "fisher_seed"}
+        resumed = lambda seed: config_lib.TrainConfig(model_dir=model_dir, resume=True, steps=10,
+                                                      fisher_seed=seed)
+        with self.assertRaisesRegex(ValueError, f"^resume must keep the settings of the run in "
+                                    f"{model_dir}; changed: fisher_seed \\(3 -> 4\\); only "
+                                    "these may change: "):
+            runner.check(resumed(4), given)
+        config = runner.check(resumed(3), given)
+        self.assertEqual((config.fisher, config.fisher_seed), ("sampled", 3))
 
     def test_data_dir_that_cannot_be_used(self):
         dangling = os.path.join(self.create_tempdir().full_path, "data")

@@ -3,12 +3,14 @@
 Each checkpoint is one directory `<model_dir>/checkpoints/step-<N>` (N = training steps
 done) holding the variables (`tf.train.Checkpoint`: weights, BatchNorm statistics, the
 optimizer's slots and K-FAC factors and decompositions, its step counter) and
-`trainer_state.json` (counters, history, the epoch's running metrics); with a K-FAC
-optimizer also `optimizer_keys.json`, the name and shape of each optimizer variable the
-checkpoint holds by position (`KFAC.saved_keys`), so that a restore into an optimizer
-whose variables differ (another architecture or setting, even with the same shapes) is
-refused naming them instead of loading values into the wrong variables; checkpoints
-written before it are restored by position as before. It is written
+`trainer_state.json` (counters, history, the epoch's running metrics and gradient noise
+scale sums); with a K-FAC optimizer also `optimizer_keys.json`, the name and shape of each
+optimizer variable the checkpoint holds by position (`KFAC.saved_keys`), so that a restore
+into an optimizer whose variables differ (another architecture or setting, even with the
+same shapes) is refused naming them instead of loading values into the wrong variables;
+checkpoints written before it are restored by position as before. A checkpoint of
+another run that does not restore (its variables of other names, dtypes or shapes) is
+named with the first that differ, not with TensorFlow's RestoreV2 message. It is written
 under a temporary name and renamed into place only when complete, so a crash during a
 write never leaves a half-written checkpoint that looks like the newest; leftovers of
 such a write are removed when the next run starts and before every save. A write that
@@ -254,10 +256,12 @@ def check_state(state, legacy=False):
     `trainer_state.json`) that is not what the trainer writes: `counters`
     (`reporting.RunCounters`: every field, of its type, counts >= 0, finite seconds) and
     `epoch_metrics` (null, or the metric variables' values as numbers or lists of them),
-    plus `checkpoint` (its variables' name) in the `legacy` layout."""
+    `noise_scale_sums` (absent, null, or the epoch's gradient noise scale sums as
+    numbers), plus `checkpoint` (its variables' name) in the `legacy` layout."""
     if not isinstance(state, dict):
         raise ValueError(f"it is {describe(state)}, not an object")
-    known = ("counters", "epoch_metrics") + (("checkpoint",) if legacy else ())
+    known = ("counters", "epoch_metrics", "noise_scale_sums") + (
+        ("checkpoint",) if legacy else ())
     unknown = sorted(set(state).difference(known))
     if unknown:
         raise ValueError(f"it holds unknown fields: {', '.join(unknown)}")
@@ -269,6 +273,11 @@ def check_state(state, legacy=False):
             _numbers(value) for value in metrics)):
         raise ValueError(f"epoch_metrics is {describe(metrics)}, not null or a list of the "
                          "metric variables' values (numbers or lists of them)")
+    sums = state.get("noise_scale_sums")
+    if sums is not None and not (isinstance(sums, list) and all(
+            _numbers(value) and not isinstance(value, list) for value in sums)):
+        raise ValueError(f"noise_scale_sums is {describe(sums)}, not null or a list of "
+                         "numbers")
     if legacy and not isinstance(state.get("checkpoint"), str):
         raise ValueError(f"checkpoint is {describe(state.get('checkpoint'))}, not a string")
 
@@ -384,6 +393,37 @@ def read_state(model_dir):
 def _saved_keys(prefix):
     """The keys of the tensors a `tf.train.Checkpoint` saved at `prefix`."""
     return {name for name, _ in tf.train.list_variables(prefix)}
+
+
+_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+_OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"  # a save's key that is no variable
+
+
+def _saved_variables(prefix):
+    """{key: "dtype[shape]"} of the variables saved at `prefix` (their object graph aside),
+    keys without `_VALUE_SUFFIX`."""
+    reader = tf.train.load_checkpoint(prefix)
+    dtypes = reader.get_variable_to_dtype_map()
+    return {key.removesuffix(_VALUE_SUFFIX): f"{dtypes[key].name}{list(shape)}"
+            for key, shape in reader.get_variable_to_shape_map().items()
+            if key != _OBJECT_GRAPH}
+
+
+def _difference(saved, ours):
+    """How the variables `saved` ({key: "dtype[shape]"}) differ from `ours`, as a phrase,
+    or None when they are the same."""
+    changed = sorted(key for key in saved.keys() & ours.keys() if saved[key] != ours[key])
+    missing, extra = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
+    more = lambda keys: f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+    parts = []
+    if changed:
+        parts.append(f"it holds {changed[0]} as {saved[changed[0]]}, this run's is "
+                     f"{ours[changed[0]]}{more(changed)}")
+    if extra:
+        parts.append(f"it holds {extra[0]}{more(extra)}, which this run does not have")
+    if missing:
+        parts.append(f"it has no {missing[0]}{more(missing)} of this run")
+    return "; ".join(parts) or None
 
 
 def _fault(point, step):
@@ -525,14 +565,26 @@ class CheckpointStore:
         model and the optimizer had a value there, but for a K-FAC optimizer's rebuild
         state (placement "owner") when the save predates it, as tfkfac 0.2.0's do: the
         owner then rebuilds its decompositions from the restored factors at its first
-        step, with tfkfac's warning, as after tfkfac reads it."""
+        step, with tfkfac's warning, as after tfkfac reads it. A restore that fails where
+        the saved variables are not this run's (names, dtypes, shapes) is `_Unloadable`
+        naming the first that differ."""
         self._check_optimizer_keys(os.path.join(os.path.dirname(prefix), OPTIMIZER_KEYS_FILE))
-        status = self._checkpoint.read(prefix)
         try:
-            status.assert_existing_objects_matched()
-        except AssertionError:
-            if not self._lacks_only_rebuild_state(prefix):
+            self._checkpoint.read(prefix).assert_existing_objects_matched()
+            return
+        except Exception as error:  # pylint: disable=broad-except
+            if isinstance(error, AssertionError) and self._lacks_only_rebuild_state(prefix):
+                return
+            # TensorFlow's words (RestoreV2's dtype message, a list of unrestored objects)
+            # do not say what happened: this run's variables against the checkpoint's.
+            try:
+                difference = _difference(_saved_variables(prefix), self._current_variables())
+            except Exception:  # pylint: disable=broad-except
+                difference = None  # e.g. no room for the comparison's save: TensorFlow's
+            if difference is None:
                 raise
+        raise _Unloadable(f"variables {prefix}.* were written by another run (another model, "
+                          f"optimizer or precision): {difference}")
 
     def _check_optimizer_keys(self, keys_file):
         """`_Unloadable` naming the variables that differ when `keys_file` (absent in
@@ -561,6 +613,11 @@ class CheckpointStore:
         with tempfile.TemporaryDirectory() as directory:
             wanted = _saved_keys(self._checkpoint.write(os.path.join(directory, "now")))
         return rebuild <= wanted and _saved_keys(prefix) == wanted - rebuild
+
+    def _current_variables(self):
+        """`_saved_variables` of a save of the model and the optimizer as they are now."""
+        with tempfile.TemporaryDirectory() as directory:
+            return _saved_variables(self._checkpoint.write(os.path.join(directory, "now")))
 
     def restore(self, report=True):
         """Restores the newest checkpoint that loads and returns its trainer state (None

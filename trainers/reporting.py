@@ -9,7 +9,8 @@ rate, damping and fresh-example count to the epoch logs (so the progress bar, CS
 TensorBoard all show them). `EpochWriter` turns that record into `metrics.csv` and
 TensorBoard scalars; only the chief rank uses it. Everything the recorder keeps lives in
 `RunCounters`, which the checkpoint stores, so a resumed run reports the same totals as an
-uninterrupted one.
+uninterrupted one (and, with the epoch's running metrics and noise-scale sums, the same
+rows).
 """
 
 import csv
@@ -214,6 +215,20 @@ def add_running_metrics(model, saved):
         variable.assign_add(np.asarray(value, variable.dtype))
 
 
+def add_noise_scale_sums(probe, saved):
+    """Adds `saved` (a `tfkfac.noise_scale.NoiseScaleProbe`'s sums of an epoch a
+    checkpoint cut) to `probe`'s, so a resumed run's noise scale of that epoch counts every
+    step measured in it. `errors.RunError` if they do not fit the probe's sums."""
+    shape = tuple(probe.sums.shape)
+    if np.shape(saved) != shape:
+        raise errors.RunError(
+            "the checkpoint resumed from holds the epoch's gradient noise scale sums "
+            f"(noise_scale_sums) as {len(saved)} values, the noise scale keeps {shape[0]}: "
+            "the checkpoint is damaged or was written by another version; delete it (the "
+            "newest in checkpoints/) to resume from the one before")
+    probe.sums.assign_add(np.asarray(saved, probe.sums.dtype.as_numpy_dtype))
+
+
 def add_history_row(counters, logs):
     """The epoch just ended as a row of `counters.history`: the run's totals and the
     epoch's logs. It replaces the row of an epoch a checkpoint had cut (whose rest has
@@ -278,16 +293,24 @@ class EpochRecorder(keras.callbacks.Callback):
       epoch_metrics: the model's metric variables (running sums and counts) saved
         when a checkpoint cut an epoch, added back when a resumed run continues it;
         `epoch_metrics` holds them again after each `fit` (read before evaluating).
+      noise_scale: the run's `tfkfac.GradientNoiseScale` callback, or None. Its sums
+        over the epoch's measured steps cross a checkpoint like the metrics: saved ones
+        (`noise_scale_sums`) are added back when a resumed run continues the epoch, so
+        its noise scale is the one of a run never stopped; `noise_scale_sums` holds them
+        again after each `fit`.
     """
 
     def __init__(self, counters, communicator, scalars_fn, fresh_examples_fn, phase_fn,
                  evaluate_fn=None, eval_every_steps=0, eval_spacing=0.0, target_accuracy=None,
                  stop_at_target=False, give_up=None, steps_per_epoch=None,
-                 epoch_metrics=None):
+                 epoch_metrics=None, noise_scale=None, noise_scale_sums=None):
         super().__init__()
         self.counters = counters
         self.epoch_metrics = None
         self._metrics_to_restore = epoch_metrics
+        self.noise_scale_sums = None
+        self._noise_scale = noise_scale
+        self._noise_sums_to_restore = noise_scale_sums if noise_scale is not None else None
         self._timer = StepTimer(phase_fn, counters.step_time, first_step=counters.steps)
         self._clock = TrainingClock(counters)
         self._ranks = RankAggregator(communicator)
@@ -320,6 +343,9 @@ class EpochRecorder(keras.callbacks.Callback):
             # After the first step: Keras has built all of the compiled metrics' variables.
             add_running_metrics(self.model, self._metrics_to_restore)
             self._metrics_to_restore = None
+        if self._noise_sums_to_restore is not None:  # after the epoch's reset of the probe
+            add_noise_scale_sums(self._noise_scale.probe, self._noise_sums_to_restore)
+            self._noise_sums_to_restore = None
         self._timer.on_train_batch_end(batch, logs)
         self.counters.steps = self._timer.step
         self._epoch_steps += 1
@@ -333,6 +359,7 @@ class EpochRecorder(keras.callbacks.Callback):
         # The epoch's running training metrics, before evaluation resets them: a
         # checkpoint taken mid-epoch stores them for the run that continues it.
         self.epoch_metrics = running_metrics(self.model)
+        self.noise_scale_sums = self._running_noise_scale_sums()
 
     def on_epoch_end(self, epoch, logs=None):
         self._clock.stop()
@@ -357,6 +384,11 @@ class EpochRecorder(keras.callbacks.Callback):
         self.counters.fresh_examples += self._ranks.total_fresh_examples(
             self._fresh_examples_fn())
         self.epoch_metrics = running_metrics(self.model)
+        self.noise_scale_sums = self._running_noise_scale_sums()
+
+    def _running_noise_scale_sums(self):
+        probe = getattr(self._noise_scale, "probe", None)
+        return None if probe is None else [float(value) for value in probe.sums.numpy()]
 
     def _evaluate_mid_epoch(self):
         """Evaluates with the training clock stopped."""

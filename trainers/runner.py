@@ -71,9 +71,16 @@ def prepare(config, explicitly_set=None):
     it waits for every worker): the checks after it need its number of ranks.
     """
     given = set(explicitly_set) if explicitly_set is not None else None
-    config.validate(given or ())
+    _validate_given(config, given)
     engine = distribution.Engine(config.distribution, config.startup_timeout_seconds,
                                  hierarchical=config.hierarchical_reduction)
+    if (config.optimizer == "kfac" and config.overlap_reduction
+            and engine.communicator.size == 1):
+        raise ValueError(
+            "overlap_reduction overlaps the reduction of K-FAC's factors over ranks with the "
+            f"preconditioning; this run has 1 rank (distribution={engine.name}), where "
+            "nothing is reduced: drop overlap_reduction, or train on several ranks "
+            "(horovodrun, or python -m trainers.launch)")
     model_dir = config.resolved_model_dir()
     _check_model_dir_usable(model_dir)
     resuming = _resuming(config, model_dir)
@@ -96,6 +103,21 @@ def prepare(config, explicitly_set=None):
             raise ValueError(f"the run in {model_dir} has trained {state['counters']['steps']}"
                              f" steps already, more than the {total} asked (--steps/--epochs)")
     return CheckedRun(config, engine, split_sizes)
+
+
+def _validate_given(config, given):
+    """`config.validate`; where it fails on a start that continues a run, the fields not
+    `given` are the run's own, not the defaults it checked: the run's settings with the
+    given ones are checked instead, so a failure names what was given (a given setting the
+    run did not have is named later, by `_resumed_config`)."""
+    try:
+        config.validate(given or ())
+    except ValueError:
+        model_dir = config.resolved_model_dir()
+        if given is None or not (config.resume or config.auto_resume) or not (
+                checkpoints.has_run(model_dir)):
+            raise
+        _resumed_config(config, given, model_dir, keep_settings=False).validate(given)
 
 
 def check(config, explicitly_set=None):
@@ -126,6 +148,7 @@ def _check_model_dir_usable(model_dir):
         what = "is" if existing == model_dir else f"cannot be created: {existing} is"
         raise ValueError(f"model_dir {model_dir} {what} not writable "
                          f"({error.strerror or error})") from None
+    run_lock.check(model_dir)  # a lock path taken by a link or a file of the user's
 
 
 def _resuming(config, model_dir):
@@ -152,7 +175,7 @@ def _check_nothing_overwritten(model_dir):
     """A new run writes the files of `_RUN_LAYOUT`; where files of those names are in
     `model_dir` but no run of the trainer started there (none left its
     `run_lock.LOCK_FILE`), they are the user's own: an error naming them, not overwritten."""
-    if os.path.exists(run_lock.path(model_dir)):
+    if run_lock.check(model_dir):
         return  # a run of the trainer started here: the files are its own
     paths = {name + ("/" if is_directory else ""): os.path.join(model_dir, name)
              for name, is_directory in _RUN_LAYOUT.items()}
@@ -196,7 +219,10 @@ def _check_saved_types(path, values, role):
             raise checkpoints.RunFileError(f"{path} is damaged ({problem}); {role}")
 
 
-def _resumed_config(config, given, model_dir):
+def _resumed_config(config, given, model_dir, keep_settings=True):
+    """`config` with the settings of the run in `model_dir` in place of those not `given`;
+    a ValueError naming the given ones that differ from the run's and may not change
+    (unless not `keep_settings`)."""
     saved = saved_settings(model_dir)
     if saved is None:
         logging.warning("%s has no %s; resuming without checking the settings match",
@@ -216,7 +242,7 @@ def _resumed_config(config, given, model_dir):
             values[name] = tuple(theirs) if isinstance(theirs, list) else theirs
     if given is not None and "epochs" in given and "steps" not in given:
         values["steps"] = None  # a new --epochs budget replaces the run's --steps
-    if changed:
+    if changed and keep_settings:
         raise ValueError(
             f"resume must keep the settings of the run in {model_dir}; changed: "
             f"{', '.join(changed)}; only these may change: "
@@ -278,7 +304,10 @@ class Trainer:
                                               self.total_steps, self.communicator,
                                               self.model.output_names[0])
             if config.optimizer == "kfac":
-                self.optimizer.attach(self.model)
+                try:
+                    self.optimizer.attach(self.model)
+                except ValueError as error:  # a setting tfkfac refuses for this model
+                    raise errors.RunError(str(error)) from None
             self.model.compile(optimizer=self.optimizer, jit_compile=config.xla,
                                **_loss_and_metrics(config))
             # Create every optimizer variable now: the checkpoint and the broadcast need them.
@@ -298,6 +327,7 @@ class Trainer:
         self.counters = (reporting.RunCounters.from_dict(state["counters"]) if state
                          else reporting.RunCounters())
         self._epoch_metrics = state.get("epoch_metrics") if state else None
+        self._noise_scale_sums = state.get("noise_scale_sums") if state else None
         # The step each rank actually restored (one may have fallen back to an older one).
         agreement.agree(self.communicator, {"resume_step": self.counters.steps},
                         {"model_dir": self.model_dir})
@@ -359,6 +389,8 @@ class Trainer:
             self._store.remove_unfinished()  # they may fill the disk the next writes need
             self._record_start()
         eval_data = self.engine.distribute(self.data.evaluation(), config.batch_size)
+        noise_scale = (tfkfac.GradientNoiseScale(config.noise_scale_interval)
+                       if config.noise_scale else None)
         recorder = reporting.EpochRecorder(
             self.counters, self.communicator,
             scalars_fn=lambda: _optimizer_scalars(config, self.optimizer),
@@ -369,7 +401,8 @@ class Trainer:
             target_accuracy=config.target_accuracy,
             stop_at_target=config.stop_at_target,
             give_up=self._give_up(),
-            steps_per_epoch=steps_per_epoch, epoch_metrics=self._epoch_metrics)
+            steps_per_epoch=steps_per_epoch, epoch_metrics=self._epoch_metrics,
+            noise_scale=noise_scale, noise_scale_sums=self._noise_scale_sums)
         callbacks = [recorder] + self._evaluation_callbacks  # evaluated with the clock stopped
         if self.chief:
             callbacks.append(reporting.EpochWriter(self.model_dir, recorder,
@@ -378,8 +411,8 @@ class Trainer:
                 callbacks.append(reporting.RunProgressBar(self.num_epochs))
         if self._preemption is not None:  # after the recorder has counted the step
             callbacks.insert(1, self._preemption)
-        if config.noise_scale:  # first: the recorder keeps the logs it adds
-            callbacks.insert(0, tfkfac.GradientNoiseScale(config.noise_scale_interval))
+        if noise_scale is not None:  # first: the recorder keeps the logs it adds
+            callbacks.insert(0, noise_scale)
         if self.counters.steps >= self.total_steps and self.chief:
             logging.warning("the run in %s has trained the %d steps asked already; nothing "
                             "left to train", self.model_dir, self.total_steps)
@@ -408,9 +441,11 @@ class Trainer:
             self._stop_if_diverged()
             if self.chief:
                 mid_epoch = self.counters.steps % steps_per_epoch != 0
-                self._store.save(self.counters.steps, {
-                    "counters": self.counters.to_dict(),
-                    "epoch_metrics": recorder.epoch_metrics if mid_epoch else None})
+                state = {"counters": self.counters.to_dict(),
+                         "epoch_metrics": recorder.epoch_metrics if mid_epoch else None}
+                if mid_epoch and recorder.noise_scale_sums is not None:
+                    state["noise_scale_sums"] = recorder.noise_scale_sums
+                self._store.save(self.counters.steps, state)
 
         summary = self.summary()
         if self.chief:

@@ -88,22 +88,30 @@ flags.DEFINE_enum("kfac_inner_optimizer", _DEFAULTS.kfac_inner_optimizer,
                   "discards K-FAC's scaling).")
 
 
+def _define_kfac_flag(flag, field, doc):
+    """The flag `flag` of the `tfkfac.KFACConfig` field `field`, of its type."""
+    default = getattr(_DEFAULTS, config_lib.RENAMED_FIELDS.get(flag, flag))
+    choices = getattr(field.metadata["check"], "choices", None)
+    if choices is not None:
+        flags.DEFINE_enum(flag, default, [c for c in choices if c is not None], doc)
+    elif isinstance(field.default, bool):
+        flags.DEFINE_bool(flag, default, doc)
+    elif isinstance(field.default, int) or int in getattr(field.type, "__args__", ()):
+        flags.DEFINE_integer(flag, default, doc)  # an int, or an int or None
+    else:
+        flags.DEFINE_float(flag, default, doc + (" 0 turns it off." if field.name == "kl_clip"
+                                                 else ""))
+
+
 def _define_kfac_flags():
-    """One flag per K-FAC setting the trainer exposes, from `tfkfac.KFACConfig`."""
+    """One flag per K-FAC setting the trainer exposes, from `tfkfac.KFACConfig`, and one
+    per name a setting had before 0.2 (a flag of its own, not an alias, so that both names
+    given with different values are found: `config_from_flags`)."""
     for flag, field in config_lib.KFAC_FLAGS.items():
-        default, doc = getattr(_DEFAULTS, flag), "K-FAC: " + field.metadata["doc"]
-        choices = getattr(field.metadata["check"], "choices", None)
-        if choices is not None:
-            flags.DEFINE_enum(flag, default, [c for c in choices if c is not None], doc)
-        elif isinstance(field.default, bool):
-            flags.DEFINE_bool(flag, default, doc)
-        elif isinstance(field.default, int) or int in getattr(field.type, "__args__", ()):
-            flags.DEFINE_integer(flag, default, doc)  # an int, or an int or None
-        else:
-            flags.DEFINE_float(flag, default, doc + (" 0 turns it off." if field.name == "kl_clip"
-                                                     else ""))
-    for old, new in config_lib.RENAMED_FIELDS.items():  # the flags' names before 0.2
-        flags.DEFINE_alias(old, new)
+        _define_kfac_flag(flag, field, "K-FAC: " + field.metadata["doc"])
+    for old, new in config_lib.RENAMED_FIELDS.items():
+        _define_kfac_flag(old, config_lib.KFAC_FLAGS[new], f"Deprecated: --{new}'s name "
+                          "before 0.2.")
 
 
 _define_kfac_flags()
@@ -189,10 +197,13 @@ FLAGS = flags.FLAGS
 
 
 def config_from_flags(flag_values):
-    """Returns `(TrainConfig, names of the fields given on the command line)`."""
+    """Returns `(TrainConfig, names of the fields given on the command line)`. A setting
+    given under its name before 0.2 (with a deprecation warning) and its name now, with
+    different values, is a ValueError naming both."""
+    renamed = _renamed_given(flag_values)
     values = {}
     for field in dataclasses.fields(config_lib.TrainConfig):
-        value = flag_values[field.name].value
+        value = flag_values[renamed.get(field.name, field.name)].value
         if field.name == "lr_decay_epochs":
             try:
                 value = tuple(float(epoch) for epoch in value)
@@ -204,11 +215,24 @@ def config_from_flags(flag_values):
         elif field.name == "kl_clip" and value == 0:
             value = None
         values[field.name] = value
-    explicitly_set = {name for name in values if flag_values[name].present}
-    for old, new in config_lib.RENAMED_FIELDS.items():
-        if flag_values[old].present:
-            logging.warning("--%s is deprecated; use --%s", old, new)
+    explicitly_set = {name for name in values if flag_values[name].present or name in renamed}
     return config_lib.TrainConfig(**values), explicitly_set
+
+
+def _renamed_given(flag_values):
+    """{setting: its old flag name} of the settings given under their name before 0.2."""
+    given = {}
+    for old, new in config_lib.RENAMED_FIELDS.items():
+        if not flag_values[old].present:
+            continue
+        logging.warning("--%s is deprecated; use --%s", old, new)
+        old_value, new_value = flag_values[old].value, flag_values[new].value
+        if flag_values[new].present and old_value != new_value:
+            raise ValueError(f"--{old} is the deprecated name of --{new}, and both were given, "
+                             f"with different values (--{old}={old_value}, --{new}={new_value}): "
+                             f"pass --{new} alone")
+        given[new] = old
+    return given
 
 
 def usage_error(message):
