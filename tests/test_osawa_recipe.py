@@ -255,9 +255,15 @@ class ErrorsTest(absltest.TestCase):
             config_lib.TrainConfig(couple_momentum_to_lr=True,
                                    kfac_inner_optimizer="adam").validate()
         with self.assertRaisesRegex(ValueError, "couple_momentum_to_lr.*momentum=0.0"):
-            config_lib.TrainConfig(couple_momentum_to_lr=True, momentum=0.0).validate()
+            config_lib.TrainConfig(couple_momentum_to_lr=True, kfac_inner_optimizer="sgd",
+                                   momentum=0.0).validate()
         with self.assertRaisesRegex(ValueError, "couple_momentum_to_lr.*with nesterov"):
-            config_lib.TrainConfig(couple_momentum_to_lr=True, nesterov=True).validate()
+            config_lib.TrainConfig(couple_momentum_to_lr=True, kfac_inner_optimizer="sgd",
+                                   nesterov=True).validate()
+        with self.assertRaisesRegex(ValueError, "couple_momentum_to_lr.*received "
+                                    "kfac_inner_optimizer=schedule_free_adamw; pass "
+                                    "kfac_inner_optimizer=sgd"):  # K-FAC's default
+            config_lib.TrainConfig(couple_momentum_to_lr=True).validate()
         with self.assertRaisesRegex(ValueError, "weight_rescaling only applies to optimizer=kfac"):
             config_lib.TrainConfig(optimizer="sgd", weight_rescaling=True).validate(
                 explicitly_set=("weight_rescaling",))

@@ -78,7 +78,8 @@ class FlagValidationTest(parameterized.TestCase):
          "give_up_accuracy applies to classifiers"),
         (["--lr_schedule=step"], "needs lr_decay_epochs"),
         (["--lr_schedule=step", "--lr_decay_epochs=5,2"], "strictly increasing"),
-        (["--lr_schedule=warmup"], "needs warmup_epochs > 0"),
+        (["--optimizer=sgd", "--lr_schedule=warmup"], "needs warmup_epochs > 0"),
+        (["--lr_schedule=warmup", "--warmup_epochs=0"], "needs warmup_epochs > 0"),
         (["--lr_decay_epochs=3"], "only applies to lr_schedule=step"),
         (["--optimizer=sgd", "--lr_schedule=cosine", "--warmup_epochs=2", "--epochs=2"],
          "warmup, which must end before the run"),
@@ -208,9 +209,10 @@ class TrainerRunTest(parameterized.TestCase):
                             if np.issubdtype(v.dtype, np.floating)))
 
     def test_resume_ends_with_the_weights_of_an_uninterrupted_run(self):
-        # Mid-epoch evaluations must leave training untouched, so they run here too.
+        # Mid-epoch evaluations must leave training untouched, so they run here too. The
+        # warm-up is given: by default it is 5% of the budget, which the resume changes.
         settings = dict(factor_update_freq=5, decomposition_update_freq=10, learning_rate=0.01,
-                        eval_every_steps=7)
+                        eval_every_steps=7, warmup_epochs=0.1)
         straight = self.create_tempdir().full_path
         resumed = self.create_tempdir().full_path
         expected = self.run_trainer(straight, epochs=2, **settings)

@@ -48,8 +48,9 @@ from trainers import runner, storage
 from trainers import train
 
 FLAGS = flags.FLAGS
+# The warm-up is given: by default it is 5% of the budget, which these resumes change.
 KFAC = dict(model="mlp", factor_update_freq=5, decomposition_update_freq=10,
-            learning_rate=0.01)
+            learning_rate=0.01, warmup_epochs=0.1)
 # What a user types on resume; everything else comes from the run itself.
 RESUME_GIVEN = {"model_dir", "resume", "steps"}
 

@@ -50,8 +50,10 @@ class KFACConfig:
     pairing was the best K-FAC entry on the CNN, the ViT and ResNet-20, at 1e-2 within
     0.004 validation accuracy of each model's best point, and 0.03 lies between the
     dampings those picked (0.1, 0.03, 0.003; within 0.004 of each other). The learning
-    rate is the one number to tune (docs/usage.md, "The default"). Every other method,
-    inner optimizer and option stays available.
+    rate is the one number to tune: start at 0.01, about 1-2x the rate you would give
+    ScheduleFreeAdamW alone; evaluate and export at its averaged weights
+    (`tfkfac.AveragedWeights`; docs/usage.md, "The default"). Every other method, inner
+    optimizer and option stays available.
     """
 
     damping: typing.Any = _setting(

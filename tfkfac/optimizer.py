@@ -1,6 +1,6 @@
 """`tfkfac.KFAC`: K-FAC preconditioning in front of a Keras optimizer.
 
-    optimizer = tfkfac.KFAC().attach(model)   # the default; tune learning_rate (0.01)
+    optimizer = tfkfac.KFAC().attach(model)   # the declared default; tune learning_rate
     model.compile(optimizer=optimizer, loss=..., metrics=[...])
     model.fit(dataset, epochs=..., callbacks=[tfkfac.AveragedWeights(optimizer)])
 
