@@ -158,6 +158,17 @@ class BadInputTest(parameterized.TestCase):
         self.assertEqual(opt.get_config()[new], value)
         self.assertNotIn(old, opt.get_config())
 
+    def test_old_and_new_names_at_different_values_are_refused(self):
+        with self.assertRaisesRegex(ValueError, r"^KFAC: `eigen_wire_dtype` is the deprecated "
+                                    r"name of `decomposition_wire_dtype`; received "
+                                    r"eigen_wire_dtype='float16' and "
+                                    r"decomposition_wire_dtype='float32': give "
+                                    r"`decomposition_wire_dtype` only$"):
+            tfkfac.KFAC(decomposition_wire_dtype="float32", eigen_wire_dtype="float16")
+        with self.assertWarnsRegex(DeprecationWarning, "`inv_update_freq` is deprecated"):
+            opt = tfkfac.KFAC(inv_update_freq=20, decomposition_update_freq=20)
+        self.assertEqual(opt.decomposition_update_freq, 20)
+
     def test_decomposition_freq_must_be_multiple_of_factor_freq(self):
         with self.assertRaisesRegex(ValueError,
                                     "decomposition_update_freq.*factor_update_freq"):

@@ -269,11 +269,18 @@ class KFACConfig:
     @classmethod
     def from_arguments(cls, caller="KFAC", **arguments):
         """A config from keyword arguments, renamed ones accepted with a DeprecationWarning
-        and anything else a TypeError, as Python reports an unexpected argument."""
+        and anything else a TypeError, as Python reports an unexpected argument. A renamed
+        argument given beside its new name at another value is a ValueError: one would
+        be ignored."""
         names = {field.name for field in dataclasses.fields(cls)}
         settings = {}
         for name, value in arguments.items():
             if name in RENAMED:
+                new = RENAMED[name]
+                if new in arguments and arguments[new] != value:
+                    raise ValueError(
+                        f"{caller}: `{name}` is the deprecated name of `{new}`; received "
+                        f"{name}={value!r} and {new}={arguments[new]!r}: give `{new}` only")
                 warnings.warn(f"{caller}: `{name}` is deprecated, use `{RENAMED[name]}`",
                               DeprecationWarning, stacklevel=3)
                 name = RENAMED[name]
