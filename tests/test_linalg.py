@@ -8,7 +8,8 @@ its previous decomposition.
 
 Tolerances: float32 results against float64 numpy on factors of dimension 3 to 289
 (condition numbers below 1e4), relative to the largest entry: 1e-4 for eigh
-reconstruction and orthonormality, 1e-3 for inverses.
+reconstruction and orthonormality, 1e-3 for inverses. LAPACK runs on one OpenBLAS thread
+of the calling thread, which gets its own count back after.
 """
 
 import os
@@ -106,6 +107,21 @@ class DecompositionTest(parameterized.TestCase):
         values, vectors = eigh.get_concrete_function().structured_outputs
         self.assertEqual(values.shape, (7,))
         self.assertEqual(vectors.shape, (7, 7))
+
+    def test_lapack_runs_on_one_openblas_thread_of_the_calling_thread(self):
+        # numpy's and scipy's wheels each bundle an OpenBLAS with the thread-local setter.
+        setters = linalg._openblas_thread_setters()
+        self.assertLen(setters, 2)
+        inside = []
+
+        def probe():  # a setter returns the calling thread's count it replaces
+            inside.extend(setter(1) for setter in setters)
+
+        before = [setter(3) for setter in setters]
+        linalg._one_blas_thread(probe)()
+        after = [setter(count) for setter, count in zip(setters, before)]
+        self.assertEqual(inside, [1, 1])
+        self.assertEqual(after, [3, 3])
 
     def test_unknown_backend_names_the_allowed_ones(self):
         with self.assertRaisesRegex(ValueError, r"`backend` must be one of .*lapack"):

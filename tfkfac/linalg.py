@@ -8,9 +8,13 @@ preconditioning functions are XLA-compilable. The decompositions are not: on CPU
 call LAPACK through scipy, because TensorFlow's CPU kernels (Eigen, one thread) measured
 5.5x slower for eigh (n=1601: 1.15 s vs 0.21 s with LAPACK's divide and conquer) and 3.9x
 slower for the damped inverse (LU 220 ms vs Cholesky 57 ms) on this project's machine
-(`bench/linalg_benchmark.py`).
-With a GPU visible they stay in TensorFlow (cuSOLVER).
+(`bench/linalg_benchmark.py`). Each LAPACK call runs on one OpenBLAS thread
+(`_one_blas_thread`). With a GPU visible they stay in TensorFlow (cuSOLVER).
 """
+
+import ctypes
+import functools
+import os
 
 import numpy as np
 import scipy.linalg
@@ -27,10 +31,52 @@ def _uses_lapack(backend):
     return backend == "lapack"
 
 
+@functools.cache
+def _openblas_thread_setters():
+    """`openblas_set_num_threads_local` (OpenBLAS >= 0.3.27) of every OpenBLAS this process
+    has loaded (numpy's and scipy's wheels each bundle one), found in /proc/self/maps
+    (Linux); none elsewhere or in another BLAS."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if len(line.split()) >= 6}
+    except OSError:
+        return ()
+    setters = []
+    for path in sorted(p for p in paths if "openblas" in os.path.basename(p).lower()):
+        setter = getattr(ctypes.CDLL(path), "openblas_set_num_threads_local", None)
+        if setter is not None:
+            setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+            setters.append(setter)
+    return tuple(setters)
+
+
+def _one_blas_thread(function):
+    """`function` run with one OpenBLAS thread in the calling thread, its count restored
+    after; other threads' and the process's counts are untouched.
+
+    The decompositions are many independent matrices, which TensorFlow runs beside each
+    other and beside its own ops on all cores. OpenBLAS's default, a thread per core in
+    every call, then oversubscribes the cores and its threads spin waiting for work: a
+    1601x1601 Cholesky inverse took 0.25-3.4 s of CPU (first call the most) against
+    0.08 s on one thread, at load 3-6 on this project's 2 cores."""
+    @functools.wraps(function)
+    def single_threaded(*args):
+        setters = _openblas_thread_setters()
+        before = [setter(1) for setter in setters]
+        try:
+            return function(*args)
+        finally:
+            for setter, count in zip(setters, before):
+                setter(count)
+
+    return single_threaded
+
+
 def _lapack(function, inputs, out_shapes, dtype):
-    """Runs the numpy `function` in the graph; its outputs keep static shapes."""
-    outputs = tf.nest.flatten(
-        tf.numpy_function(function, inputs, [dtype] * len(out_shapes), stateful=False))
+    """Runs the numpy `function` in the graph (`_one_blas_thread`); its outputs keep
+    static shapes."""
+    outputs = tf.nest.flatten(tf.numpy_function(
+        _one_blas_thread(function), inputs, [dtype] * len(out_shapes), stateful=False))
     for output, shape in zip(outputs, out_shapes):
         output.set_shape(shape)
     return outputs
