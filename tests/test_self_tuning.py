@@ -245,6 +245,39 @@ class QuadraticModelTest(absltest.TestCase):
         self.assertAlmostEqual(tuning.scalars["rho"].numpy(), rho.numpy(), delta=1e-9)
 
 
+    def test_a_nearly_parallel_previous_update_gives_the_spans_minimiser(self):
+        """δ₀ at 2e-4 rad from Δ on a float32 model: δ is the float64 minimiser of M over
+        the span of the two (solved in the basis (Δ, δ₀) itself, the float32 rounding of
+        the near-singular system's terms gave a step several times too long)."""
+        model = ref.mlp("float32")
+        variables = model.trainable_variables
+        params = ref.weights(model)
+        damping = 1e-3
+        fisher = ref.ggn(params, X, ref.cross_entropy, LABELS)
+        curvature = ggn.output_curvature(
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        tuning = self_tuning.SelfTuning(initial_damping=damping)
+        tuning.create_state(variables, [v.path for v in variables], zeros_variable)
+        rng = np.random.default_rng(7)
+        preconditioned = rng.normal(size=ref.PARAMS).astype(np.float32)  # P; Δ = −P
+        noise = rng.normal(size=ref.PARAMS)
+        noise *= 2e-4 * np.linalg.norm(preconditioned) / np.linalg.norm(noise)
+        previous = (-0.5 * preconditioned + 0.5 * noise).astype(np.float32)
+        for variable, value in zip(tuning.previous, ref.unflat(previous, params)):
+            variable.assign(value)
+        gradient = ref.gradient(params, X, ref.cross_entropy, LABELS)
+        x = tf.constant(X, tf.float32)
+        gram = lambda vectors: ggn.quadratic_forms(  # noqa: E731
+            lambda: model(x, training=True), variables, vectors, curvature)
+        delta, _ = tuning.solve_step(
+            [tf.constant(g, tf.float32) for g in ref.unflat(gradient, params)],
+            [tf.constant(p) for p in ref.unflat(preconditioned, params)], variables, gram)
+        basis = np.stack([-preconditioned, previous], axis=1).astype(np.float64)
+        c = fisher + damping * np.eye(ref.PARAMS)
+        step = basis @ np.linalg.solve(basis.T @ c @ basis, -basis.T @ gradient)
+        assert_close(ref.flat(delta), step, 1e-3)
+
+
 class DampingTest(absltest.TestCase):
 
     def test_constants_are_the_papers(self):

@@ -33,8 +33,9 @@ LOWER, UPPER = 0.25, 0.75
 # λ's bounds: kfac-jax's lower one; an upper one so that a run of failed steps (ρ NaN)
 # cannot take λ to infinity, where Δ vanishes and the 2×2 system with it.
 MIN_DAMPING, MAX_DAMPING = 1e-8, 1e8
-# A 2×2 matrix whose determinant is below this share of its diagonal's product holds
-# (numerically) parallel Δ and δ₀: the step is then taken along Δ alone.
+# Δ and δ₀ are (numerically) parallel when the squared sine of their angle is below this,
+# or when the 2×2 matrix's determinant is below this share of its diagonal's product:
+# the step is then taken along Δ alone.
 PARALLEL_TOLERANCE = 1e-10
 
 
@@ -297,17 +298,24 @@ class SelfTuning:
         delta0 = [tf.convert_to_tensor(p) for p in previous]
         direction = [tf.zeros_like(v) if p is None else -tf.cast(p, v.dtype)
                      for p, v in zip(preconditioned, variables)]
-        vectors = [direction, delta0]
+        # The same span with δ₀'s share along Δ taken out: a nearly parallel pair would
+        # give a near-singular system whose large opposite α Δ and μ δ₀ cancel in float32
+        # (a CNN's step once came out 1e11 long); across it, δ = a Δ + b r has no such sum.
+        along = tf.math.divide_no_nan(_dot(delta0, direction), _dot(direction, direction))
+        across = [p - tf.cast(along, p.dtype) * d for p, d in zip(delta0, direction)]
+        parallel = _dot(across, across) <= PARALLEL_TOLERANCE * _dot(delta0, delta0)
+        across = [tf.where(parallel, tf.zeros_like(r), r) for r in across]
+        vectors = [direction, across]
         matrix, b = quadratic_model(curvature_gram(vectors), inner_products(vectors),
                                     inner_products([grads], vectors)[0],
                                     self.scalars["damping"], self.l2)
-        alpha, mu, change = solve(matrix, b)
+        a, mu, change = solve(matrix, b)
+        alpha = a - mu * along  # δ = α Δ + μ δ₀
         finite = tf.logical_and(tf.math.is_finite(alpha), tf.math.is_finite(mu))
-        alpha = tf.where(finite, alpha, tf.zeros_like(alpha))
-        mu = tf.where(finite, mu, tf.zeros_like(mu))
+        a, alpha, mu = (tf.where(finite, x, tf.zeros_like(x)) for x in (a, alpha, mu))
         change = tf.where(finite, change, tf.constant(math.nan, tf.float64))
-        delta = [tf.cast(alpha, v.dtype) * d + tf.cast(mu, v.dtype) * p
-                 for d, p, v in zip(direction, delta0, variables)]
+        delta = [tf.cast(a, v.dtype) * d + tf.cast(mu, v.dtype) * r
+                 for d, r, v in zip(direction, across, variables)]
         for variable, value in zip(previous, delta):
             variable.assign(tf.where(finite, value, variable))
         for name, value in (("learning_rate", alpha), ("momentum", mu),
