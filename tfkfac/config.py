@@ -42,14 +42,11 @@ def _setting(default, check, doc, flag=True, saved=True):
 class KFACConfig:
     """K-FAC's settings, checked when made: a bad value is a ValueError naming it.
 
-    The defaults, with KFAC's default inner optimizer, are the one configuration declared
-    before the final races (docs/benchmarks.md, "Protocol"): K-FAC's directions by the
-    inverse method, damping 0.03, no KL clip (the step length is the inner rule's),
-    factors every 10 steps (decay 0.95) and decompositions every 100, handed to
-    `tfkfac.ScheduleFreeAdamW` at learning rate 0.01. Chosen from the measurements: that
-    pairing was the best K-FAC entry on the CNN, the ViT and ResNet-20, at 1e-2 within
-    0.004 validation accuracy of each model's best point, and 0.03 lies between the
-    dampings those picked (0.1, 0.03, 0.003; within 0.004 of each other). The learning
+    The defaults, with KFAC's default inner optimizer, are the configuration the
+    benchmarks' protocol judges (docs/benchmarks.md, "Protocol", with what it was chosen
+    from): K-FAC's directions by the inverse method, damping 0.03, no KL clip (the step
+    length is the inner rule's), factors every 10 steps (decay 0.95) and decompositions
+    every 100, handed to `tfkfac.ScheduleFreeAdamW` at learning rate 0.01. The learning
     rate is the one number to tune: start at 0.01, about 1-2x the rate you would give
     ScheduleFreeAdamW alone; evaluate and export at its averaged weights
     (`tfkfac.AveragedWeights`; docs/usage.md, "The default"). Every other method, inner
