@@ -206,8 +206,6 @@ LABELS = {
     "lamb": "Lamb",
 }
 FIRST_ORDER = ("sgd", "schedule_free_adamw", "muon", "adamw", "lamb")
-# The load average before and after a run, beside its summary.
-LOAD_FILE = "load_average.json"
 # The gradient noise scale (docs/design_options.md §13), which McCandlish et al. find
 # predicts the critical batch size: measured per epoch in one more run of each entry at
 # batch 128 and its tuned point (a tuning trial's split and seed, stopping at the top
@@ -339,30 +337,14 @@ def trial(name, settings, run, give_up=None):
     message} for one that diverged (marked so that a restart skips it), or None: not
     finished there and not `run`. A run is run (or resumed) with `run`, and with
     `give_up` (steps, accuracy) stops once past those steps without having reached that
-    accuracy by then; the load average before and after it is kept beside it."""
-    model_dir = os.path.join(FLAGS.work_dir, name)
+    accuracy by then; the machine's load around it is kept beside it (`trials.run`)."""
     summary = (trials.diverged(FLAGS.work_dir, name)
                or trials.read(FLAGS.work_dir, name, **settings))
     if summary is not None or not run:
         return summary
     if give_up is not None:
         settings = dict(settings, give_up_steps=give_up[0], give_up_accuracy=give_up[1])
-    before = os.getloadavg()
-    summary = trials.run_or_diverged(FLAGS.work_dir, name, **settings)
-    if "diverged" in summary:
-        return summary
-    with open(os.path.join(model_dir, LOAD_FILE), "w", encoding="utf-8") as f:
-        json.dump({"before": before, "after": os.getloadavg()}, f)
-    return summary
-
-
-def load_average(name):
-    """The load average before and after run `name`, None where not recorded."""
-    path = os.path.join(FLAGS.work_dir, name, LOAD_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return trials.run_or_diverged(FLAGS.work_dir, name, **settings)
 
 
 def tuning_record(summary, point):
@@ -397,7 +379,7 @@ def final_run(entry, batch, point, seed, run, extension=1):
     if summary is None:
         return None
     record = {"seed": seed, "epochs": extension * BATCHES[batch]["epochs"],
-              "xla": xla(entry, batch), "load_average": load_average(name)}
+              "xla": xla(entry, batch), "machine": summary.get("machine")}
     if "diverged" in summary:
         return dict(record, diverged=True, message=summary["diverged"], curve=[])
     curve = trials.curve(summary)

@@ -209,7 +209,6 @@ def timed_run(model, entry, setting, seed):
     evaluated on the test split `EVAL_SPACING` of the steps done apart."""
     family = "first_order" if entry in FIRST_ORDER else "kfac"
     xla = BUDGETS[model][f"{family}_xla"]
-    load_before = os.getloadavg()
     summary = trial(f"{model}-{entry}-seed{seed}-{trials.slug(setting)}"
                     + ("-xla" if xla else ""),
                     **run_settings(model, entry, setting, BUDGETS[model]["max_epochs"]),
@@ -218,8 +217,7 @@ def timed_run(model, entry, setting, seed):
     curve = trials.curve(summary)
     return {"seed": seed, "xla": xla, "mean_step_time_s": summary["mean_step_time_s"]["all"],
             "final_accuracy": curve[-1][2], "best_accuracy": max(p[2] for p in curve),
-            "load_average_before": load_before, "load_average_after": os.getloadavg(),
-            "curve": curve}
+            "machine": summary.get("machine"), "curve": curve}
 
 
 def best_first_order(tunings):

@@ -7,12 +7,14 @@ runs) in `work_dir/name`, so a benchmark's numbers are what a user gets from the
 settings recorded beside them.
 """
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import math
 import os
 import statistics
+import time
 
 from trainers import checkpoints, config as config_lib, errors, runner
 
@@ -282,7 +284,28 @@ def run(work_dir, name, **settings):
         model_dir=model_dir, verbose=2,
         resume=checkpoints.read_state(model_dir) is not None, **settings)
     print(f"--- {name}: {json.dumps(settings, sort_keys=True)}", flush=True)
-    return runner.run(config)
+    with machine_record(model_dir, config.resume) as machine:
+        summary = runner.run(config)
+    return dict(summary, machine=machine)
+
+
+# Beside a run's summary: the machine's load averages before and after the run and this
+# process's CPU time over it (of its last part when `resumed`), so that what else ran
+# while a run was timed is on record.
+MACHINE_FILE = "machine.json"
+
+
+@contextlib.contextmanager
+def machine_record(model_dir, resumed):
+    """Yields a dict that holds, once the block is done, the MACHINE_FILE record of the
+    run made inside it (also written to `model_dir`)."""
+    machine = {"load_average_before": os.getloadavg(), "resumed": resumed}
+    cpu_before = time.process_time()
+    yield machine
+    machine.update(load_average_after=os.getloadavg(),
+                   cpu_time_s=time.process_time() - cpu_before)
+    with open(os.path.join(model_dir, MACHINE_FILE), "w", encoding="utf-8") as f:
+        json.dump(machine, f)
 
 
 # Marks the directory of a run that diverged, so that a restarted benchmark skips it.
@@ -332,7 +355,13 @@ def read(work_dir, name, **settings):
     if differ:  # e.g. the protocol changed since: a stale trial, not this one
         raise ValueError(f"{model_dir} holds a trial with other settings "
                          f"(theirs, these): {differ}; use another work_dir")
-    return summary if finished(summary, settings["epochs"]) else None
+    if not finished(summary, settings["epochs"]):
+        return None
+    machine_path = os.path.join(model_dir, MACHINE_FILE)
+    if os.path.exists(machine_path):
+        with open(machine_path, encoding="utf-8") as f:
+            summary["machine"] = json.load(f)
+    return summary
 
 
 def finished(summary, epochs):

@@ -43,9 +43,10 @@ def tuned(steps=None, best_accuracy=0.9, diverged=False):
 
 
 class FakeTrainer:
-    """trials.run's stand-in: the summary the trainer would write (and writes it), from a
-    made-up accuracy curve a * (1 - exp(-s / tau)) evaluated where the trainer's
-    `EvaluationSchedule` evaluates, stopping at the target or giving up as it does.
+    """trials.run's stand-in: the summary the trainer would write (and writes it, with the
+    machine's record around it), from a made-up accuracy curve a * (1 - exp(-s / tau))
+    evaluated where the trainer's `EvaluationSchedule` evaluates, stopping at the target
+    or giving up as it does.
     Each entry reaches 0.90 at batch 128 in `BEST[entry][0]` steps at its best
     (effective) rate `BEST[entry][1]`, more away from it and fewer at larger batches;
     SGD tops out at 0.895 from batch 2048 up within the budget (the misses)."""
@@ -104,10 +105,12 @@ class FakeTrainer:
         summary = {"config": settings, "steps": steps, "gave_up": gave_up,
                    "to_target": to_target, "mean_step_time_s": {"all": step_s},
                    "evaluations": evaluations, "history": history}
-        os.makedirs(os.path.join(work_dir, name), exist_ok=True)
-        with open(os.path.join(work_dir, name, runner.SUMMARY_FILE), "w") as f:
-            json.dump(summary, f)
-        return json.loads(json.dumps(summary))
+        model_dir = os.path.join(work_dir, name)
+        os.makedirs(model_dir, exist_ok=True)
+        with trials.machine_record(model_dir, resumed=False) as machine:
+            with open(os.path.join(model_dir, runner.SUMMARY_FILE), "w") as f:
+                json.dump(summary, f)
+        return dict(json.loads(json.dumps(summary)), machine=machine)
 
 
 class InWorkDir(absltest.TestCase):
@@ -514,7 +517,9 @@ class RaceTest(InWorkDir):
         self.assertTrue(kfac["complete"])
         self.assertLen(kfac["runs"], 5)
         self.assertEqual(set(kfac["to_target"]["0.9"]["per_seed"]), {"1", "2", "3", "4", "5"})
-        self.assertLen(kfac["runs"][0]["load_average"]["before"], 3)
+        machine = kfac["runs"][0]["machine"]
+        self.assertLen(machine["load_average_before"], 3)
+        self.assertGreaterEqual(machine["cpu_time_s"], 0)
         self.assertLen(kfac["tuning"]["trials"], 8)
         # SGD misses 0.90 at 2048 within the budget: its 3 seeds run again at twice it
         # (64 epochs), after the race, where they reach it.
