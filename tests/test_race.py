@@ -1,6 +1,8 @@
 """bench/race.py: the race's order of runs, its targets, the crossing of a target with
 its quantization, and the per-round ratio with its bootstrap interval, against values
-worked out by hand and a resampling written out in plain Python."""
+worked out by hand and a resampling written out in plain Python; bench/race_tables.py:
+docs/benchmarks.md's race tables are what it writes from the JSON, and what it writes
+for a race."""
 
 import math
 import os
@@ -14,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from absl.testing import absltest  # noqa: E402
 
 import race  # noqa: E402
+import race_tables  # noqa: E402
 
 
 def run(seed, points):
@@ -77,6 +80,60 @@ class RaceTest(absltest.TestCase):
         self.assertEqual(result["per_seed"][:2], [math.inf, 0.0])
         self.assertTrue(math.isnan(result["per_seed"][2]))
         self.assertEqual(race.ratio({1: math.inf}, {1: math.inf})["median"], None)
+
+
+class RaceTablesTest(absltest.TestCase):
+
+    def test_the_page_quotes_what_the_json_holds(self):
+        with open(race_tables.PAGE, encoding="utf-8") as f:
+            page = f.read()
+        self.assertEqual(race_tables.block(page), race_tables.tables(race_tables.read_report()),
+                         msg="docs/benchmarks.md's race tables are stale: run "
+                             ".venv/bin/python bench/race_tables.py")
+
+    def test_a_race_gives_each_ratio_its_interval_and_verdict(self):
+        # 0.90: K-FAC at 10 s in every round, Muon at 20 s (0.5x, faster); 0.92: K-FAC at
+        # 35, 40 and 30 s, Muon at 30 s (1.17x, interval [1.00, 1.33] holds 1: a tie);
+        # 0.93: K-FAC never.
+        kfac = [dict(run(s, [(10, 100, 0.90), (30 + 5 * (s % 3), 300, 0.92)]),
+                     final_accuracy=0.92) for s in (1, 2, 3)]
+        muon = [dict(run(s, [(20, 200, 0.90), (30, 300, 0.93)]), final_accuracy=0.93)
+                for s in (1, 2, 3)]
+        runs = {"kfac": kfac, "muon": muon}
+        targets = [0.9, 0.92, 0.93]
+        ratios = {"muon": {str(t): {key: race.ratio(race.per_seed(kfac, t, key),
+                                                   race.per_seed(muon, t, key))
+                                    for key in ("time_s", "steps")} for t in targets}}
+        to_target = {entry: {str(t): {
+            "reached": sum(race.crossing(r, t) is not None for r in entry_runs),
+            "median_time_s": race.median_or_none(race.per_seed(entry_runs, t, "time_s")
+                                                 .values()),
+            "median_steps": race.median_or_none(race.per_seed(entry_runs, t, "steps")
+                                                .values())} for t in targets}
+            for entry, entry_runs in runs.items()}
+        result = {"final_target": {"accuracy": 0.93, "entry": "muon"}, "targets": targets,
+                  "runs": runs, "to_target": to_target, "ratios": {"kfac": ratios},
+                  "measured_at_commit": "abc1234"}
+        text = race_tables.tables({"models": {"cnn": result}})
+        self.assertIn("final target 0.9300 (Muon's median final accuracy)", text)
+        self.assertIn("| Muon (3 rounds) | 0.50x [0.50, 0.50], faster | "
+                      "1.17x [1.00, 1.33], tie | not reached by K-FAC |", text)
+        self.assertIn("| K-FAC (default) | 10.0 s, 100 steps (3/3) | 35.0 s, 300 steps "
+                      "(3/3) | not reached (0/3) | 0.9200 |", text)
+        self.assertEqual(race_tables.tables(None), race_tables.NOT_RACED)
+
+    def test_the_page_is_rewritten_between_its_markers_only(self):
+        path = os.path.join(absltest.get_default_test_tmpdir(), "page.md")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(f"before\n{race_tables.BEGIN}\nold\n{race_tables.END}\nafter\n")
+        race_tables.write(path, report={})
+        with open(path, encoding="utf-8") as f:
+            self.assertEqual(f.read(), f"before\n{race_tables.BEGIN}\n"
+                                       f"{race_tables.NOT_RACED}\n{race_tables.END}\nafter\n")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("no markers\n")
+        with self.assertRaisesRegex(ValueError, "race tables"):
+            race_tables.write(path, report={})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+"""The race's headline tables in docs/benchmarks.md, written from
+bench/results/time_to_accuracy.json, so that the page quotes what the JSON holds and
+nothing else (tests/test_race.py checks that they agree).
+
+  .venv/bin/python bench/race_tables.py   # after a race: rewrites the block in the page
+"""
+
+import json
+import math
+import os
+import statistics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results", "time_to_accuracy.json")
+PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+BEGIN = ("<!-- race tables: written by bench/race_tables.py from "
+         "bench/results/time_to_accuracy.json -->")
+END = "<!-- end of race tables -->"
+DEFAULT_ENTRY = "kfac"
+NAMES = {"kfac": "K-FAC (default)", "sgd": "SGD, Nesterov", "adamw": "AdamW",
+         "muon": "Muon", "schedule_free_adamw": "ScheduleFreeAdamW", "lamb": "Lamb"}
+MODELS = {"cnn": "Small CNN", "resnet20": "ResNet-20", "vit": "ViT"}
+NOT_RACED = "No model has been raced under this protocol yet."
+
+
+def verdict(ratio):
+    """"faster" / "slower" where the interval lies below / above 1, else "tie"."""
+    if ratio["high"] < 1:
+        return "faster"
+    return "slower" if ratio["low"] > 1 else "tie"
+
+
+def ratio_cell(ratio):
+    if ratio["median"] is None:
+        return "neither reached"
+    if math.isinf(ratio["median"]):
+        return "not reached by K-FAC"
+    return (f"{ratio['median']:.2f}x [{ratio['low']:.2f}, {ratio['high']:.2f}], "
+            f"{verdict(ratio)}")
+
+
+def time_cell(to_target, runs):
+    reached = f"{to_target['reached']}/{len(runs)}"
+    if to_target["median_time_s"] is None:
+        return f"not reached ({reached})"
+    return (f"{to_target['median_time_s']:.1f} s, {to_target['median_steps']:.0f} steps "
+            f"({reached})")
+
+
+def model_tables(model, result):
+    targets = [f"{target:.4f}" for target in result["targets"]]
+    keys = [str(target) for target in result["targets"]]
+    final = result["final_target"]
+    loads = [load for runs in result["runs"].values() for run in runs
+             for load in ((run.get("machine") or {}).get("load_average_before", [None])[:1])
+             if load is not None]
+    lines = [f"**{MODELS.get(model, model)}**: final target {final['accuracy']:.4f} "
+             f"({NAMES.get(final['entry'], final['entry'])}'s median final accuracy); "
+             f"measured at commit {result.get('measured_at_commit', 'unrecorded')}"
+             + (f", 1-minute load average {min(loads):.1f}-{max(loads):.1f} before the runs"
+                if loads else "") + ".", "",
+             "| K-FAC's time against | " + " | ".join(f"to {t}" for t in targets) + " |",
+             "|---" * (len(targets) + 1) + "|"]
+    for baseline, by_target in result["ratios"].get(DEFAULT_ENTRY, {}).items():
+        seeds = len(by_target[keys[0]]["time_s"]["seeds"])
+        lines.append(f"| {NAMES.get(baseline, baseline)} ({seeds} rounds) | "
+                     + " | ".join(ratio_cell(by_target[key]["time_s"]) for key in keys)
+                     + " |")
+    lines += ["", "| entry | " + " | ".join(f"to {t}" for t in targets)
+              + " | final accuracy |", "|---" * (len(targets) + 2) + "|"]
+    for entry, runs in result["runs"].items():
+        finals = statistics.median(run["final_accuracy"] for run in runs)
+        lines.append(f"| {NAMES.get(entry, entry)} | "
+                     + " | ".join(time_cell(result["to_target"][entry][key], runs)
+                                  for key in keys)
+                     + f" | {finals:.4f} |")
+    return "\n".join(lines)
+
+
+def tables(report):
+    """The block's markdown for `report` (the JSON's contents, None when absent)."""
+    models = (report or {}).get("models", {})
+    if not models:
+        return NOT_RACED
+    return "\n\n".join(model_tables(model, models[model]) for model in sorted(models))
+
+
+def read_report(path=RESULTS):
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def block(page):
+    """The text between BEGIN and END in `page` (ValueError when the markers are not
+    there once each)."""
+    if page.count(BEGIN) != 1 or page.count(END) != 1:
+        raise ValueError(f"{PAGE} must hold the lines {BEGIN!r} and {END!r} once each")
+    return page.split(BEGIN)[1].split(END)[0].strip("\n")
+
+
+def write(page_path=PAGE, report=None):
+    with open(page_path, encoding="utf-8") as f:
+        page = f.read()
+    old = block(page)
+    new = tables(report if report is not None else read_report())
+    page = page.replace(f"{BEGIN}\n{old}\n{END}" if old else f"{BEGIN}\n{END}",
+                        f"{BEGIN}\n{new}\n{END}")
+    with open(page_path, "w", encoding="utf-8") as f:
+        f.write(page)
+
+
+if __name__ == "__main__":
+    write()
