@@ -20,7 +20,7 @@ from unittest import mock
 
 from absl.testing import absltest
 
-from process_output import own_lines
+from process_output import own_lines, running
 from trainers import launch, preemption
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,15 +57,6 @@ SLEEPER = ("import subprocess, sys, time\n"
            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
            "print('child', child.pid, flush=True)\n"
            "time.sleep(120)\n")
-
-
-def running(pid):
-    """True while `pid` exists and is not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def kill(pids):

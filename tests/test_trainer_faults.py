@@ -5,7 +5,8 @@ of Fashion-MNIST):
   config.json; `--resume` with no run is an error, `--auto_resume` starts one;
   damaged checkpoints fall back to the newest one that loads, a process killed while
   writing one loses nothing that was complete; NaN and infinity are rejected for every
-  float flag and float argument; predictable failures are one line and exit code 1;
+  float flag and float argument; predictable failures are one line (a usage error exit
+  code 2, a run's failure 1: trainers/cli.py);
   loss-scale-skipped steps are counted; usage errors end with the error line,
   metrics.csv keeps its columns, data_dir is created only under an existing parent.
 - SGD that diverges stops with one error (`DivergenceTest`); SIGTERM/SIGINT checkpoint
@@ -43,7 +44,7 @@ import tfkfac
 from idx_testing import write_small_idx_dir
 from pipelines import augment, idx_dataset
 import trainer_testing as tt
-from trainers import checkpoints, config as config_lib, errors, preemption, reporting
+from trainers import checkpoints, cli, config as config_lib, errors, preemption, reporting
 from trainers import runner, storage
 from trainers import train
 
@@ -355,8 +356,8 @@ class FloatValidationTest(parameterized.TestCase):
 class PredictableFailureTest(absltest.TestCase):
     """5.-7.: an unprepared dataset, a model_dir that is a file or not writable, a batch
     larger than the shard, missing, damaged or changed IDX files are each one ValueError
-    from `runner.check` (before any model is built), which the binary prints as one
-    line with exit code 1 (see UsageOutputTest)."""
+    from `runner.check` (before any model is built), which the binary prints as a usage
+    error (see UsageOutputTest)."""
 
     def check(self, **settings):
         runner.check(config_lib.TrainConfig(**dict(tt.SMALL, **settings)))
@@ -466,16 +467,13 @@ class SkippedStepsTest(parameterized.TestCase):
 
 
 class UsageOutputTest(parameterized.TestCase):
-    """5., 6., 9.: the binary ends every predictable error with exit code 1 and the
-    error as its last line, after at most a one-line hint; no flag list, no traceback."""
+    """5., 6., 9.: the binary ends every mistake found before the run as a usage error
+    (trainers/cli.py): exit code 2, the one-line hint, the error as its last line; no flag
+    list, no traceback."""
 
     def assert_one_line_error(self, result, message):
-        self.assertEqual(result.returncode, 1, result.stderr[-3000:])
-        lines = tt.own_lines(result.stderr)
-        self.assertNotIn("Traceback", result.stderr)
-        self.assertRegex(lines[-1], "^trainers.train: error: " + message)
-        self.assertEqual(lines[-2], train.USAGE_HINT)
-        self.assertLessEqual(len(lines), 3, lines)  # at most one log line before them
+        tt.assert_error(self, result, message)
+        self.assertLessEqual(len(tt.own_lines(result.stderr)), 3)  # at most one log line
 
     def test_bad_flag_value_and_inconsistent_flags(self):
         self.assert_one_line_error(tt.run_binary("--steps=abc"),
@@ -638,11 +636,8 @@ class DiskFaultTest(absltest.TestCase):
         first = tt.run_binary(f"--model_dir={model_dir}", "--steps=20", *KFAC_FLAGS)
         self.assertEqual(first.returncode, 0, first.stderr[-2000:])
         full = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=40")
-        self.assertEqual(full.returncode, 1, full.stderr[-3000:])
-        self.assertNotIn("Traceback", full.stderr)
-        lines = tt.own_lines(full.stderr)
-        self.assertRegex(lines[-1], "^trainers.train: error: " + full_disk_error(model_dir))
-        needed = float(re.search(r"needs about ([0-9.]+) MB", lines[-1]).group(1))
+        tt.assert_error(self, full, full_disk_error(model_dir), cli.FAILURE_EXIT_CODE)
+        needed = float(re.search(r"needs about ([0-9.]+) MB", full.stderr).group(1))
         self.assertAlmostEqual(needed, self.checkpoint_bytes / 1e6, delta=0.1)
         self.assertEqual(os.listdir(os.path.join(model_dir, "checkpoints")), ["step-20"])
         # Room made (the file system grown), the same command resumes from step 20.
@@ -788,9 +783,7 @@ class AbsurdSizeTest(parameterized.TestCase):
     def test_binary_refuses_in_one_line(self):
         result = tt.run_binary("--model=mlp", "--echo_mode=example_before_augment",
                                "--echo_factor=1e9")
-        self.assertEqual(result.returncode, 1, result.stderr[-2000:])
-        self.assertRegex(tt.own_lines(result.stderr)[-1],
-                         r"^trainers.train: error: `echo_factor` must be a finite number")
+        tt.assert_error(self, result, r"`echo_factor` must be a finite number")
 
 
 class PipelineArgumentTest(parameterized.TestCase):
@@ -892,10 +885,8 @@ class RunFileTest(parameterized.TestCase):
     def test_binary_names_the_damaged_file_in_one_line(self):
         model_dir = self.copy_with(checkpoints.CONFIG_FILE, "{")
         result = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=10")
-        self.assertEqual(result.returncode, 1, result.stderr[-2000:])
-        self.assertNotIn("Traceback", result.stderr)
-        self.assertRegex(tt.own_lines(result.stderr)[-1], "^trainers.train: error: "
-                         f"{model_dir}/config.json is damaged \\(not valid JSON")
+        tt.assert_error(self, result, f"{model_dir}/config.json is damaged \\(not valid JSON",
+                        cli.FAILURE_EXIT_CODE)
 
     @parameterized.parameters("train[500:100]", "train[:0]")
     def test_reversed_or_empty_split(self, split):

@@ -25,6 +25,7 @@ sys.path.insert(0, TESTS_DIR)
 
 import no_horovod  # noqa: E402
 import trainer_testing as tt  # noqa: E402
+from process_output import running  # noqa: E402
 from trainers import launch, preemption  # noqa: E402
 
 WORKERS = 2
@@ -65,14 +66,6 @@ def kill_job(job):
     if job.poll() is None:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 class TrainerMultiWorkerTest(absltest.TestCase):
@@ -156,7 +149,7 @@ class TrainerMultiWorkerTest(absltest.TestCase):
                      job.returncode, seconds)
         self.assertEqual(job.returncode, 128 + signal.SIGKILL)
         self.assertLess(seconds, FAILURE_EXIT_SECONDS)
-        self.assertFalse([pid for pid in workers.values() if alive(pid)])
+        self.assertFalse([pid for pid in workers.values() if running(pid)])
         with open(log_path, encoding="utf-8") as log:
             self.assertEqual(tt.own_lines(log.read())[-1], (
                 f"trainers.launch: worker 1 (pid {workers[1]}) was killed by SIGKILL; the "
@@ -187,7 +180,7 @@ class TrainerMultiWorkerTest(absltest.TestCase):
         self.assertEqual(lines[-1], "trainers.launch: SIGINT forwarded to every worker; every "
                          "worker stopped after the same step (worker 0's line above says where "
                          "the run continues from); exit code 75")
-        self.assertFalse([pid for pid in workers.values() if alive(pid)])
+        self.assertFalse([pid for pid in workers.values() if running(pid)])
 
 if __name__ == "__main__":
     absltest.main()

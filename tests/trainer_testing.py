@@ -14,8 +14,9 @@ from absl.testing import flagsaver
 import numpy as np
 import tensorflow as tf
 
+import process_output
 from process_output import own_lines  # noqa: F401 (the trainer tests read it here)
-from trainers import train
+from trainers import cli, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 32
@@ -37,6 +38,13 @@ def config_from_argv(*argv):
             return train.config_from_flags(flag_values)
         finally:
             flag_values.mark_as_parsed()  # absltest's own flags stay readable afterwards
+
+
+def assert_error(test, result, message, expected=cli.USAGE_EXIT_CODE):
+    """`run_binary`'s `result` ended with exit code `expected` and the error `message`
+    (a regex) last (`process_output.assert_error`)."""
+    process_output.assert_error(test, train.CLI, result.returncode, result.stderr, message,
+                                expected)
 
 
 def read_csv(path):

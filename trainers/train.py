@@ -11,15 +11,13 @@ each rank trains on its shard and rank 0 writes the logs and checkpoints.
 """
 
 import dataclasses
-import sys
 
 from absl import app, flags, logging
 
-from trainers import checkpoints, config as config_lib, distribution, errors
+from trainers import checkpoints, cli, config as config_lib, distribution, errors
 from trainers import models, runner
 
-# Printed before a usage error, which is always the last line.
-USAGE_HINT = "usage: python -m trainers.train [--flag=value ...]; --helpshort lists the flags"
+CLI = cli.Program("trainers.train")
 
 _DEFAULTS = config_lib.TrainConfig()
 
@@ -235,36 +233,21 @@ def _renamed_given(flag_values):
     return given
 
 
-def usage_error(message):
-    """Ends the process with exit code 1: a one-line hint, then the error, last."""
-    sys.stderr.write(f"{USAGE_HINT}\ntrainers.train: error: {message}\n")
-    sys.stderr.flush()
-    sys.exit(1)
-
-
-def parse_flags(argv):
-    """absl's parsing, with a bad flag reported by `usage_error`."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as error:
-        usage_error(str(error))
-
-
-def main(argv):
-    if len(argv) > 1:
-        usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
+def main(_):
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset it opens at INFO
     # Every mistake a user can make is found here, before a model is built.
     try:
         checked = runner.prepare(*config_from_flags(FLAGS))
+    except errors.RunError as error:  # e.g. a damaged run file in model_dir
+        CLI.failure(str(error))
     except ValueError as error:
-        usage_error(str(error))
+        CLI.usage_error(str(error))
     try:
         runner.run(checked)
     except errors.RunError as error:  # e.g. a full disk, ranks that disagree
-        usage_error(str(error))
+        CLI.failure(str(error))
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=CLI.parse_flags)
