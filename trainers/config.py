@@ -120,11 +120,6 @@ class _RunConfig:
     echo_mode: str = "none"
     echo_factor: float = 1.0
     shuffle_buffer: int = 10_000
-    crop_padding: int = 0
-    flip: bool = False
-    erasing_probability: float = 0.0
-    mixup_alpha: float = 0.0
-    running_mixup: bool = False
     read_latency: float = 0.0
     precision: str = "float32"
     eval_every_steps: int = 0
@@ -227,11 +222,7 @@ class _RunConfig:
 
     def _validate_augmentation(self):
         validation.integer("shuffle_buffer", self.shuffle_buffer, 0, limits.MAX_SHUFFLE_BUFFER)
-        validation.integer("crop_padding", self.crop_padding, low=0)  # the image bounds it: runner
-        validation.finite_number("erasing_probability", self.erasing_probability, 0, 1)
-        validation.finite_number("mixup_alpha", self.mixup_alpha, low=0)
-        if self.running_mixup and self.mixup_alpha == 0:
-            raise ValueError("running_mixup needs mixup_alpha > 0")
+        self.augmentation()  # the image bounds crop_padding: runner
         if self.mixup_alpha > 0 and models.is_autoencoder(self.model):
             raise ValueError(f"mixup mixes class labels; model={self.model} has none")
         validation.finite_number("read_latency", self.read_latency, 0, limits.MAX_READ_LATENCY)
@@ -339,6 +330,11 @@ class _RunConfig:
                 f"lr_schedule={' or '.join(SCHEDULE_FREE_LR_SCHEDULES)}, with warmup_epochs "
                 f"for its own warm-up")
 
+    def augmentation(self):
+        """The run's `pipelines.Augmentation` (checked; a bad value names its setting)."""
+        return pipelines.Augmentation(**{field.name: getattr(self, field.name)
+                                         for field in dataclasses.fields(pipelines.Augmentation)})
+
     def kfac_config(self):
         """The run's `tfkfac.KFACConfig` (checked; a bad value names its setting)."""
         settings = {field.name: getattr(self, flag) for flag, field in KFAC_FLAGS.items()}
@@ -362,11 +358,14 @@ class _RunConfig:
 
 TrainConfig = dataclasses.make_dataclass(
     "TrainConfig",
-    [(flag, field.type, dataclasses.field(default=field.default))
-     for flag, field in KFAC_FLAGS.items()],
+    [(field.name, field.type, dataclasses.field(default=field.default))
+     for field in dataclasses.fields(pipelines.Augmentation)]
+    + [(flag, field.type, dataclasses.field(default=field.default))
+       for flag, field in KFAC_FLAGS.items()],
     bases=(_RunConfig,))
 TrainConfig.__module__ = __name__
 TrainConfig.__doc__ = """Settings of one run; defaults are the `make train` job: the small CNN on
 Fashion-MNIST with the declared default K-FAC (`tfkfac.KFAC()`: inverse method, damping
 0.03, no KL clip, into ScheduleFreeAdamW at 0.01, warmed up over 5% of the run).
-K-FAC's settings are `tfkfac.KFACConfig`'s under their flag names."""
+The augmentation's settings are `pipelines.Augmentation`'s, K-FAC's are
+`tfkfac.KFACConfig`'s under their flag names."""

@@ -101,10 +101,7 @@ def _train_arguments(config):
         split=config.train_split, batch_size=config.batch_size, seed=config.seed,
         echo_mode=config.echo_mode, echo_factor=config.echo_factor,
         shuffle_buffer=config.shuffle_buffer, read_latency=config.read_latency,
-        augmentation=pipelines.Augmentation(
-            crop_padding=config.crop_padding, flip=config.flip,
-            erasing_probability=config.erasing_probability, mixup_alpha=config.mixup_alpha,
-            running_mixup=config.running_mixup))
+        augmentation=config.augmentation())
 
 
 def steps_per_epoch(config, train_examples, num_ranks):
