@@ -80,6 +80,18 @@ class StepModelTest(parameterized.TestCase):
         for phase in set(flat) - {"factor_reduction", "gradient_reduction"}:
             self.assertEqual(flat[phase], hierarchical[phase], phase)
 
+    @parameterized.parameters("replicated", "owner")
+    def test_kl_clip_costs_only_when_set(self, placement):
+        """The library's default has no KL clip (kl_clip=None): no cost; a clip adds its
+        inner products and scaling to the preconditioning."""
+        self.assertIsNone(step_model.Configuration().kl_clip)
+        plain, clipped = (self.step(placement=placement, kl_clip=clip) for clip in (None, 1e-3))
+        clip_s = UNIT_DEVICE.seconds(step_model.floor_model.kl_clip_kernels(
+            sum(self.work.managed_parameters())), "preconditioning")
+        self.assertAlmostEqual(clipped["preconditioning"].seconds,
+                               plain["preconditioning"].seconds + clip_s)
+        self.assertIn(" kl_clip=0.001", step_model.Configuration(kl_clip=1e-3).label())
+
     @parameterized.parameters(("replicated", 10, 100), ("owner", 1, 10), ("owner", 5, 5))
     def test_tfkfac_overlap_hides_the_early_preconditioning(self, placement, f, d):
         """Every block of the CNN (convolutions and dense layers, two factors each) reads
@@ -90,9 +102,8 @@ class StepModelTest(parameterized.TestCase):
         flat = self.step(**settings)
         overlapped = self.step(overlap_reduction=True, **settings)
         self.assertTrue(all(len(s) == 2 for s in self.work.factor_shapes()))  # no diagonal
-        hidden = min(flat["factor_reduction"].seconds, flat["preconditioning"].seconds
-                     - UNIT_DEVICE.seconds(step_model.floor_model.kl_clip_kernels(
-                         sum(self.work.managed_parameters())), "preconditioning"))
+        # The library's default has no KL clip, so preconditioning is the blocks' alone.
+        hidden = min(flat["factor_reduction"].seconds, flat["preconditioning"].seconds)
         self.assertAlmostEqual(overlapped["factor_reduction"].seconds,
                                flat["factor_reduction"].seconds - hidden * (1 - f / d))
         for phase in set(flat) - {"factor_reduction"}:
@@ -137,6 +148,47 @@ class GridAndBinaryTest(absltest.TestCase):
         accepted, refused = recommend.grid(*args, collective="reduce_scatter_v")
         self.assertLen(accepted, 1)
         self.assertTrue(accepted[0].hierarchical_reduction)
+        self.assertEqual(recommend.tfkfac_refusal(accepted[0]), recommend.grid(*args)[1][0][1])
+
+    def test_recommendations_tfkfac_refuses_say_so(self):
+        """Asked for the papers' system, a recommendation of settings tfkfac refuses
+        (float21 summed hierarchically) says so with the library's own reason; under
+        tfkfac's collectives it is never recommended, and no line says so."""
+        flags_ = ("--model=mlp", "--workers=8", "--workers_per_node=4",
+                  "--placements=owner", "--decomposition_wires=float32",
+                  "--factor_intervals=1", "--decomposition_intervals=1",
+                  "--weight_sharing=expand", "--methods=inverse")
+        float21 = step_model.Configuration("owner", "float21", "float32", 1, 1, "expand",
+                                           "inverse", False, True)
+        why = recommend.tfkfac_refusal(float21)
+        self.assertIn("factor_wire_dtype='float21'", why)
+        lines = {}
+        for collective, wires, hierarchical in (("reduce_scatter_v", "float21", "true"),
+                                                ("reduce_scatter_v", "float32", "false"),
+                                                ("allreduce", "float21,float32", "false,true")):
+            output_dir = temporary_path("plan")
+            code, out, err = run_plan(*flags_, f"--collective={collective}",
+                                      f"--factor_wires={wires}",
+                                      f"--hierarchical_reduction={hierarchical}",
+                                      f"--output_dir={output_dir}")
+            self.assertIsNone(code, err)
+            with open(os.path.join(output_dir, "plan.json")) as f:
+                (entry,) = json.load(f)["results"]
+            lines[collective, wires] = (entry, next(
+                l for l in out.splitlines() if l.startswith("      8 workers:")))
+        entry, line = lines["reduce_scatter_v", "float21"]
+        self.assertEqual(entry["best"], float21.label())
+        self.assertTrue(line.endswith("; the papers' system (--collective=reduce_scatter_v), "
+                                      f"which tfkfac does not run; tfkfac's KFACConfig "
+                                      f"refuses it: {why}"), line)
+        entry, line = lines["reduce_scatter_v", "float32"]
+        self.assertTrue(line.endswith("; the papers' system (--collective=reduce_scatter_v), "
+                                      "which tfkfac does not run"), line)
+        entry, line = lines["allreduce", "float21,float32"]
+        self.assertNotIn(float21.label(), entry["kfac_ms"])
+        self.assertLen(entry["kfac_ms"], 3)
+        self.assertNotIn("papers' system", line)
+        self.assertNotIn("refuses", line)
 
     def test_refused_where_the_job_cannot_run_them(self):
         output_dir = temporary_path("plan")

@@ -15,27 +15,72 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl.testing import absltest  # noqa: E402
 
-from trainers.planning import measured_steps, report  # noqa: E402
+from trainers.planning import (hardware, measured_steps, report, step_model,  # noqa: E402
+                               workloads)
 from plan_testing import run_plan, temporary_path  # noqa: E402
 
 # Median steps to 0.9 (None: not reached within the budget) per entry and batch.
 STEPS = {"sgd_nesterov": {128: 2000, 512: 800, 2048: 600, 8192: 500},
          "kfac_inverse": {128: 1000, 512: 300, 2048: 100, 8192: None}}
+# The retimed median step (s) per entry and batch, on the machine of the local profile.
+STEP_S = {"sgd_nesterov": {128: 0.02, 512: 0.07, 2048: 0.28, 8192: 1.0},
+          "kfac_inverse": {128: 0.03, 512: 0.12, 2048: 0.6, 8192: 1.5}}
+# K-FAC's settings per batch, as bench/batch_scaling.py's protocol and picks give them.
+BUDGETS = {128: (10, 100, 1.0), 512: (2, 20, 1.0), 2048: (1, 5, 1.0), 8192: (1, 2, 0.25)}
+KL_CLIPS = {128: 0.001, 512: 0.004, 2048: 0.016, 8192: 0.016}
+PER_BATCH = ("factor_update_freq", "decomposition_update_freq", "factor_batch_fraction")
 
 
 def document(steps=STEPS, model="cnn"):
     """A batch-scaling JSON with `steps` to 0.9 (0.89 and 0.91 unreached), every cell
-    finished."""
-    def cell(median):
+    finished and retimed, measured on this machine's CPUs."""
+    def cell(entry, batch, median):
         reached = {"median_steps": median, "median_time_s": median and median / 10}
         missed = {"median_steps": None, "median_time_s": None, "steps_above": 10_000}
-        return {"complete": True, "to_target": {"0.89": missed, "0.9": reached,
-                                                "0.91": missed}}
+        chosen = {"learning_rate": 0.1}
+        if entry.startswith("kfac"):
+            chosen.update(damping=0.1, kl_clip=KL_CLIPS[batch])
+        return {"complete": True, "chosen": chosen,
+                "retimed": {"step_s": {"median": STEP_S[entry][batch]}},
+                "to_target": {"0.89": missed, "0.9": reached, "0.91": missed}}
 
+    settings = {"sgd_nesterov": {"optimizer": "sgd", "nesterov": True},
+                "kfac_inverse": {"optimizer": "kfac", "factor_update_freq": 10,
+                                 "decomposition_update_freq": 100, "kfac_method": "inverse"}}
     return {"model": model, "targets": [0.89, 0.9, 0.91], "primary_target": 0.9,
-            "entries": {entry: {"batches": {str(batch): cell(median)
+            "machine": {"cpus": hardware.device("local").cores},
+            "protocol": {"budgets": {str(b): dict(zip(PER_BATCH, v))
+                                     for b, v in BUDGETS.items()},
+                         "kfac_batch_settings": list(PER_BATCH)},
+            "entries": {entry: {"settings": settings[entry],
+                                "batches": {str(batch): cell(entry, batch, median)
                                             for batch, median in by_batch.items()}}
                         for entry, by_batch in steps.items()}}
+
+
+def kfac_at(batch):
+    """The K-FAC configuration kfac_inverse ran at `batch`."""
+    factor, decomposition, fraction = BUDGETS[batch]
+    return step_model.Configuration(factor_interval=factor,
+                                    decomposition_interval=decomposition, method="inverse",
+                                    kl_clip=KL_CLIPS[batch], factor_batch_fraction=fraction)
+
+
+def price(entry, measured, ranks, batch=128):
+    """The measured step of `entry` at global batch `measured` scaled to `ranks` V100s
+    of `batch` examples each: the planner's V100 step over its local one, times it."""
+    unit = workloads.named("cnn")
+    local, v100 = hardware.device("local", "cnn"), hardware.device("v100")
+    if entry == "sgd_nesterov":
+        step = lambda work, n, *where: step_model.sgd_step(work, n, *where)
+    else:
+        step = lambda work, n, *where: step_model.kfac_step(work, kfac_at(measured), n, *where)
+    there = step(unit.at_batch(measured), 1, local,
+                 step_model.fabric(local, hardware.network("loopback")), "float32")
+    planned = step(unit.at_batch(batch), ranks, v100,
+                   step_model.fabric(v100, hardware.network("ib-edr")), "mixed")
+    return (STEP_S[entry][measured] * step_model.step_seconds(planned)
+            / step_model.step_seconds(there))
 
 
 def written(data):
@@ -98,28 +143,58 @@ class PlannerTest(absltest.TestCase):
         return code, out, err, results
 
     def test_times_to_target_and_the_recommendation(self):
+        """Steps read or interpolated at each global batch, each priced at the step the
+        benchmark measured there scaled to the V100s (between two measured batches, the
+        power law between their prices), K-FAC at the entry's own settings."""
         code, out, err, results = self.plan("--workers=1,2,8,16")
         self.assertIsNone(code, err)
         sgd, kfac = STEPS["sgd_nesterov"], STEPS["kfac_inverse"]
         expected = {1: (sgd[128], kfac[128]), 2: (math.sqrt(2000 * 800), math.sqrt(1000 * 300)),
                     8: (math.sqrt(800 * 600), math.sqrt(300 * 100)), 16: (600, 100)}
+        around = {1: (128,), 2: (128, 512), 8: (512, 2048), 16: (2048,)}
         options = []
         for entry in results:
-            sgd_steps, kfac_steps = expected[entry["workers"]]
-            self.assertAlmostEqual(entry["sgd_steps_to_target"], sgd_steps)
-            self.assertAlmostEqual(entry["sgd_time_to_target_s"],
-                                   sgd_steps * entry["sgd_ms"] / 1e3)
-            options.append((entry["sgd_time_to_target_s"], entry["workers"], "SGD", ""))
-            self.assertAlmostEqual(entry["kfac_steps_to_target"], kfac_steps)
-            self.assertAlmostEqual(entry["kfac_time_to_target_s"],
-                                   kfac_steps * entry["kfac_ms"][entry["best"]] / 1e3)
-            options.append((entry["kfac_time_to_target_s"], entry["workers"], "K-FAC",
-                            f" ({entry['best']})"))
+            workers = entry["workers"]
+            for name, steps, json_name in zip(("sgd", "kfac"), expected[workers], STEPS):
+                prices = [price(json_name, b, workers) for b in around[workers]]
+                self.assertAlmostEqual(entry[f"{name}_step_s_to_target"],
+                                       math.prod(prices) ** (1 / len(prices)))
+                self.assertAlmostEqual(entry[f"{name}_steps_to_target"], steps)
+                self.assertAlmostEqual(entry[f"{name}_time_to_target_s"],
+                                       steps * entry[f"{name}_step_s_to_target"])
+            self.assertEqual(entry["kfac_to_target"],
+                             [kfac_at(b).label() for b in around[workers]])
+            options.append((entry["sgd_time_to_target_s"], workers, "SGD", ""))
+            options.append((entry["kfac_time_to_target_s"], workers, "K-FAC",
+                            f" ({' / '.join(entry['kfac_to_target'])})"))
         self.assertLen(results, 4)
+        self.assertIn("replicated float32/float32 f=1 d=5 expand inverse kl_clip=0.016", out)
         seconds, workers, name, configuration = min(options)
         self.assertIn(f"fastest to target: {name} on {workers} workers, "
                       f"{report._seconds(seconds)} s{configuration}\n", out)
         self.assertIn("Steps to target: measured to test accuracy 0.9", out)
+
+    def test_a_step_that_cannot_be_priced_is_refused(self):
+        """No measured step where one is needed, another machine than the local
+        profile's, a method the planner does not cost: one line each."""
+        kfac_512 = lambda data: data["entries"]["kfac_inverse"]["batches"]["512"]
+        for damage, expected in (
+                (lambda d: kfac_512(d).pop("retimed"),
+                 "has no measured step of kfac_inverse at batch 512"),
+                (lambda d: d["machine"].update(cpus=64), "was timed on 64 CPUs"),
+                (lambda d: d["entries"]["kfac_inverse"]["settings"].update(
+                    kfac_method="eigen_adam"), "kfac_inverse ran method eigen_adam")):
+            with self.subTest(expected):
+                data = document()
+                damage(data)
+                code, _, err, _ = self.plan("--workers=2", data=data)
+                self.assertEqual(code, 2, err)
+                self.assertIn("trainers.plan: error: --steps_from: ", err.splitlines()[-1])
+                self.assertIn(expected, err.splitlines()[-1])
+        data = document()
+        kfac_512(data).pop("retimed")
+        code, _, err, _ = self.plan("--workers=16", data=data)  # 2048 reads no 512
+        self.assertIsNone(code, err)
 
     def test_times_to_target_keep_three_digits_below_100_seconds(self):
         # A small model on a GPU reaches its target in a fraction of a second.

@@ -18,8 +18,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
-from trainers.planning import (hardware, measured_steps, memory, recommend,  # noqa: E402
-                               report, step_model, workloads)
+from trainers.planning import (hardware, measured_steps, memory, pricing,  # noqa: E402
+                               recommend, report, step_model, workloads)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Trainer model, keras.applications name or .keras path.")
@@ -196,6 +196,20 @@ def _measured_steps(workers):
     return source, sgd, kfac
 
 
+def _priced(settings, fabric, forward_backward_s):
+    """--steps_from's measured steps scaled to the planned workers (`pricing`), or None."""
+    if FLAGS.steps_from is None:
+        return None
+    try:
+        return pricing.priced(
+            FLAGS.steps_from, (FLAGS.sgd_entry, FLAGS.kfac_entry),
+            workloads.named(FLAGS.model, settings["input_shape"], FLAGS.classes),
+            FLAGS.batch, settings["workers"], settings["device"], fabric,
+            FLAGS.precision.lower(), forward_backward_s)
+    except ValueError as error:
+        raise ValueError(f"--steps_from: {error}") from None
+
+
 def _output_dir(path):
     """`path`, created if missing; refused when it cannot be written (before the plan's
     work)."""
@@ -238,7 +252,8 @@ def main(argv):
         results = recommend.evaluate(work, settings["configs"], workers, device, fabric,
                                      FLAGS.precision, forward_backward_s,
                                      settings["sgd_steps"], settings["kfac_steps"],
-                                     FLAGS.collective)
+                                     FLAGS.collective,
+                                     _priced(settings, fabric, forward_backward_s))
     except ValueError as error:
         usage_error(str(error))
     # The bound of exact K-FAC (eigen, the default wires and rule) when it was compared:

@@ -123,28 +123,65 @@ def _accuracy(value, name):
     return value
 
 
-def at_batch(measured, batch, entry, target):
-    """Steps to target at global batch `batch`, from `measured` {batch: steps or None}:
-    a measured value, or the log-log interpolation between the two measured batches
-    around it. Raises ValueError beyond the measured batches, or where a neighbouring
-    measurement did not reach the target."""
-    batches = sorted(measured)
+def measured_cells(path, entries):
+    """({entry: {global batch: the cell's measured step and K-FAC settings}}, the CPUs of
+    the machine that measured them) from the batch-scaling JSON at `path` (`load` has
+    read it): per finished batch, "step_s" (the retimed median step in seconds, or None
+    where the JSON has none) and "kfac" (the entry's settings with the protocol's
+    per-batch K-FAC settings and the batch's chosen point over them)."""
+    with open(path, encoding="utf-8") as f:
+        document = json.load(f)
+    budgets = document.get("protocol", {}).get("budgets", {})
+    per_batch = document.get("protocol", {}).get("kfac_batch_settings", [])
+    cells = {}
+    for entry in entries:
+        result = document["entries"][entry]
+        cells[entry] = {}
+        for batch, cell in result["batches"].items():
+            if not cell["complete"]:
+                continue
+            step = cell.get("retimed", {}).get("step_s", {}).get("median")
+            settings = dict(result.get("settings", {}))
+            settings.update({k: budgets[batch][k] for k in per_batch
+                             if k in budgets.get(batch, {})})
+            settings.update(cell.get("chosen") or {})
+            cells[entry][int(batch)] = {"step_s": step, "kfac": settings}
+    return cells, document.get("machine", {}).get("cpus")
+
+
+def around(batches, batch, entry):
+    """The measured `batches` that global batch `batch` is read from: itself, or the two
+    around it. Raises ValueError beyond them (nothing is extrapolated)."""
+    batches = sorted(batches)
     if not batches[0] <= batch <= batches[-1]:
         raise ValueError(
             f"global batch {batch} is outside the batches measured for {entry} "
             f"({batches[0]} to {batches[-1]}): steps to target are not extrapolated; "
             "choose --batch and --workers whose product lies in that range")
-    if batch in measured:
-        neighbours = [batch]
-    else:
-        position = bisect.bisect(batches, batch)
-        neighbours = batches[position - 1:position + 1]
+    if batch in batches:
+        return [batch]
+    position = bisect.bisect(batches, batch)
+    return batches[position - 1:position + 1]
+
+
+def at_batch(measured, batch, entry, target):
+    """Steps to target at global batch `batch`, from `measured` {batch: steps or None}:
+    a measured value, or the log-log interpolation between the two measured batches
+    around it. Raises ValueError beyond the measured batches, or where a neighbouring
+    measurement did not reach the target."""
+    neighbours = around(measured, batch, entry)
     unreached = [b for b in neighbours if measured[b] is None]
     if unreached:
         raise ValueError(f"{entry} did not reach {target} at batch {unreached[0]} within "
                          f"its budget, so its steps at global batch {batch} are unknown")
-    if len(neighbours) == 1:
-        return float(measured[batch])
-    (low, high), (low_steps, high_steps) = neighbours, [measured[b] for b in neighbours]
+    return interpolated({b: measured[b] for b in neighbours}, batch)
+
+
+def interpolated(values, batch):
+    """The value at `batch` from {batch: value} at it or at the two batches around it: a
+    power law between them."""
+    if batch in values:
+        return float(values[batch])
+    (low, high), (low_value, high_value) = sorted(values), [values[b] for b in sorted(values)]
     share = math.log(batch / low) / math.log(high / low)
-    return math.exp(math.log(low_steps) + share * math.log(high_steps / low_steps))
+    return math.exp(math.log(low_value) + share * math.log(high_value / low_value))

@@ -22,7 +22,7 @@ and which depends on TensorFlow's memory planner.
 
 import math
 
-from tfkfac import config as config_lib, placement as placement_lib
+from tfkfac import config as config_lib
 from trainers.planning import step_model
 
 COMPONENTS = ("model", "activations", "factors", "decompositions", "method_state", "host")
@@ -64,7 +64,7 @@ def worker_bytes(work, placement, method, ranks, precision=None):
     if placement == "replicated":
         held, rebuild = sum(decompositions), 0
     else:
-        owners = placement_lib.owners(placement, work.blocks["expand"], ranks)
+        owners = step_model.owners_of(work.blocks["expand"], placement, ranks)
         held = max(sum(e for e, owner in zip(decompositions, owners) if owner == rank)
                    for rank in range(ranks)) + 1  # and the damping they were computed at
         rebuild = sum(f for f, g in zip(factors, geometries)

@@ -11,8 +11,7 @@ configuration with the library's default approximation is reported beside it.
 import dataclasses
 import itertools
 
-from tfkfac import placement as placement_lib
-from tfkfac.distributed import assignment, packing
+from tfkfac.distributed import assignment
 from trainers.planning import step_model
 
 # What a remedy for the one-factor bound assumes (docs/planner.md): the largest factors'
@@ -26,24 +25,34 @@ def grid(placements, factor_wires, decomposition_wires, factor_intervals,
          hierarchical=(False,), collective="allreduce"):
     """(every combination the library accepts, [(combination, why)] of those
     `tfkfac.KFACConfig` refuses): the planner never ranks a configuration tfkfac would
-    not run. Under the papers' collectives ("reduce_scatter_v") float21 factors summed
-    hierarchically are accepted: Ueno et al. ran them (§4.1); tfkfac's communicators do
-    not."""
+    not run. Under the papers' collectives ("reduce_scatter_v", which tfkfac does not
+    run) the reduction options are those of their V collectives, so only the other
+    settings are checked (Ueno et al. summed float21 factors hierarchically, §4.1);
+    `tfkfac_refusal` names on the recommendation line what tfkfac refuses."""
     accepted, refused = [], []
     for values in itertools.product(placements, factor_wires, decomposition_wires,
                                     factor_intervals, decomposition_intervals,
                                     weight_sharing, methods, overlap, hierarchical):
         config = step_model.Configuration(*values)
         checked = config
-        if collective == "reduce_scatter_v" and config.factor_wire == packing.FLOAT21:
-            checked = dataclasses.replace(config, hierarchical_reduction=False)
-        try:
-            checked.library_config()
-        except ValueError as error:
-            refused.append((config, str(error)))
-        else:
+        if collective == "reduce_scatter_v":
+            checked = dataclasses.replace(config, overlap_reduction=False,
+                                          hierarchical_reduction=False)
+        why = tfkfac_refusal(checked)
+        if why is None:
             accepted.append(config)
+        else:
+            refused.append((config, why))
     return accepted, refused
+
+
+def tfkfac_refusal(config):
+    """Why `tfkfac.KFACConfig` refuses `config`'s settings, or None when it takes them."""
+    try:
+        config.library_config()
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def usable(work, configs, ranks, fabric):
@@ -69,12 +78,14 @@ def same_approximation(config, method=step_model.LIBRARY_DEFAULTS.method):
 
 
 def evaluate(work, configs, workers, device, fabric, precision, forward_backward_s=None,
-             sgd_steps=None, kfac_steps=None, collective="allreduce"):
+             sgd_steps=None, kfac_steps=None, collective="allreduce", priced=None):
     """Per worker count: SGD's phases, the step time of every configuration tfkfac runs
     there (`usable`; K-FAC's collectives `collective`, step_model.COLLECTIVES) and the
     [(config, why)] it refuses there, the fastest and the fastest with the default
-    approximation, and times to target when steps are given. ValueError when tfkfac
-    refuses every configuration at one worker count."""
+    approximation, and times to target when steps are given: at SGD's and the fastest
+    configuration's step, or at `priced`'s per worker count (`pricing.priced`: the
+    measured entries' own steps). ValueError when tfkfac refuses every configuration at
+    one worker count."""
     results = []
     for i, ranks in enumerate(workers):
         here, refused = usable(work, configs, ranks, fabric)
@@ -99,8 +110,14 @@ def evaluate(work, configs, workers, device, fabric, precision, forward_backward
         if step_model.LIBRARY_DEFAULTS in steps:
             entry["library_defaults_phases"] = steps[step_model.LIBRARY_DEFAULTS]
         if sgd_steps and kfac_steps:
-            for name, steps, step_s in (("sgd", sgd_steps[i], entry["sgd_step_s"]),
-                                        ("kfac", kfac_steps[i], times[best])):
+            own = priced[i] if priced else {"sgd_step_s": entry["sgd_step_s"],
+                                            "kfac_step_s": times[best],
+                                            "kfac_configurations": [best]}
+            entry["kfac_to_target_configurations"] = own["kfac_configurations"]
+            entry["priced"] = priced is not None
+            for name, steps, step_s in (("sgd", sgd_steps[i], own["sgd_step_s"]),
+                                        ("kfac", kfac_steps[i], own["kfac_step_s"])):
+                entry[f"{name}_step_s_to_target"] = step_s
                 entry[f"{name}_steps_to_target"] = steps
                 entry[f"{name}_time_to_target_s"] = steps * step_s
                 entry[f"{name}_gpu_hours"] = steps * step_s * ranks / 3600
@@ -139,7 +156,7 @@ def one_factor_bound(work, config, workers, device):
     rows = []
     for ranks in workers:
         seconds = [device.seconds(unit, "decomposition", ranks=ranks) for unit in units]
-        base = slowest_rank(seconds, placement_lib.owners(config.placement, blocks, ranks),
+        base = slowest_rank(seconds, step_model.owners_of(blocks, config.placement, ranks),
                             ranks)
         timed_owners = assignment.lpt_assignment(seconds, ranks)
         timed = slowest_rank(seconds, timed_owners, ranks)

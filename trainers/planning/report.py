@@ -59,15 +59,24 @@ def table(setting, results, bound, needs, device):
             lines.append(f"  {heading}: {config.label()}")
         if "sgd_time_to_target_s" in entry:
             hours = _worker_hours(device)
-            lines.append(f"  to target: SGD {entry['sgd_steps_to_target']:.0f} steps, "
-                         f"{_seconds(entry['sgd_time_to_target_s'])} s, "
-                         f"{entry['sgd_gpu_hours']:.3g} {hours}; K-FAC fastest "
-                         f"{entry['kfac_steps_to_target']:.0f} steps, "
-                         f"{_seconds(entry['kfac_time_to_target_s'])} s, "
+            priced = (lambda name: f" at {entry[f'{name}_step_s_to_target'] * 1e3:.3g} ms "
+                      "(measured, scaled)") if entry["priced"] else lambda name: ""
+            lines.append(f"  to target: SGD {entry['sgd_steps_to_target']:.0f} steps"
+                         f"{priced('sgd')}, {_seconds(entry['sgd_time_to_target_s'])} s, "
+                         f"{entry['sgd_gpu_hours']:.3g} {hours}; K-FAC "
+                         + (f"as measured ({_to_target(entry)})" if entry["priced"] else
+                            "fastest") + f" {entry['kfac_steps_to_target']:.0f} steps"
+                         f"{priced('kfac')}, {_seconds(entry['kfac_time_to_target_s'])} s, "
                          f"{entry['kfac_gpu_hours']:.3g} {hours}")
     lines += ["", memory_text(needs, device), "",
-              recommendation(results, needs, device), bound_text(bound)]
+              recommendation(results, needs, device, setting["collective"]), bound_text(bound)]
     return "\n".join(lines)
+
+
+def _to_target(entry):
+    """The K-FAC configuration(s) whose step prices the time to target: the fastest, or
+    the measured entry's own at the batches its steps are read from."""
+    return " / ".join(c.label() for c in entry["kfac_to_target_configurations"])
 
 
 def _seconds(seconds):
@@ -143,7 +152,10 @@ def memory_text(needs, device):
     return "\n".join(lines)
 
 
-def recommendation(results, needs, device):
+def recommendation(results, needs, device, collective="allreduce"):
+    """One line per worker count; under the papers' collectives (`collective`
+    "reduce_scatter_v") each line says that tfkfac does not run it, and what
+    `tfkfac.KFACConfig` refuses of its settings."""
     over = _over_memory(needs, device)
     lines = ["Recommendation (lowest predicted time per step; the approximation's effect on "
              "steps to target is not modelled):"]
@@ -164,14 +176,18 @@ def recommendation(results, needs, device):
         if need is not None:
             text += (f"; WARNING: needs {need / 1e9:.1f} GB per worker, more than "
                      f"{device.name} has")
+        if collective == "reduce_scatter_v":
+            why = recommend.tfkfac_refusal(best)
+            text += ("; the papers' system (--collective=reduce_scatter_v), which tfkfac does "
+                     "not run" + (f"; tfkfac's KFACConfig refuses it: {why}" if why else ""))
         lines.append(text)
     fastest = recommend.best_to_target(results, "time_to_target_s")
     if fastest is not None:
         workers, name, seconds = fastest
-        configuration = next(entry["best"] for entry in results if entry["workers"] == workers)
+        entry = next(entry for entry in results if entry["workers"] == workers)
         lines.append(f"  fastest to target: {_optimizer(name)} on {workers} workers, "
                      f"{_seconds(seconds)} s"
-                     + (f" ({configuration.label()})" if name == "kfac" else ""))
+                     + (f" ({_to_target(entry)})" if name == "kfac" else ""))
         workers, name, hours = recommend.best_to_target(results, "gpu_hours")
         lines.append(f"  cheapest to target: {_optimizer(name)} on {workers} workers, "
                      f"{hours:.3g} {_worker_hours(device)} (steps x step time x workers)")
@@ -221,9 +237,12 @@ def to_json(setting, results, bound, sources, estimates, needs, device):
         if entry["best_default_approximation"] is not None:
             item["best_default_approximation"] = entry["best_default_approximation"].label()
         for key in ("sgd_steps_to_target", "kfac_steps_to_target", "sgd_time_to_target_s",
-                    "kfac_time_to_target_s", "sgd_gpu_hours", "kfac_gpu_hours"):
+                    "kfac_time_to_target_s", "sgd_gpu_hours", "kfac_gpu_hours",
+                    "sgd_step_s_to_target", "kfac_step_s_to_target", "priced"):
             if key in entry:
                 item[key] = entry[key]
+        if "kfac_to_target_configurations" in entry:
+            item["kfac_to_target"] = [c.label() for c in entry["kfac_to_target_configurations"]]
         entries.append(item)
     return {"setting": setting, "sources": list(sources), "estimates": list(estimates),
             "results": entries,

@@ -60,7 +60,7 @@ class Configuration:
     """The K-FAC settings the planner compares (tfkfac.KFAC's arguments of the same
     meaning: placement, factor_wire_dtype, decomposition_wire_dtype, factor_update_freq,
     the decomposition interval, weight_sharing, method, overlap_reduction,
-    hierarchical_reduction)."""
+    hierarchical_reduction, kl_clip, factor_batch_fraction)."""
 
     placement: str = _LIBRARY.placement
     factor_wire: str = _LIBRARY.factor_wire_dtype
@@ -71,6 +71,8 @@ class Configuration:
     method: str = _LIBRARY.method
     overlap_reduction: bool = _LIBRARY.overlap_reduction
     hierarchical_reduction: bool = _LIBRARY.hierarchical_reduction
+    kl_clip: float = _LIBRARY.kl_clip  # None: no clip, so none of its cost
+    factor_batch_fraction: float = _LIBRARY.factor_batch_fraction
 
     def library_config(self):
         """The `tfkfac.KFACConfig` of these settings; a ValueError when the library
@@ -81,12 +83,16 @@ class Configuration:
                           decomposition_update_freq=self.decomposition_interval,
                           weight_sharing=self.weight_sharing, method=self.method,
                           overlap_reduction=self.overlap_reduction,
-                          hierarchical_reduction=self.hierarchical_reduction)
+                          hierarchical_reduction=self.hierarchical_reduction,
+                          kl_clip=self.kl_clip,
+                          factor_batch_fraction=self.factor_batch_fraction)
 
     def label(self):
         options = "".join(f" {name}" for name, on in (
             ("overlap", self.overlap_reduction),
-            ("hierarchical", self.hierarchical_reduction)) if on)
+            ("hierarchical", self.hierarchical_reduction),
+            (f"kl_clip={self.kl_clip}", self.kl_clip is not None),
+            (f"fraction={self.factor_batch_fraction}", self.factor_batch_fraction != 1)) if on)
         return (f"{self.placement} {self.factor_wire}/{self.decomposition_wire} "
                 f"f={self.factor_interval} d={self.decomposition_interval} "
                 f"{self.weight_sharing} {self.method}{options}")
@@ -165,6 +171,26 @@ def decomposition_units(work, config):
             for b, j in placement_lib.factor_items(blocks)]
 
 
+_MEMO = {}
+
+
+def _memo(key, objects, compute):
+    """`compute()`, once per `key` and the identities of `objects` (kept alive with the
+    result, so their ids are not reused): a full plan prices thousands of configurations
+    from the same owners, per-block times and payloads."""
+    key = tuple(id(o) for o in objects) + tuple(key)
+    if key not in _MEMO:
+        _MEMO[key] = (objects, compute())
+    return _MEMO[key][1]
+
+
+def owners_of(blocks, placement, ranks):
+    """`placement.owners(placement, blocks, ranks)`, once per blocks, placement and rank
+    count (its LPT over 1024 ranks, run for every configuration, took most of a plan)."""
+    return _memo(("owners", placement, ranks), (blocks,),
+                 lambda: placement_lib.owners(placement, blocks, ranks))
+
+
 def by_rank(values, owners, ranks):
     """Per rank, the concatenation of the lists in `values` it owns."""
     owned = [[] for _ in range(ranks)]
@@ -214,8 +240,9 @@ def _reads_factors(work, config):
     """Per block, whether its method's preconditioning reads its factors
     (`Method.reads_factors`), so cannot run beside their reduction."""
     method = methods_lib.resolve(config.method, None, None)
-    return [any(method.reads_factors(p) for p in block.pieces())
-            for block in work.blocks[config.weight_sharing]]
+    return _memo(("reads_factors", config.weight_sharing, config.method), (work,),
+                 lambda: [any(method.reads_factors(p) for p in block.pieces())
+                          for block in work.blocks[config.weight_sharing]])
 
 
 def refusal(work, config, ranks, fabric_):
@@ -235,10 +262,15 @@ def refusal(work, config, ranks, fabric_):
     return None
 
 
-def _overlapped(work, config, owners, ranks, seconds, factor_s, forward_backward_s,
+def _rank_sums(values, owners, ranks):
+    """Per rank, the sum of the `values` (one per unit of work) it owns."""
+    return [sum(owned) for owned in by_rank([[v] for v in values], owners, ranks)]
+
+
+def _overlapped(work, config, owners, ranks, block_s, factor_s, forward_backward_s,
                 collective):
     """Seconds of each factor reduction that `overlap_reduction` hides, averaged over
-    the factor steps (module docstring)."""
+    the factor steps (module docstring); `block_s`: each block's preconditioning."""
     if not config.overlap_reduction:
         return 0.0
     if collective == "reduce_scatter_v":  # A's factors during the backward pass
@@ -246,12 +278,11 @@ def _overlapped(work, config, owners, ranks, seconds, factor_s, forward_backward
         share = (_factor_elements([s[0] for s in shapes if len(s) == 2])
                  / _factor_elements([s for block in shapes for s in block]))
         return min(share * factor_s, BACKWARD_SHARE * forward_backward_s)
-    early = [[] if late else kernels for late, kernels in
-             zip(_reads_factors(work, config), work.preconditioning(config.method))]
+    early = [0.0 if late else s for late, s in zip(_reads_factors(work, config), block_s)]
     if config.placement == "replicated":
-        early_s = seconds([k for ks in early for k in ks], "preconditioning")
+        early_s = sum(early)
     else:
-        early_s = max(seconds(ks, "preconditioning") for ks in by_rank(early, owners, ranks))
+        early_s = max(_rank_sums(early, owners, ranks))
     # No overlap at factor steps that decompose (one in d/f of them).
     return min(factor_s, early_s) * (1 - config.factor_interval
                                      / config.decomposition_interval)
@@ -267,28 +298,40 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     gather = collectives.allgather_v if collective == "reduce_scatter_v" else (
         lambda pieces, fabric: collectives.allgather(sum(pieces), ranks, fabric))
     seconds = lambda kernels, phase: device.seconds(kernels, phase, "float32", ranks)
-    owners = placement_lib.owners(config.placement, work.blocks[config.weight_sharing], ranks)
-    kernels, elements = zip(*decomposition_units(work, config))
+    # Per unit of work on this device (a rank's time is the sum of its units'), and
+    # what depends on the rank count only, once per plan (`_memo`).
+    timed = lambda name, phase, kernels, *key: _memo(
+        (name, phase, ranks) + key, (work, device),
+        lambda: [seconds(ks, phase) for ks in kernels()])
+    rule, method = config.weight_sharing, config.method
+    owners = owners_of(work.blocks[rule], config.placement, ranks)
+    units = _memo(("units", config.placement, rule, method), (work,),
+                  lambda: decomposition_units(work, config))
+    unit_s = timed("units", "decomposition", lambda: [k for k, _ in units],
+                   config.placement, rule, method)
+    block_s = timed("blocks", "preconditioning", lambda: work.preconditioning(method), method)
+    clip_s = 0.0 if config.kl_clip is None else timed(
+        "clip", "preconditioning",
+        lambda: [floor_model.kl_clip_kernels(sum(work.managed_parameters()))])[0]
     wire_bytes = lambda count: packing.wire_bytes(config.decomposition_wire, count)
-    preconditioning = work.preconditioning(config.method)
-    parameters = work.managed_parameters()
-    clip = floor_model.kl_clip_kernels(sum(parameters))
     if config.placement == "replicated":  # owners decompose, every rank preconditions all
-        shared = [wire_bytes(sum(e)) for e in by_rank(elements, owners, ranks)]
+        shared = _memo(("shared", rule, method, ranks, config.decomposition_wire), (work,),
+                       lambda: [wire_bytes(sum(e)) for e in
+                                by_rank([e for _, e in units], owners, ranks)])
         sharing = Phase(gather(shared, fabric_), config.decomposition_interval,
                         "decompositions", tuple(shared))
-        precondition_s = seconds([k for ks in preconditioning for k in ks] + clip,
-                                 "preconditioning")
+        precondition_s = sum(block_s) + clip_s
         preconditioned = Phase(0.0)
     else:  # a block's owner decomposes and preconditions it; the results are gathered
         sharing = Phase(0.0, config.decomposition_interval)
-        precondition_s = max(seconds(ks, "preconditioning")
-                             for ks in by_rank(preconditioning, owners, ranks))
-        precondition_s += seconds(clip, "preconditioning")
-        sent = [wire_bytes(sum(p)) for p in by_rank([[p] for p in parameters], owners, ranks)]
+        precondition_s = max(_rank_sums(block_s, owners, ranks)) + clip_s
+        sent = _memo(("sent", rule, ranks, config.decomposition_wire), (work,),
+                     lambda: [wire_bytes(p) for p in _rank_sums(work.managed_parameters(),
+                                                                owners, ranks)])
         preconditioned = Phase(gather(sent, fabric_), 1, "preconditioned", tuple(sent))
 
-    factors = packing.wire_bytes(config.factor_wire, _factor_elements(work.factor_shapes()))
+    factors = packing.wire_bytes(config.factor_wire, _memo(
+        ("factor_elements",), (work,), lambda: _factor_elements(work.factor_shapes())))
     gradients = STATE_ITEMSIZE * (work.trainable_parameters + work.running_statistics)
     metrics = STATE_ITEMSIZE  # the loss, averaged over ranks for `fit`'s logs
     if collective == "reduce_scatter_v":
@@ -298,25 +341,25 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
                                                      config.hierarchical_reduction)
         factor_s = mean(factors, config.factor_wire)
         gradient_s = mean(gradients) + mean(metrics)
-    statistics = [k for ks in work.statistics(config.weight_sharing) for k in ks]
     forward_backward = _forward_backward(work, device, ranks, precision, "forward_backward",
                                          forward_backward_s)
-    factor_s -= _overlapped(work, config, owners, ranks, seconds, factor_s, forward_backward,
+    factor_s -= _overlapped(work, config, owners, ranks, block_s, factor_s, forward_backward,
                             collective)
+    fraction = config.factor_batch_fraction  # of the examples the statistics read
+    statistics_s = timed("statistics", "factor_statistics", lambda: [
+        [k for ks in work.statistics(rule, fraction) for k in ks]], rule, fraction)[0]
     return {
         "forward_backward": Phase(forward_backward),
-        "factor_statistics": Phase(seconds(statistics, "factor_statistics"),
-                                   config.factor_interval),
+        "factor_statistics": Phase(statistics_s, config.factor_interval),
         "factor_reduction": Phase(factor_s, config.factor_interval, "factors",
                                   (factors,) * ranks),
-        "decomposition": Phase(max(seconds(ks, "decomposition")
-                                   for ks in by_rank(kernels, owners, ranks)),
+        "decomposition": Phase(max(_rank_sums(unit_s, owners, ranks)),
                                config.decomposition_interval),
         "decomposition_sharing": sharing,
         "preconditioning": Phase(precondition_s),
         "preconditioned_sharing": preconditioned,
         "gradient_reduction": Phase(gradient_s, 1, "gradients", (gradients,) * ranks),
-        "update": Phase(seconds(work.update(), "update")),
+        "update": Phase(timed("update", "update", lambda: [work.update()])[0]),
     }
 
 

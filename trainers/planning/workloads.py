@@ -127,9 +127,11 @@ class Workload:
         """Bytes of one worker's activations at this batch in `precision` (0 if unknown)."""
         return self.batch * (self.activation_elements or 0) * PRECISIONS[precision]
 
-    def statistics(self, rule):
-        """Per block, its factor statistics' kernels under weight-sharing `rule`."""
-        return [g.statistics_kernels() for g in self.geometries[rule].values()]
+    def statistics(self, rule, fraction=1.0):
+        """Per block, its factor statistics' kernels under weight-sharing `rule`, read
+        from `fraction` of the batch's examples (`factor_batch_fraction`)."""
+        geometries, _ = floor_model.at_batch(self.geometries[rule], [], fraction)
+        return [g.statistics_kernels() for g in geometries.values()]
 
     def decompositions(self, method):
         """Per block, one kernel per symmetric factor (in `symmetric_factors()` order)."""
