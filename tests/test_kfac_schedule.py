@@ -31,7 +31,8 @@ from absl.testing import absltest, parameterized  # noqa: E402
 
 import tfkfac  # noqa: E402
 from kfac_reference import (DAMPING, LR, N, assert_close, dense_layers,  # noqa: E402
-                            kron_precondition, loop_step, managed_factors, mlp_reference)
+                            kron_precondition, loop_step, managed_factors, mlp_reference,
+                            sgd_kfac)
 
 
 def warmup_recursion(gamma0, target, warmup, steps):
@@ -44,6 +45,11 @@ def warmup_recursion(gamma0, target, warmup, steps):
 
 
 # ------------------------------------------------------------------------ models
+def eigen_kfac(model, **intervals):
+    """`sgd_kfac` with the eigen method at `intervals`, attached to `model`."""
+    return sgd_kfac(damping=DAMPING, method="eigen", xla=False, **intervals).attach(model)
+
+
 def make_model(seed):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([
@@ -181,10 +187,7 @@ class FrequencyTest(parameterized.TestCase):
 
     def test_freq_2_and_4_custom_loop(self):
         model = make_model(2)
-        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                          damping=DAMPING, kl_clip=1e-3, method="eigen",
-                          factor_update_freq=2, decomposition_update_freq=4, xla=False)
-        opt.attach(model)
+        opt = eigen_kfac(model, factor_update_freq=2, decomposition_update_freq=4)
         history = []
         for step in range(9):
             loop_step(model, opt, MSE, *batch(300 + step))
@@ -194,10 +197,7 @@ class FrequencyTest(parameterized.TestCase):
     def test_freq_2_and_4_fit(self):
         # Inside model.fit the step is a tf.function: the frequency logic runs in graph.
         model = make_model(3)
-        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                          damping=DAMPING, kl_clip=1e-3, method="eigen",
-                          factor_update_freq=2, decomposition_update_freq=4, xla=False)
-        opt.attach(model)
+        opt = eigen_kfac(model, factor_update_freq=2, decomposition_update_freq=4)
         model.compile(optimizer=opt, loss=MSE)
         history = []
         callback = keras.callbacks.LambdaCallback(
@@ -215,11 +215,8 @@ class FrequencyTest(parameterized.TestCase):
         # 0, 1, 2, 3, 4, 5, 11, (22).
         interval = tfkfac.OsawaInterval(1)
         model = make_model(4)
-        opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                          damping=DAMPING, kl_clip=1e-3, method="eigen",
-                          factor_update_freq=interval, decomposition_update_freq=interval,
-                          xla=False)
-        opt.attach(model)
+        opt = eigen_kfac(model, factor_update_freq=interval,
+                         decomposition_update_freq=interval)
         expected, next_step = set(), 0
         for step in range(13):
             if step >= next_step:
