@@ -18,7 +18,7 @@ def run_plan(*args):
     with flagsaver.flagsaver(), contextlib.redirect_stdout(out), \
             contextlib.redirect_stderr(err):
         try:
-            plan.main(plan.parse_flags(["trainers.plan", *args]))
+            plan.main(plan.CLI.parse_flags(["trainers.plan", *args]))
         except SystemExit as exit_:
             code = exit_.code
     return code, out.getvalue(), err.getvalue()

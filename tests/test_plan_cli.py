@@ -5,6 +5,7 @@ Fast: one process, small models."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -15,7 +16,8 @@ import keras  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from plan_testing import run_plan, temporary_path  # noqa: E402
-from process_output import own_lines  # noqa: E402
+from process_output import assert_error, own_lines  # noqa: E402
+from trainers import plan  # noqa: E402
 from trainers.planning import (floor_model, hardware, memory, recommend,  # noqa: E402
                                workloads)
 
@@ -23,15 +25,16 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class OneLineErrorsTest(parameterized.TestCase):
-    """Every bad value ends the binary with one line naming the flag (exit code 2)."""
+    """Every bad value ends the binary as a usage error (trainers/cli.py): the usage hint,
+    then one line naming the flag (exit code 2)."""
 
     def assert_one_line_error(self, args, *expected):
         code, _, err = run_plan("--workers=1", f"--output_dir={temporary_path('plan')}",
                                 *args)
-        self.assertEqual(code, 2, err)
-        self.assertLen(err.splitlines(), 1, err)
+        assert_error(self, plan.CLI, code, err, "")
+        self.assertLen(err.splitlines(), 2, err)
         for text in expected:
-            self.assertIn(text, err)
+            self.assertIn(text, err.splitlines()[-1])
 
     def test_the_binary_prints_one_line_and_no_help(self):
         result = subprocess.run(
@@ -40,7 +43,8 @@ class OneLineErrorsTest(parameterized.TestCase):
             env=dict(os.environ, PYTHONPATH=REPO_ROOT))
         self.assertEqual(result.returncode, 2)
         self.assertEqual(own_lines(result.stderr),  # TensorFlow's start-up lines aside
-                         ["trainers.plan: error: --device must be one of a100-40gb, "
+                         [plan.CLI.usage_hint,
+                          "trainers.plan: error: --device must be one of a100-40gb, "
                           "a100-80gb, h100, h200, v100, local; got 'tpu'"])
 
     @parameterized.named_parameters(
@@ -76,10 +80,10 @@ class OneLineErrorsTest(parameterized.TestCase):
         for output_dir, why in ((os.path.join(a_file, "plan"), "cannot create"),
                                 (a_file, "is not a directory")):
             code, _, err = run_plan("--model=mlp", "--workers=1", f"--output_dir={output_dir}")
-            self.assertEqual(code, 2, err)
-            self.assertEqual(len(err.splitlines()), 1, err)
-            self.assertIn(f"--output_dir: {output_dir}" if why == "is not a directory"
-                          else f"--output_dir: cannot create {output_dir}", err)
+            assert_error(self, plan.CLI, code, err, re.escape(
+                f"--output_dir: {output_dir}" if why == "is not a directory"
+                else f"--output_dir: cannot create {output_dir}"))
+            self.assertLen(err.splitlines(), 2, err)
 
     def test_damaged_keras_files_are_named(self):
         garbage = temporary_path("garbage.keras")

@@ -217,7 +217,7 @@ class GridAndBinaryTest(absltest.TestCase):
             code, _, err = run_plan("--model=mlp", "--workers=1",
                                     f"--output_dir={temporary_path('plan')}", *args)
             self.assertEqual(code, 2, err)
-            self.assertLen(err.splitlines(), 1, err)
+            self.assertLen(err.splitlines(), 2, err)  # the usage hint, the error
             self.assertIn(expected, err)
 
 

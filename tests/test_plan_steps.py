@@ -15,6 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl.testing import absltest  # noqa: E402
 
+from trainers import plan  # noqa: E402
 from trainers.planning import (hardware, measured_steps, report, step_model,  # noqa: E402
                                workloads)
 from plan_testing import run_plan, temporary_path  # noqa: E402
@@ -205,6 +206,7 @@ class PlannerTest(absltest.TestCase):
         code, _, err, _ = self.plan("--workers=1,128")
         self.assertEqual(code, 2)
         self.assertEqual(err.splitlines(), [
+            plan.CLI.usage_hint,
             "trainers.plan: error: --steps_from: global batch 16384 is outside the batches "
             "measured for sgd_nesterov (128 to 8192): steps to target are not extrapolated; "
             "choose --batch and --workers whose product lies in that range (--batch=128, "
@@ -214,7 +216,7 @@ class PlannerTest(absltest.TestCase):
         code, _, err, _ = self.plan("--workers=1,64")
         self.assertEqual(code, 2)
         self.assertIn("kfac_inverse did not reach 0.9 at batch 8192", err)
-        self.assertLen(err.splitlines(), 1)
+        self.assertLen(err.splitlines(), 2)  # the usage hint, the error
 
     def test_bad_inputs_are_one_line_errors(self):
         for args, data, expected in (
@@ -229,7 +231,7 @@ class PlannerTest(absltest.TestCase):
             with self.subTest(expected):
                 code, _, err, _ = self.plan(*args, data=data)
                 self.assertEqual(code, 2, err)
-                self.assertLen(err.splitlines(), 1, err)
+                self.assertLen(err.splitlines(), 2, err)
                 self.assertIn(expected, err)
         code, _, err = run_plan("--model=cnn", "--workers=1", "--steps_target=0.9",
                                 f"--output_dir={temporary_path('plan')}")
@@ -272,10 +274,10 @@ class PlannerTest(absltest.TestCase):
                 path = written(data)
                 code, _, err, _ = self.plan("--workers=1", data=data)
                 self.assertEqual(code, 2, err)
-                self.assertLen(err.splitlines(), 1, err)
-                self.assertRegex(err, f"^trainers.plan: error: --steps_from: .*batch_scaling"
-                                 f".json: {field}; it is not the batch-scaling JSON "
-                                 "bench/batch_scaling.py writes$")
+                self.assertLen(err.splitlines(), 2, err)
+                self.assertRegex(err.splitlines()[-1], "^trainers.plan: error: --steps_from: "
+                                 f".*batch_scaling.json: {field}; it is not the "
+                                 "batch-scaling JSON bench/batch_scaling.py writes$")
                 self.assertNotIn("--steps_target", err)
                 with self.assertRaisesRegex(ValueError, f"{path}: {field}"):
                     measured_steps.load(path, "cnn", None, ("sgd_nesterov",))

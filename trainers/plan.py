@@ -5,21 +5,23 @@
 
 --model: a trainer model, a keras.applications name or a saved .keras file. Prints the
 per-phase table, the memory per worker and the recommendation; writes plan.json and
-plan.png to --output_dir. A bad value ends it with one line naming the flag and what it
-allows (exit code 2). How the model works and what it was validated against:
-docs/planner.md.
+plan.png to --output_dir. A bad value ends it with a usage hint and one line naming the
+flag and what it allows (exit code 2, trainers/cli.py). How the model works and what it
+was validated against: docs/planner.md.
 """
 
 import math
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
+from trainers import cli  # noqa: E402
 from trainers.planning import (hardware, measured_steps, memory, pricing,  # noqa: E402
                                recommend, report, step_model, workloads)
+
+CLI = cli.Program("trainers.plan")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Trainer model, keras.applications name or .keras path.")
@@ -77,22 +79,6 @@ flags.DEFINE_string("sgd_entry", "sgd_nesterov", "--steps_from: the entry read a
 flags.DEFINE_string("kfac_entry", "kfac_inverse",
                     "--steps_from: the entry read as K-FAC's steps.")
 flags.DEFINE_string("output_dir", "runs/plan", "Where plan.json and plan.png go.")
-
-
-def usage_error(message):
-    """Ends the process with exit code 2 and `message` as one line (no help, no
-    traceback)."""
-    sys.stderr.write(f"trainers.plan: error: {message}\n")
-    sys.stderr.flush()
-    sys.exit(2)
-
-
-def parse_flags(argv):
-    """absl's parsing, a bad flag value reported by `usage_error`."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as error:
-        usage_error(str(error))
 
 
 def _choices(name, values, allowed):
@@ -235,9 +221,7 @@ def _check_countable(work):
             "forward/backward at --batch and pass it")
 
 
-def main(argv):
-    if len(argv) > 1:
-        usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
+def main(_):
     logging.set_verbosity(logging.WARNING)
     try:
         settings = _settings()
@@ -255,7 +239,7 @@ def main(argv):
                                      FLAGS.collective,
                                      _priced(settings, fabric, forward_backward_s))
     except ValueError as error:
-        usage_error(str(error))
+        CLI.usage_error(str(error))
     # The bound of exact K-FAC (eigen, the default wires and rule) when it was compared:
     # the method whose decompositions cost most, so the one a worker count must spread.
     exact = [c for c in results[-1]["times"] if recommend.same_approximation(c, "eigen")]
@@ -295,7 +279,7 @@ def main(argv):
     try:
         paths = report.write(document, results, bound, settings["output_dir"])
     except OSError as error:
-        usage_error(f"--output_dir: cannot write {error.filename}: {error.strerror}")
+        CLI.failure(f"--output_dir: cannot write {error.filename}: {error.strerror}")
     print("Sources: " + "; ".join(sources))
     if device.estimates:
         print("Estimated (no published figure): " + "; ".join(device.estimates))
@@ -303,4 +287,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=CLI.parse_flags)
