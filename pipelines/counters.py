@@ -21,7 +21,7 @@ def mark_fresh(example):
 
 
 class EchoCounters:
-    """Counts fresh and trained examples in `tf.Variable`s updated by the pipeline."""
+    """Counts fresh and trained examples in variables (`tf.Variable`) the pipeline updates."""
 
     def __init__(self):
         self.fresh = tf.Variable(0, dtype=tf.int64, trainable=False, name="fresh_examples")

@@ -83,7 +83,7 @@ class AveragedWeights(keras.callbacks.Callback):
     given this callback) x is in the model's trainable variables and x's statistics in
     its BatchNormalization layers; the training point y and y's statistics are restored
     from copies afterwards, so training goes on unchanged. `applied()` does the same
-    around any code, e.g. to export the model at x:
+    around any code, e.g. to export the model at x::
 
         optimizer = tfkfac.KFAC()                      # ScheduleFreeAdamW inside
         averaged = tfkfac.AveragedWeights(optimizer)

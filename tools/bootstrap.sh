@@ -24,6 +24,8 @@ PIP_PACKAGES=(
   "setuptools"
   "wheel"
   "build"
+  # `make docs`: the newest Sphinx that supports Python 3.11.
+  "sphinx==9.0.4"
 )
 PIP_STAMP="$VENV/.tfkfac-pip-stamp"
 PROJECT_STAMP="$VENV/.tfkfac-project-stamp"
