@@ -211,8 +211,10 @@ class TrainerRunTest(parameterized.TestCase):
     def test_resume_ends_with_the_weights_of_an_uninterrupted_run(self):
         # Mid-epoch evaluations must leave training untouched, so they run here too. The
         # warm-up is given: by default it is 5% of the budget, which the resume changes.
-        settings = dict(factor_update_freq=5, decomposition_update_freq=10, learning_rate=0.01,
-                        eval_every_steps=7, warmup_epochs=0.1)
+        # The MLP: K-FAC's saved state of convolutions is compared bit for bit in
+        # tests/test_resume_matrix.py; the CNN (a 1601-wide factor) took 1.7x the CPU.
+        settings = dict(model="mlp", factor_update_freq=5, decomposition_update_freq=10,
+                        learning_rate=0.01, eval_every_steps=7, warmup_epochs=0.1)
         straight = self.create_tempdir().full_path
         resumed = self.create_tempdir().full_path
         expected = self.run_trainer(straight, epochs=2, **settings)
@@ -243,7 +245,7 @@ class TrainerRunTest(parameterized.TestCase):
     def test_resumed_cosine_run_keeps_the_schedule_end(self):
         # The first start stops at its target after epoch 1 of a 2-epoch budget; resumed
         # without stopping, it must decay to 0 at step 40, as the uninterrupted run does.
-        settings = dict(optimizer="sgd", learning_rate=0.05, lr_schedule="cosine",
+        settings = dict(model="mlp", optimizer="sgd", learning_rate=0.05, lr_schedule="cosine",
                         warmup_epochs=0.25, epochs=2, target_accuracy=0.01)
         straight = self.create_tempdir().full_path
         resumed = self.create_tempdir().full_path
@@ -288,8 +290,8 @@ class TrainerRunTest(parameterized.TestCase):
 
     def test_a_run_gives_up_past_its_steps_and_stays_given_up_on_resume(self):
         model_dir = self.create_tempdir().full_path
-        settings = dict(optimizer="sgd", epochs=3, eval_every_steps=5, give_up_steps=5,
-                        give_up_accuracy=1.0)
+        settings = dict(model="mlp", optimizer="sgd", epochs=3, eval_every_steps=5,
+                        give_up_steps=5, give_up_accuracy=1.0)
         summary = self.run_trainer(model_dir, **settings)
         # Evaluations at steps 5 and 10: the one at 10 is past 5 steps and none reached
         # 1.0 by then, so training stops there (fit evaluates once more at the stop).
@@ -301,8 +303,8 @@ class TrainerRunTest(parameterized.TestCase):
         self.assertTrue(resumed["gave_up"])
         self.assertEqual(resumed["steps"], 10)
         # Without the give-up the same run trains its 3 epochs.
-        full = self.run_trainer(self.create_tempdir().full_path, optimizer="sgd", epochs=3,
-                                eval_every_steps=5)
+        full = self.run_trainer(self.create_tempdir().full_path, model="mlp", optimizer="sgd",
+                                epochs=3, eval_every_steps=5)
         self.assertFalse(full["gave_up"])
         self.assertEqual(full["steps"], 60)
 
