@@ -27,11 +27,11 @@ def forward_backward_ms(images_per_second, batch):
     return 1e3 * batch / images_per_second
 
 
-def osawa_refresh_interval():
+def osawa_refresh_interval(run=UENO_RUN):
     """The mean refresh interval of Osawa et al. 2019 eq. 20, min(20, 5·floor(e/5) + 1) at
-    epoch e, over the epochs of Ueno et al.'s 128-GPU run (factors refreshed on 1/interval
-    of the steps): the published schedule nearest to the stale row's adaptive one."""
-    run = UENO_RUN
+    epoch e, over the epochs of `run` (Ueno et al.'s 128-GPU run by default; factors
+    refreshed on 1/interval of the steps): the published schedule nearest to the stale
+    row's adaptive one."""
     epochs = run["updates"] * run["global_batch"] / run["imagenet_examples"]
     whole = int(epochs)
     refreshed = sum(1 / min(20, 5 * (e // 5) + 1) for e in range(whole))
@@ -47,27 +47,38 @@ def osawa_refresh_interval():
 # 10x as often). Frontera's GPU nodes: 4 V100s, one InfiniBand EDR link.
 PAULOSKI = {
     "gpus": (16, 32, 64, 128, 256), "batch": 32,
-    "improvement": (0.209, 0.197, 0.252, 0.235, 0.177), "epochs": (55, 90),
-    "sgd_minutes_64": 178.0, "imagenet_examples": 1281167,
+    "improvement": {"resnet50": (0.209, 0.197, 0.252, 0.235, 0.177),
+                    "resnet101": (0.184, 0.111, 0.151, 0.195, 0.097),
+                    "resnet152": (0.082, 0.076, 0.060, 0.049, -0.111)},
+    "epochs": (55, 90),
+    "sgd_minutes_64": {"resnet50": 178.0, "resnet101": 244.0, "resnet152": 345.0},
+    "imagenet_examples": 1281167,
     "eigen_interval_16": 2000, "factor_per_eigen": 10,
     "table_v_eigen_ms": {"resnet50": {16: 2256.64, 32: 1668.19, 64: 1497.96},
                          "resnet101": {16: 3271.72, 32: 2280.38, 64: 2410.24},
-                         "resnet152": {16: 4067.69, 32: 2758.42, 64: 2212.24}}}
+                         "resnet152": {16: 4067.69, 32: 2758.42, 64: 2212.24}},
+    # Table V's factor computation (T_comp of "Factor") and communication: the factors'
+    # (T_comm of "Factor") and the eigendecompositions' (T_comm of "Eigen
+    # Decomposition"), ms per K-FAC update.
+    "table_v_factor_comp_ms": {"resnet50": {16: 36.83, 32: 43.30, 64: 44.90}},
+    "table_v_factor_comm_ms": {"resnet50": {16: 155.79, 32: 171.57, 64: 154.63}},
+    "table_v_eigen_comm_ms": {"resnet50": {16: 117.28, 32: 149.60, 64: 142.93}}}
 FRONTERA_GPUS_PER_NODE = 4
 
 
-def pauloski_ratio(gpus):
+def pauloski_ratio(gpus, model="resnet50"):
     """K-FAC's step over SGD's in Table IV: time to solution (1 - improvement) over the
     epochs' ratio (55 / 90)."""
     kfac_epochs, sgd_epochs = PAULOSKI["epochs"]
-    improvement = PAULOSKI["improvement"][PAULOSKI["gpus"].index(gpus)]
+    improvement = PAULOSKI["improvement"][model][PAULOSKI["gpus"].index(gpus)]
     return (1 - improvement) * sgd_epochs / kfac_epochs
 
 
-def pauloski_sgd_step_ms():
-    """SGD's step on 64 GPUs (Table III: 178 min for 90 epochs at 32 per GPU)."""
+def pauloski_sgd_step_ms(model="resnet50"):
+    """SGD's step on 64 GPUs (Table III: e.g. 178 min for ResNet-50's 90 epochs at 32 per
+    GPU): a 64-GPU figure, allreduce and input included, not one GPU's."""
     steps = PAULOSKI["epochs"][1] * PAULOSKI["imagenet_examples"] / (64 * PAULOSKI["batch"])
-    return PAULOSKI["sgd_minutes_64"] * 60e3 / steps
+    return PAULOSKI["sgd_minutes_64"][model] * 60e3 / steps
 
 
 def pauloski_intervals(gpus):
@@ -80,7 +91,17 @@ def pauloski_intervals(gpus):
 
 # Osawa et al. 2019 (CVPR'19): Figure 4 (factor data of ResNet-50: 587 MiB with
 # BatchNorm's diagonal Fisher), §5.2 (64 GPUs 131.1% faster per iteration than 1).
-OSAWA = {"mib_diagonal_bn": 587.0, "speedup_64": 2.311}
+# Table 2: 1024 V100s, 32,768 a step, 1,760 iterations in 10 minutes (a validation
+# after each of the 45 epochs included), the stale factors of §4 (eq. 20).
+OSAWA = {"mib_diagonal_bn": 587.0, "speedup_64": 2.311,
+         "run_1024": {"gpus": 1024, "updates": 1760, "global_batch": 32768,
+                      "imagenet_examples": 1281167, "minutes": 10.0}}
+
+
+def osawa_1024_step_ms():
+    """Osawa et al.'s step on 1024 GPUs: 10 minutes over 1,760 iterations."""
+    run = OSAWA["run_1024"]
+    return run["minutes"] * 60e3 / run["updates"]
 
 
 def torchvision_order(blocks):

@@ -4,5 +4,6 @@ for a model on a cluster that has not been rented yet (docs/planner.md).
 `hardware` holds the device and network profiles, `collectives` the α-β times of the
 collectives, `step_model` the phases of a step from the library's own geometry,
 packing and owner assignment, `measured_steps` steps to target read from the
-batch-scaling benchmark's JSON, `report` the table, JSON and plot.
+batch-scaling benchmark's JSON, `pricing` the steps it measured scaled to the plan,
+`report` the table, JSON and plot.
 """

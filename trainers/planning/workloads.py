@@ -153,10 +153,16 @@ class Workload:
         return [s for g in self.geometries["expand"].values() for s in g.factor_shapes()]
 
 
-@functools.lru_cache(maxsize=None)
 def named(name, input_shape=None, classes=None):
     """The `Workload` of model `name` (as `load_model` builds it) at one example, once per
-    process: the planner and the GPU profiles' ResNet-50 reference share it."""
+    process: the planner and the GPU profiles' ResNet-50 reference share it (one cache
+    key however it is called; `named("resnet50")` and `named("resnet50", None, None)`
+    built it twice)."""
+    return _named(name, input_shape, classes)
+
+
+@functools.lru_cache(maxsize=None)
+def _named(name, input_shape, classes):
     return workload(load_model(name, input_shape, classes), RECORDING_BATCH, name)
 
 
