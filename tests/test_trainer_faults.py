@@ -14,10 +14,10 @@ of Fashion-MNIST):
   error that blocks no resume (`DiskFaultTest` on a small tmpfs,
   `InjectedWriteFailureTest` without root); a new --epochs on resume is the budget
   (`ResumeBudgetTest`); the noise scale of an epoch a checkpoint cut is the
-  uninterrupted run's (`NoiseScaleResumeTest`); absurd sizes are refused up front
-  (`AbsurdSizeTest`); every `pipelines.build` argument is checked
-  (`PipelineArgumentTest`), damaged run files, empty splits and a wrong kind of entry in
-  model_dir are named (`RunFileTest`);
+  uninterrupted run's (`NoiseScaleResumeTest`; after SIGTERM in `PreemptionTest`);
+  absurd sizes are refused up front (`AbsurdSizeTest`); every `pipelines.build` argument
+  is checked (`PipelineArgumentTest`), damaged run files, empty splits and a wrong kind
+  of entry in model_dir are named (`RunFileTest`);
   K-FAC's counters hold the steps the loss scale skipped (`SkippedStepsTest`). Preemption
   and failed ranks under Horovod are in tests/test_trainer_horovod.py.
 """
@@ -44,7 +44,7 @@ import tfkfac
 from idx_testing import write_small_idx_dir
 from pipelines import augment, idx_dataset
 import trainer_testing as tt
-from trainers import checkpoints, cli, config as config_lib, errors, preemption, reporting
+from trainers import checkpoints, cli, config as config_lib, errors, preemption
 from trainers import runner, storage
 from trainers import train
 
@@ -61,15 +61,25 @@ KFAC_FLAGS = [f"--{name}={value}" for name, value in KFAC.items()] + tt.SMALL_FL
 _UNINTERRUPTED = {}
 
 
-def uninterrupted_run():
+def uninterrupted_run(noise_scale=False):
     """The model_dir of a 40-step K-FAC run never stopped (checkpoints step-20 and
-    step-40), made once and shared by the tests that resume a stopped run to 40."""
-    if not _UNINTERRUPTED:
-        model_dir = os.path.join(absltest.get_default_test_tmpdir(), "uninterrupted")
+    step-40), with or without --noise_scale, made once and shared by the tests that
+    resume a stopped run to 40."""
+    if noise_scale not in _UNINTERRUPTED:
+        name = "noise_straight" if noise_scale else "uninterrupted"
+        model_dir = os.path.join(absltest.get_default_test_tmpdir(), name)
         shutil.rmtree(model_dir, ignore_errors=True)
-        run(model_dir, steps=40, **KFAC)
-        _UNINTERRUPTED["model_dir"] = model_dir
-    return _UNINTERRUPTED["model_dir"]
+        run(model_dir, steps=40, noise_scale=noise_scale, **KFAC)
+        _UNINTERRUPTED[noise_scale] = model_dir
+    return _UNINTERRUPTED[noise_scale]
+
+
+def stopped_at_step_20(model_dir):
+    """`model_dir`: a copy of the uninterrupted run without its step-40 checkpoint, which
+    resumes from step 20 as a run stopped there does (it costs no training of its own)."""
+    # (Not copied, rather than removed: it would not fit on DiskFaultTest's small disk.)
+    shutil.copytree(uninterrupted_run(), model_dir, ignore=shutil.ignore_patterns("step-40"))
+    return model_dir
 
 
 def run(model_dir, explicitly_set=None, **settings):
@@ -279,8 +289,8 @@ class CheckpointFaultTest(parameterized.TestCase):
         tt.assert_same_tensors(self, self.want, tt.step_tensors(model_dir, 40))
 
     def test_killed_while_writing_a_checkpoint(self):
-        model_dir = os.path.join(self.create_tempdir().full_path, "run")
-        killed = tt.run_binary(f"--model_dir={model_dir}", "--steps=40", *KFAC_FLAGS,
+        model_dir = stopped_at_step_20(os.path.join(self.create_tempdir().full_path, "run"))
+        killed = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=40",
                                env={checkpoints.FAULT_ENV: "before_rename@40"})
         self.assertEqual(killed.returncode, -9, killed.stderr[-2000:])
         listing = sorted(os.listdir(os.path.join(model_dir, "checkpoints")))
@@ -537,14 +547,15 @@ class PreemptionTest(absltest.TestCase):
                                   log_dir=log_dir)
         return process, log_dir
 
-    def signal_mid_epoch_2(self, signum):
-        """Starts the run and signals it once the progress bar shows epoch 2 training (3
-        steps done); returns (model_dir, exit code, seconds from the signal to the exit,
-        stderr lines). A generous grace period: a loaded machine is not the subject."""
+    def signal_mid_epoch_2(self, signum, *argv):
+        """Starts the run (with `argv` added) and signals it once the progress bar shows
+        epoch 2 training (3 steps done); returns (model_dir, exit code, seconds from the
+        signal to the exit, stderr lines). A generous grace period: a loaded machine is not
+        the subject."""
         model_dir = os.path.join(self.create_tempdir().full_path, "run")
         # 5 ms per example: a step takes at least 0.16 s.
         process, log_dir = self.start(model_dir, "--read_latency=0.005", "--verbose=1",
-                                      "--preemption_grace_seconds=300")
+                                      "--preemption_grace_seconds=300", *argv)
         # The bar is "\x1b[1m 3/20" or "\x1b[1m13/20" (no word boundary before 13): a bar
         # that skipped steps 3-9 (it redraws at most every 0.05 s) still matches.
         tt.wait_for(process, os.path.join(log_dir, "stdout"), r"Epoch 2/2.*(?<!\d)([3-9]|1\d)/20")
@@ -555,7 +566,10 @@ class PreemptionTest(absltest.TestCase):
                 tt.own_lines(own_stderr(os.path.join(log_dir, "stderr"))))
 
     def test_sigterm_mid_epoch_checkpoints_the_step_and_resume_is_exact(self):
-        model_dir, returncode, seconds, lines = self.signal_mid_epoch_2(signal.SIGTERM)
+        # With --noise_scale: the epoch the checkpoint cut keeps the noise scale of the
+        # run never stopped (its sums over the measured steps are in the checkpoint).
+        model_dir, returncode, seconds, lines = self.signal_mid_epoch_2(signal.SIGTERM,
+                                                                        "--noise_scale")
         self.assertEqual(returncode, preemption.EXIT_CODE, lines[-5:])
         step = int(re.search(r"holds step (\d+) of 40", lines[-1]).group(1))
         self.assertRegex(lines[-1], f"^trainers.train: preempted by SIGTERM \\(rank 0\\): "
@@ -563,18 +577,15 @@ class PreemptionTest(absltest.TestCase):
                          f"of 40; continue with --resume --model_dir={model_dir} \\(or "
                          "--auto_resume\\); exit code 75$")
         self.assertTrue(20 < step < 40, step)  # in the middle of epoch 2
+        self.assertTrue(os.path.isdir(tt.checkpoint_dir(model_dir, step)))
         self.assertNotIn("Traceback", "\n".join(lines))
         logging.info("SIGTERM -> checkpoint at step %d, exit code %d after %.1f s", step,
                      returncode, seconds)
         summary = resume(model_dir, 40)
         self.assertEqual(summary["steps"], 40)
-        straight = uninterrupted_run()
+        straight = uninterrupted_run(noise_scale=True)
         tt.assert_same_tensors(self, tt.step_tensors(straight, 40), tt.step_tensors(model_dir, 40))
-        have = tt.read_csv(os.path.join(model_dir, "metrics.csv"))
-        want = tt.read_csv(os.path.join(straight, "metrics.csv"))
-        for row in have + want:
-            row.pop("train_time_s")
-        self.assertEqual(have, want)
+        assert_same_metrics(self, model_dir, straight)
 
     def test_sigint_is_the_same_without_a_traceback(self):
         _, returncode, _, lines = self.signal_mid_epoch_2(signal.SIGINT)
@@ -632,19 +643,16 @@ class DiskFaultTest(absltest.TestCase):
         self.addCleanup(subprocess.run, ["umount", "-l", self.mount_point], check=True)
 
     def test_full_disk_is_one_clear_error_and_blocks_no_resume(self):
-        model_dir = os.path.join(self.mount_point, "run")
-        first = tt.run_binary(f"--model_dir={model_dir}", "--steps=20", *KFAC_FLAGS)
-        self.assertEqual(first.returncode, 0, first.stderr[-2000:])
+        model_dir = stopped_at_step_20(os.path.join(self.mount_point, "run"))
         full = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=40")
         tt.assert_error(self, full, full_disk_error(model_dir), cli.FAILURE_EXIT_CODE)
         needed = float(re.search(r"needs about ([0-9.]+) MB", full.stderr).group(1))
         self.assertAlmostEqual(needed, self.checkpoint_bytes / 1e6, delta=0.1)
         self.assertEqual(os.listdir(os.path.join(model_dir, "checkpoints")), ["step-20"])
-        # Room made (the file system grown), the same command resumes from step 20.
+        # Room made (the file system grown), the same resume continues from step 20.
         subprocess.run(["mount", "-o", f"remount,size={4 * self.checkpoint_bytes}",
                         self.mount_point], check=True)
-        resumed = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=40")
-        self.assertEqual(resumed.returncode, 0, resumed.stderr[-2000:])
+        self.assertEqual(resume(model_dir, 40)["steps"], 40)
         tt.assert_same_tensors(self, tt.step_tensors(uninterrupted_run(), 40),
                                tt.step_tensors(model_dir, 40))
 
@@ -657,7 +665,7 @@ class InjectedWriteFailureTest(absltest.TestCase):
     stopped."""
 
     def test_failed_checkpoint_write_is_one_error_and_blocks_no_resume(self):
-        model_dir = os.path.join(self.create_tempdir().full_path, "run")
+        model_dir = stopped_at_step_20(os.path.join(self.create_tempdir().full_path, "run"))
         real_write = tf.train.Checkpoint.write
 
         def write(checkpoint, prefix, *args, **kwargs):
@@ -670,7 +678,7 @@ class InjectedWriteFailureTest(absltest.TestCase):
 
         with mock.patch.object(tf.train.Checkpoint, "write", autospec=True, side_effect=write):
             with self.assertRaisesRegex(storage.WriteError, "^" + full_disk_error(model_dir)):
-                run(model_dir, steps=40, **KFAC)
+                resume(model_dir, 40)
         self.assertEqual(os.listdir(os.path.join(model_dir, "checkpoints")), ["step-20"])
         self.assertEqual(resume(model_dir, 40)["steps"], 40)
         tt.assert_same_tensors(self, tt.step_tensors(uninterrupted_run(), 40),
@@ -682,37 +690,30 @@ class ResumeBudgetTest(absltest.TestCase):
     the new epochs (the new budget replaces the old one), recorded in run_history."""
 
     def test_epochs_given_on_resume_replace_the_steps_budget(self):
-        model_dir = self.create_tempdir().full_path
-        self.assertEqual(run(model_dir, steps=30, **KFAC)["steps"], 30)
+        model_dir = stopped_at_step_20(os.path.join(self.create_tempdir().full_path, "run"))
         summary = runner.run(config_lib.TrainConfig(model_dir=model_dir, resume=True, epochs=3,
                                                     verbose=0),
                              {"model_dir", "resume", "epochs", "verbose"})
         self.assertEqual((summary["steps"], summary["epochs"]), (3 * tt.STEPS_PER_EPOCH, 3))
         history = tt.read_json(os.path.join(model_dir, checkpoints.RUN_HISTORY_FILE))
-        self.assertEqual(history[-1]["changed"], {"steps": [30, None], "epochs": [2, 3]})
+        self.assertEqual(history[-1]["changed"], {"steps": [40, None], "epochs": [2, 3]})
+
+
+def assert_same_metrics(test, model_dir, straight):
+    """metrics.csv of `model_dir` is that of `straight`, noise_scale column included."""
+    have = tt.read_csv(os.path.join(model_dir, "metrics.csv"))
+    want = tt.read_csv(os.path.join(straight, "metrics.csv"))
+    for row in have + want:
+        row.pop("train_time_s")
+    test.assertIn("noise_scale", want[-1])
+    test.assertEqual(have, want)
 
 
 class NoiseScaleResumeTest(absltest.TestCase):
-    """`--noise_scale` with a checkpoint mid-epoch, by `--steps` or by SIGTERM: the resumed
-    run's metrics.csv, the noise scale of the epoch it continued included, equals the one
-    of a run never stopped (the epoch's sums over its measured steps are checkpointed
-    with it). The SIGTERM reaches this process at step 25 (the trainer's own handler, as
-    from a job scheduler)."""
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.straight = os.path.join(absltest.get_default_test_tmpdir(), "noise_straight")
-        shutil.rmtree(cls.straight, ignore_errors=True)
-        run(cls.straight, steps=40, noise_scale=True, **KFAC)
-
-    def assert_same_metrics(self, model_dir):
-        have = tt.read_csv(os.path.join(model_dir, "metrics.csv"))
-        want = tt.read_csv(os.path.join(self.straight, "metrics.csv"))
-        for row in have + want:
-            row.pop("train_time_s")
-        self.assertIn("noise_scale", want[-1])
-        self.assertEqual(have, want)
+    """`--noise_scale` with a checkpoint mid-epoch by `--steps`: the resumed run's
+    metrics.csv, the noise scale of the epoch it continued included, equals the one of a
+    run never stopped (the epoch's sums over its measured steps are checkpointed with
+    it). By SIGTERM: PreemptionTest's run has --noise_scale."""
 
     def test_resumed_by_steps(self):
         model_dir = self.create_tempdir().full_path
@@ -722,25 +723,7 @@ class NoiseScaleResumeTest(absltest.TestCase):
         self.assertLen(state["noise_scale_sums"], 5)
         self.assertEqual(state["noise_scale_sums"][0], 10)  # steps 20-29 measured
         resume(model_dir, 40)
-        self.assert_same_metrics(model_dir)
-
-    def test_resumed_after_sigterm(self):
-        model_dir = os.path.join(self.create_tempdir().full_path, "run")
-        record_step = reporting.EpochRecorder.on_train_batch_end
-
-        def signalled_at_step_25(recorder, batch, logs=None):
-            record_step(recorder, batch, logs)
-            if recorder.counters.steps == 25:  # the trainer's handler sets its flag
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        with mock.patch.object(reporting.EpochRecorder, "on_train_batch_end",
-                               signalled_at_step_25), \
-                self.assertRaises(preemption.Preempted) as raised:
-            run(model_dir, steps=40, noise_scale=True, **KFAC)
-        self.assertEqual(raised.exception.step, 25)
-        self.assertTrue(os.path.isdir(tt.checkpoint_dir(model_dir, 25)))
-        resume(model_dir, 40)
-        self.assert_same_metrics(model_dir)
+        assert_same_metrics(self, model_dir, uninterrupted_run(noise_scale=True))
 
 
 class DivergenceTest(absltest.TestCase):
@@ -845,16 +828,9 @@ class RunFileTest(parameterized.TestCase):
     writes a directory (checkpoints/, tensorboard/), or the reverse, is refused before
     training. Each is one ValueError from `runner.check`, one line from the binary."""
 
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.base = os.path.join(absltest.get_default_test_tmpdir(), "run_files")
-        shutil.rmtree(cls.base, ignore_errors=True)
-        run(cls.base, steps=5, **KFAC)
-
     def copy_with(self, name, content):
         model_dir = os.path.join(self.create_tempdir().full_path, "run")
-        shutil.copytree(self.base, model_dir)
+        shutil.copytree(uninterrupted_run(), model_dir)
         with open(os.path.join(model_dir, name), "w", encoding="utf-8") as f:
             f.write(content)
         return model_dir
@@ -877,14 +853,14 @@ class RunFileTest(parameterized.TestCase):
     )
     def test_damaged_run_file_is_named(self, name, content, reason):
         model_dir = self.copy_with(name, content)
-        config = config_lib.TrainConfig(model_dir=model_dir, resume=True, steps=10)
+        config = config_lib.TrainConfig(model_dir=model_dir, resume=True, steps=50)
         with self.assertRaisesRegex(checkpoints.RunFileError,
                                     f"^{os.path.join(model_dir, name)} {reason}"):
             runner.check(config, RESUME_GIVEN)
 
     def test_binary_names_the_damaged_file_in_one_line(self):
         model_dir = self.copy_with(checkpoints.CONFIG_FILE, "{")
-        result = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=10")
+        result = tt.run_binary(f"--model_dir={model_dir}", "--resume", "--steps=50")
         tt.assert_error(self, result, f"{model_dir}/config.json is damaged \\(not valid JSON",
                         cli.FAILURE_EXIT_CODE)
 
