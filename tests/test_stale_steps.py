@@ -77,15 +77,45 @@ def expected(factor_steps, steps=STEPS):
     return ["factor" if step in factor_steps else "stale" for step in range(steps)]
 
 
+_DEFAULT_FIT = {}
+
+
+def default_fit():
+    """One fit of SETTINGS (with a metric), made once for the tests that only watch it:
+    {"ran": `chosen_functions`, "kfac_built": whether the optimizer was built at each
+    trace of K-FAC's step, "inner_eager": whether each of the inner update's calls ran
+    eagerly (False: traced), "optimizer"}."""
+    if not _DEFAULT_FIT:
+        model = conv_net()
+        optimizer = sgd_kfac(**SETTINGS).attach(model)
+        model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
+        kfac_built, inner_eager = [], []
+        apply, inner_apply = tfkfac.KFAC.apply, type(optimizer.inner_optimizer).apply
+
+        def counting_apply(self, *args, **kwargs):
+            kfac_built.append(self.built)
+            return apply(self, *args, **kwargs)
+
+        def counting_inner_apply(self, *args, **kwargs):
+            inner_eager.append(tf.executing_eagerly())
+            return inner_apply(self, *args, **kwargs)
+
+        with chosen_functions() as ran, \
+                mock.patch.object(tfkfac.KFAC, "apply", counting_apply), \
+                mock.patch.object(type(optimizer.inner_optimizer), "apply",
+                                  counting_inner_apply):
+            fit(model, *examples())
+        _DEFAULT_FIT.update(ran=ran, kfac_built=kfac_built, inner_eager=inner_eager,
+                            optimizer=optimizer)
+    return _DEFAULT_FIT
+
+
 class ChoiceTest(absltest.TestCase):
 
     def test_stale_steps_run_the_stale_function_and_due_steps_the_factor_function(self):
-        x, y = examples()
-        with chosen_functions() as ran:
-            model, optimizer = compiled()
-            fit(model, x, y)
-        self.assertEqual(ran, expected(FACTOR_STEPS))
-        self.assertEqual(optimizer.counters()["factor_updates"], len(FACTOR_STEPS))
+        run = default_fit()
+        self.assertEqual(run["ran"], expected(FACTOR_STEPS))
+        self.assertEqual(run["optimizer"].counters()["factor_updates"], len(FACTOR_STEPS))
 
     def test_decompositions_due_without_factors_run_the_factor_function(self):
         # Factors at 0 and 4, decompositions every 3 steps (a callable: not a multiple).
@@ -148,36 +178,15 @@ class TracingTest(absltest.TestCase):
 
     def test_each_train_function_traces_the_step_once(self):
         # The metrics' and optimizer's variables are made before the first trace, so
-        # TensorFlow does not trace K-FAC's step a second time without them.
-        model = conv_net()
-        optimizer = sgd_kfac(**SETTINGS).attach(model)
-        model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
-        traced = []
-        apply = tfkfac.KFAC.apply
-
-        def counting_apply(self, *args, **kwargs):
-            traced.append(self.built)
-            return apply(self, *args, **kwargs)
-
-        with mock.patch.object(tfkfac.KFAC, "apply", counting_apply):
-            fit(model, *examples())
-        self.assertEqual(traced, [True, True])  # the factor and the stale train function
+        # TensorFlow does not trace K-FAC's step a second time without them. (The fit
+        # has a metric.)
+        run = default_fit()
+        self.assertEqual(run["kfac_built"], [True, True])  # the factor and the stale one
 
     def test_the_inner_update_is_traced_once_for_both_train_functions(self):
-        model, optimizer = compiled()
-        inner = optimizer.inner_optimizer
-        traced = []
-        apply = type(inner).apply
-
-        def counting_apply(self, *args, **kwargs):
-            traced.append(tf.executing_eagerly())
-            return apply(self, *args, **kwargs)
-
-        with chosen_functions() as ran, mock.patch.object(type(inner), "apply",
-                                                          counting_apply):
-            fit(model, *examples())
-        self.assertEqual(ran, expected(FACTOR_STEPS))
-        self.assertEqual(traced, [False])
+        run = default_fit()
+        self.assertEqual(run["ran"], expected(FACTOR_STEPS))
+        self.assertEqual(run["inner_eager"], [False])
 
     def test_a_metric_without_a_static_shape_is_built_in_the_first_trace(self):
         class Unshaped(keras.metrics.SparseCategoricalAccuracy):
