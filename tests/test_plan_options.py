@@ -2,6 +2,7 @@
 collectives against their formulas worked by hand, the hidden factor reduction against
 the blocks that can run beside it, and the configurations tfkfac refuses left out."""
 
+import dataclasses
 import json
 import os
 
@@ -20,7 +21,7 @@ UNIT_DEVICE = hardware.Device(
     name="unit", matmul={"float32": 1e12, "mixed": 1e12}, bandwidth=1e11, eigh=1e11,
     cholesky_inverse=1e11, fractions={p: {"float32": 1.0, "mixed": 1.0}
                                       for p in hardware.PHASES},
-    intra_node=NVLINK, sources=())
+    intra_node=NVLINK, sources=(), overlap_hides=1.0)
 
 
 class HierarchicalCollectivesTest(absltest.TestCase):
@@ -125,6 +126,26 @@ class StepModelTest(parameterized.TestCase):
                 overlapped["factor_reduction"].seconds,
                 reduction - min(a_share * reduction,
                                 step_model.BACKWARD_SHARE * forward_backward))
+
+    def test_overlap_hides_the_devices_share(self):
+        """Overlapped computation and collective contend for one device: a profile's
+        `overlap_hides` of the overlappable time is hidden, none in the GPU profiles (a
+        V100's overlapped step was slower, Ueno et al. §4.1)."""
+        self.assertEqual(hardware.device("v100").overlap_hides, 0.0)
+        steps = {}
+        for hides in (0.0, 0.5, 1.0):
+            device = dataclasses.replace(UNIT_DEVICE, overlap_hides=hides)
+            steps[hides] = [step_model.kfac_step(
+                self.work, step_model.Configuration(placement="owner", overlap_reduction=on),
+                8, device, FABRIC, forward_backward_s=1.0, collective=collective)
+                ["factor_reduction"].seconds for collective in step_model.COLLECTIVES
+                for on in (False, True)]
+        for flat, overlapped in zip(steps[0.0][::2], steps[0.0][1::2]):
+            self.assertEqual(flat, overlapped)
+        for (flat, half), (_, whole) in zip(zip(steps[0.5][::2], steps[0.5][1::2]),
+                                            zip(steps[1.0][::2], steps[1.0][1::2])):
+            self.assertLess(whole, flat)
+            self.assertAlmostEqual(flat - half, (flat - whole) / 2)
 
     def test_refusals(self):
         refusal = lambda ranks, **settings: step_model.refusal(

@@ -67,6 +67,13 @@ class Device:
     decomposition_latency: dict = dataclasses.field(default_factory=dict)
     memory: float = None
     estimates: tuple = ()
+    # The share of an overlappable collective that running it beside computation hides
+    # (`overlap_reduction`). None in any profile: the two contend for the same device.
+    # On V100s NCCL's reduction ran on the streaming multiprocessors the backward pass
+    # needed, and the overlapped step was slower (Ueno et al. 2020 §4.1: 182 to 221 ms);
+    # on this machine's 2 CPU ranks tfkfac's overlap was slower in 3 of 4 configurations
+    # (docs/benchmarks.md, "Distributed").
+    overlap_hides: float = 0.0
 
     def seconds(self, kernels, phase, precision="float32", ranks=1):
         """Time of `kernels` in `phase` on one of `ranks` workers; a decomposition call

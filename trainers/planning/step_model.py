@@ -8,15 +8,15 @@ unit: the test checks them against a real 2-rank job). The work is the library's
 for who decomposes and who preconditions, the Horovod communicator's bfloat16 mean as an
 allgather (`horovod_comm.GATHERED_MEAN_DTYPES`), a float21 mean as the reduce-scatter and
 allgather of `Communicator.float21_mean`, wire bytes as `packing.wire_bytes` (float21:
-three values to a 64-bit word). Not modelled: Horovod's negotiation, input pipelines,
-and a collective slowing the computation it overlaps (on GPUs NCCL computes its sums on
-the streaming multiprocessors the backward pass uses: Ueno et al. §4.1).
+three values to a 64-bit word). Not modelled: Horovod's negotiation, input pipelines.
 
-`overlap_reduction` hides factor reduction behind computation that does not read it: in
+`overlap_reduction` runs factor reduction beside computation that does not read it: in
 tfkfac (`collective` "allreduce") the preconditioning of the blocks whose method reads no
 factors, at factor steps with no decomposition due (docs/design.md §6); in the papers'
-system the A factors' ReduceScatterV behind the backward pass (Ueno et al. §3.3.4), taken
-as BACKWARD_SHARE of the forward/backward. `hierarchical_reduction` sums in two levels
+system the A factors' ReduceScatterV beside the backward pass (Ueno et al. §3.3.4), taken
+as BACKWARD_SHARE of the forward/backward. The two contend for the same device, and
+what that hides is the device's `overlap_hides` of it: nothing in any profile (a GPU's
+backward pass and NCCL's sums share its streaming multiprocessors, Ueno et al. §4.1). `hierarchical_reduction` sums in two levels
 (`collectives.hierarchical_allreduce`, `hierarchical_v`) every floating-point mean of
 the K-FAC step (tfkfac: factors, gradients, metrics; allgathers stay flat) and, in the
 papers' system, the V collectives.
@@ -268,11 +268,19 @@ def _rank_sums(values, owners, ranks):
 
 
 def _overlapped(work, config, owners, ranks, block_s, factor_s, forward_backward_s,
-                collective):
+                collective, hides):
     """Seconds of each factor reduction that `overlap_reduction` hides, averaged over
-    the factor steps (module docstring); `block_s`: each block's preconditioning."""
-    if not config.overlap_reduction:
+    the factor steps (module docstring): `hides` (`Device.overlap_hides`) of what could
+    run beside it; `block_s`: each block's preconditioning."""
+    if not config.overlap_reduction or not hides:
         return 0.0
+    return hides * _overlappable(work, config, owners, ranks, block_s, factor_s,
+                                 forward_backward_s, collective)
+
+
+def _overlappable(work, config, owners, ranks, block_s, factor_s, forward_backward_s,
+                  collective):
+    """Seconds of each factor reduction that computation not reading it could hide."""
     if collective == "reduce_scatter_v":  # A's factors during the backward pass
         shapes = [g.factor_shapes() for g in work.geometries["expand"].values()]
         share = (_factor_elements([s[0] for s in shapes if len(s) == 2])
@@ -344,7 +352,7 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     forward_backward = _forward_backward(work, device, ranks, precision, "forward_backward",
                                          forward_backward_s)
     factor_s -= _overlapped(work, config, owners, ranks, block_s, factor_s, forward_backward,
-                            collective)
+                            collective, device.overlap_hides)
     fraction = config.factor_batch_fraction  # of the examples the statistics read
     statistics_s = timed("statistics", "factor_statistics", lambda: [
         [k for ks in work.statistics(rule, fraction) for k in ks]], rule, fraction)[0]
