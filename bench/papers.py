@@ -42,17 +42,14 @@ def osawa_refresh_interval(run=UENO_RUN):
 # Pauloski et al. 2020 (SC'20): Table IV (K-FAC-opt's improvement over SGD in time to
 # solution, 55 vs 90 epochs), Table V (ms per K-FAC update: factor computation and
 # communication, eigendecomposition computation and communication; ResNet-50, -101, -152),
-# §VI-C2 Table III (SGD 178 min for 90 epochs on 64 GPUs at 32 per GPU), §VI-C3 intervals
-# (2000 iterations between eigendecompositions on 16 GPUs, scaled with the batch; factors
-# 10x as often). Frontera's GPU nodes: 4 V100s, one InfiniBand EDR link.
+# §VI-C3 intervals (2000 iterations between eigendecompositions on 16 GPUs, scaled with
+# the batch; factors 10x as often). Frontera's GPU nodes: 4 V100s, one InfiniBand EDR link.
 PAULOSKI = {
-    "gpus": (16, 32, 64, 128, 256), "batch": 32,
+    "gpus": (16, 32, 64, 128, 256),
     "improvement": {"resnet50": (0.209, 0.197, 0.252, 0.235, 0.177),
                     "resnet101": (0.184, 0.111, 0.151, 0.195, 0.097),
                     "resnet152": (0.082, 0.076, 0.060, 0.049, -0.111)},
     "epochs": (55, 90),
-    "sgd_minutes_64": {"resnet50": 178.0, "resnet101": 244.0, "resnet152": 345.0},
-    "imagenet_examples": 1281167,
     "eigen_interval_16": 2000, "factor_per_eigen": 10,
     "table_v_eigen_ms": {"resnet50": {16: 2256.64, 32: 1668.19, 64: 1497.96},
                          "resnet101": {16: 3271.72, 32: 2280.38, 64: 2410.24},
@@ -72,13 +69,6 @@ def pauloski_ratio(gpus, model="resnet50"):
     kfac_epochs, sgd_epochs = PAULOSKI["epochs"]
     improvement = PAULOSKI["improvement"][model][PAULOSKI["gpus"].index(gpus)]
     return (1 - improvement) * sgd_epochs / kfac_epochs
-
-
-def pauloski_sgd_step_ms(model="resnet50"):
-    """SGD's step on 64 GPUs (Table III: e.g. 178 min for ResNet-50's 90 epochs at 32 per
-    GPU): a 64-GPU figure, allreduce and input included, not one GPU's."""
-    steps = PAULOSKI["epochs"][1] * PAULOSKI["imagenet_examples"] / (64 * PAULOSKI["batch"])
-    return PAULOSKI["sgd_minutes_64"][model] * 60e3 / steps
 
 
 def pauloski_intervals(gpus):

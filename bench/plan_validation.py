@@ -5,8 +5,8 @@ is a command (COMMON + the row's flags), run as a user runs it, its figure read 
 printed table or its plan.json (`printed`), its error against the paper, and a tolerance
 (TOLERANCE; Osawa et al.'s 1024-GPU step OSAWA_1024_TOLERANCE). Inputs taken from the
 papers are passed as flags and named in the row: Ueno's and Osawa's rows take one GPU's
-throughput (Ueno §3.2.4), Pauloski's the SGD step of Table III on 64 GPUs, which is not
-a one-GPU figure; the links of a node and the collectives. Each row also names what of
+throughput (Ueno §3.2.4); Pauloski's none (the V100 profile's own forward/backward); the
+links of a node and the collectives. Each row also names what of
 the fits it holds ("fitted"): the V100's eigh rate is fitted on Pauloski et al.'s
 ResNet-50 rows of Table V at 16 and 64 GPUs and checked on the rest of that column
 (`rate_checks`); the Cholesky inverse solved from Ueno et al.'s ResNet-34 timing
@@ -74,26 +74,21 @@ OVERLAP = ("overlap hides nothing on a device (`Device.overlap_hides`), chosen o
 EIGH_FIT_GPUS = (16, 64)
 EIGH_FIT = ("the eigh rate is fitted on this row under kfac_pytorch's round-robin owners; "
             "the planner assigns tfkfac's")
-PAULOSKI_FITS = ("--forward_backward_ms is Table III's SGD step on 64 GPUs (allreduce "
-                 "and input included; at 64 GPUs the ratio's own denominator); the eigh "
-                 "rate is fitted on Table V's ResNet-50 rows at 16 and 64 GPUs (amortized "
-                 "over 120-2000 steps here)")
+PAULOSKI_FITS = ("the eigh rate is fitted on Table V's ResNet-50 rows at 16 and 64 GPUs "
+                 "(amortized over 120-2000 steps here)")
 
 
 def frontera(model):
     """Pauloski et al. ran Frontera: kfac_pytorch (eigendecompositions by their owners,
-    gathered; factors allreduced, Horovod), float32."""
+    gathered; factors allreduced, Horovod), float32. No step of theirs is an input: the
+    forward/backward is the V100 profile's own (Table III's SGD step is a 64-GPU one)."""
     return (f"--model={model}", f"--workers_per_node={papers.FRONTERA_GPUS_PER_NODE}",
-            "--links_per_node=1", f"--forward_backward_ms={papers.pauloski_sgd_step_ms(model):.1f}",
-            "--collective=allreduce", "--precision=float32", "--placements=replicated",
-            "--methods=eigen", "--factor_wires=float32")
+            "--links_per_node=1", "--collective=allreduce", "--precision=float32",
+            "--placements=replicated", "--methods=eigen", "--factor_wires=float32")
 
 
-def frontera_inputs(model):
-    return (f"forward/backward {papers.pauloski_sgd_step_ms(model):.1f} ms (SGD's step on "
-            "64 GPUs, Table III; it holds the gradient exchange Horovod overlaps with the "
-            "backward pass: not a one-GPU figure)", "1 EDR link per Frontera node",
-            "allreduce (Horovod)")
+FRONTERA_INPUTS = ("forward/backward: the V100 profile's float32 one (no figure of the "
+                   "paper's)", "1 EDR link per Frontera node", "allreduce (Horovod)")
 
 
 def _ueno(factor_wire, interval, overlap=False, hierarchical=False):
@@ -163,7 +158,7 @@ def rows():
             f"--decomposition_intervals={','.join(str(d) for _, d in intervals)}")
         table += [row("Pauloski Table IV", f"{model} K-FAC/SGD per step, {p} GPUs",
                       papers.pauloski_ratio(p, model), flags_,
-                      ("config x SGD", _pauloski_label(p), p), frontera_inputs(model),
+                      ("config x SGD", _pauloski_label(p), p), FRONTERA_INPUTS,
                       (PAULOSKI_FITS,)) for p in gpus]
     for model, by_gpus in papers.PAULOSKI["table_v_factor_comm_ms"].items():
         flags_ = frontera(model) + (f"--workers={','.join(map(str, by_gpus))}",
@@ -173,7 +168,7 @@ def rows():
             eigh_fit = (EIGH_FIT,) if p in EIGH_FIT_GPUS else ()
             table += [row("Pauloski Table V", f"{model} {name}, {p} GPUs",
                           table_v[key][model][p], flags_, ("phase ms", phase, p),
-                          frontera_inputs(model), fitted)
+                          FRONTERA_INPUTS, fitted)
                       for name, key, phase, fitted in (
                           ("factor computation", "table_v_factor_comp_ms",
                            "factor_statistics", ()),
