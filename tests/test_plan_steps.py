@@ -177,14 +177,17 @@ class PlannerTest(absltest.TestCase):
 
     def test_a_step_that_cannot_be_priced_is_refused(self):
         """No measured step where one is needed, another machine than the local
-        profile's, a method the planner does not cost: one line each."""
+        profile's, a method the planner does not cost, a first-order entry as K-FAC's:
+        one line each."""
         kfac_512 = lambda data: data["entries"]["kfac_inverse"]["batches"]["512"]
         for damage, expected in (
                 (lambda d: kfac_512(d).pop("retimed"),
                  "has no measured step of kfac_inverse at batch 512"),
                 (lambda d: d["machine"].update(cpus=64), "was timed on 64 CPUs"),
                 (lambda d: d["entries"]["kfac_inverse"]["settings"].update(
-                    kfac_method="eigen_adam"), "kfac_inverse ran method eigen_adam")):
+                    kfac_method="eigen_adam"), "kfac_inverse ran method eigen_adam"),
+                (lambda d: d["entries"]["kfac_inverse"]["settings"].update(optimizer="sgd"),
+                 "kfac_inverse is not a K-FAC entry (optimizer sgd)")):
             with self.subTest(expected):
                 data = document()
                 damage(data)

@@ -26,6 +26,9 @@ SETTINGS = {"kfac_method": "method", "factor_update_freq": "factor_interval",
 
 def configuration(settings, entry):
     """The `step_model.Configuration` of K-FAC entry `entry`'s measured `settings`."""
+    if settings.get("optimizer", "kfac") != "kfac":
+        raise ValueError(f"{entry} is not a K-FAC entry (optimizer {settings['optimizer']}), "
+                         "so its step is not K-FAC's; choose one with --kfac_entry")
     config = dataclasses.replace(step_model.LIBRARY_DEFAULTS, **{
         SETTINGS[name]: value for name, value in settings.items() if name in SETTINGS})
     if config.method not in step_model.METHODS:
