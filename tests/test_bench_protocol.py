@@ -405,6 +405,11 @@ def timed_summary(entry, seed):
                             for i in (1, 2, 3)]}
 
 
+# What trials.run records of the machine around a run (trials.machine_record).
+MACHINE = {"load_average_before": [1.0, 0.5, 0.25], "load_average_after": [1.5, 0.5, 0.25],
+           "resumed": False}
+
+
 class RaceModelTest(absltest.TestCase):
 
     def test_rounds_seeds_and_settings_of_the_timed_runs(self):
@@ -422,7 +427,8 @@ class RaceModelTest(absltest.TestCase):
             del work_dir
             entry = name.split("-")[1]
             asked.append((settings["seed"], entry, name, settings))
-            return timed_summary(entry, settings["seed"])
+            return dict(timed_summary(entry, settings["seed"]), machine=dict(
+                MACHINE, cpu_time_s=settings["seed"]))
 
         with flagsaver.flagsaver(work_dir=tempdir()), \
                 mock.patch.object(time_to_accuracy.trials, "run", side_effect=run):
@@ -452,7 +458,7 @@ class RaceModelTest(absltest.TestCase):
                                           (30.0, 300, 0.855)])
         self.assertEqual((first["final_accuracy"], first["best_accuracy"],
                           first["mean_step_time_s"]), (0.855, 0.855, 0.1))
-        self.assertLen(first["load_average_before"], 3)
+        self.assertEqual(first["machine"], dict(MACHINE, cpu_time_s=1))  # trials.run's record
         # SGD and Lamb's median ends (seeds 1-3) are AdamW's over 5 seeds: AdamW's is
         # the highest first-order one.
         self.assertEqual(result["final_target"], {"accuracy": 0.865, "entry": "adamw"})
