@@ -86,6 +86,7 @@ def tables(report):
 
 
 def read_report(path=RESULTS):
+    """The JSON report at `path`, or None."""
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:

@@ -53,6 +53,7 @@ from absl import flags
 import harness
 import race
 import trials
+from race_tables import read_report
 from trials import GRIDS, OPTIMIZERS, TUNE_SPLIT, VALIDATION_SPLIT, WARMUP_FRACTION
 
 FLAGS = flags.FLAGS
@@ -153,14 +154,6 @@ def tune(model, optimizer):
                else s["validation_accuracy"])
     return {"trials": scores, "best": best["setting"],
             "best_validation_accuracy": best["validation_accuracy"]}
-
-
-def read_report(path):
-    """The JSON report at `path`, or None."""
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def recorded_tuning(model, optimizer):
