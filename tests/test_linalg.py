@@ -8,11 +8,12 @@ its previous decomposition.
 
 Tolerances: float32 results against float64 numpy on factors of dimension 3 to 289
 (condition numbers below 1e4), relative to the largest entry: 1e-4 for eigh
-reconstruction and orthonormality, 1e-3 for inverses. LAPACK runs on one OpenBLAS thread
-of the calling thread, which gets its own count back after.
+reconstruction and orthonormality, 1e-3 for inverses. OpenBLAS runs on one thread while any
+decomposition runs, and the process gets its count back when the last one ends.
 """
 
 import os
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -108,19 +109,45 @@ class DecompositionTest(parameterized.TestCase):
         self.assertEqual(values.shape, (7,))
         self.assertEqual(vectors.shape, (7, 7))
 
-    def test_lapack_runs_on_one_openblas_thread_of_the_calling_thread(self):
-        # numpy's and scipy's wheels each bundle an OpenBLAS with the thread-local setter.
+    def test_lapack_runs_on_one_openblas_thread_until_the_last_concurrent_call_ends(self):
+        # numpy's and scipy's wheels each bundle an OpenBLAS with the setter, which sets
+        # the process's count and returns the one it replaces: a probe setting 1 reads it.
         setters = linalg._openblas_thread_setters()
         self.assertLen(setters, 2)
-        inside = []
 
-        def probe():  # a setter returns the calling thread's count it replaces
-            inside.extend(setter(1) for setter in setters)
+        def counts():
+            return [setter(1) for setter in setters]
+
+        first_inside, second_inside, first_left = (threading.Event() for _ in range(3))
+        seen = {}
+
+        def first():
+            seen["first entered"] = counts()
+            first_inside.set()
+            second_inside.wait(60)
+
+        def second():
+            first_inside.wait(60)
+            seen["both inside"] = counts()
+            second_inside.set()
+            first_left.wait(60)
+            seen["first left"] = counts()
 
         before = [setter(3) for setter in setters]
-        linalg._one_blas_thread(probe)()
-        after = [setter(count) for setter, count in zip(setters, before)]
-        self.assertEqual(inside, [1, 1])
+        try:
+            threads = [threading.Thread(target=linalg._one_blas_thread(first)),
+                       threading.Thread(target=linalg._one_blas_thread(second))]
+            for thread in threads:
+                thread.start()
+            threads[0].join(60)
+            first_left.set()
+            threads[1].join(60)
+            after = counts()
+        finally:
+            for setter, count in zip(setters, before):
+                setter(count)
+        self.assertEqual(seen, {"first entered": [1, 1], "both inside": [1, 1],
+                                "first left": [1, 1]})
         self.assertEqual(after, [3, 3])
 
     def test_unknown_backend_names_the_allowed_ones(self):

@@ -8,13 +8,14 @@ preconditioning functions are XLA-compilable. The decompositions are not: on CPU
 call LAPACK through scipy, because TensorFlow's CPU kernels (Eigen, one thread) measured
 5.5x slower for eigh (n=1601: 1.15 s vs 0.21 s with LAPACK's divide and conquer) and 3.9x
 slower for the damped inverse (LU 220 ms vs Cholesky 57 ms) on this project's machine
-(`bench/linalg_benchmark.py`). Each LAPACK call runs on one OpenBLAS thread
-(`_one_blas_thread`). With a GPU visible they stay in TensorFlow (cuSOLVER).
+(`bench/linalg_benchmark.py`). OpenBLAS runs on one thread while they do
+(`_OneBlasThread`). With a GPU visible they stay in TensorFlow (cuSOLVER).
 """
 
 import ctypes
 import functools
 import os
+import threading
 
 import numpy as np
 import scipy.linalg
@@ -35,7 +36,8 @@ def _uses_lapack(backend):
 def _openblas_thread_setters():
     """`openblas_set_num_threads_local` (OpenBLAS >= 0.3.27) of every OpenBLAS this process
     has loaded (numpy's and scipy's wheels each bundle one), found in /proc/self/maps
-    (Linux); none elsewhere or in another BLAS."""
+    (Linux); none elsewhere or in another BLAS. Despite its name, in the pthreads builds
+    the wheels bundle it sets the process's count (and returns the one it replaces)."""
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
             paths = {line.split()[-1] for line in maps if len(line.split()) >= 6}
@@ -50,24 +52,48 @@ def _openblas_thread_setters():
     return tuple(setters)
 
 
-def _one_blas_thread(function):
-    """`function` run with one OpenBLAS thread in the calling thread, its count restored
-    after; other threads' and the process's counts are untouched.
+class _OneBlasThread:
+    """OpenBLAS on one thread while any decomposition runs; the process's counts back when
+    the last one ends.
 
     The decompositions are many independent matrices, which TensorFlow runs beside each
     other and beside its own ops on all cores. OpenBLAS's default, a thread per core in
     every call, then oversubscribes the cores and its threads spin waiting for work: a
     1601x1601 Cholesky inverse took 0.25-3.4 s of CPU (first call the most) against
-    0.08 s on one thread, at load 3-6 on this project's 2 cores."""
+    0.08 s on one thread, at load 3-6 on this project's 2 cores. OpenBLAS's count is one
+    per process, so concurrent decompositions share one setting, counted: were each to
+    restore its own, one call's restore would let another run on several threads, and
+    LAPACK's rounding would then depend on timing (a resumed run drifted 2.5e-6 from the
+    uninterrupted one under load)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running = 0
+        self._saved = ()
+
+    def __enter__(self):
+        with self._lock:
+            if not self._running:
+                self._saved = tuple(setter(1) for setter in _openblas_thread_setters())
+            self._running += 1
+
+    def __exit__(self, *unused_exc_info):
+        with self._lock:
+            self._running -= 1
+            if not self._running:
+                for setter, count in zip(_openblas_thread_setters(), self._saved):
+                    setter(count)
+
+
+_ONE_BLAS_THREAD = _OneBlasThread()
+
+
+def _one_blas_thread(function):
+    """`function` run inside `_ONE_BLAS_THREAD`."""
     @functools.wraps(function)
     def single_threaded(*args):
-        setters = _openblas_thread_setters()
-        before = [setter(1) for setter in setters]
-        try:
+        with _ONE_BLAS_THREAD:
             return function(*args)
-        finally:
-            for setter, count in zip(setters, before):
-                setter(count)
 
     return single_threaded
 
