@@ -4,7 +4,7 @@ Training", JMLR 2019): whether the declared default K-FAC keeps cutting steps as
 batch grows where first-order optimizers stop, and the critical batch size of each,
 under the race protocol of docs/benchmarks.md ("Protocol") and bench/race.py.
 
-Protocol (docs/large_batch.md, "Batch scaling under the race protocol"), the small CNN on
+Protocol (docs/benchmarks.md, "Batch scaling"), the small CNN on
 Fashion-MNIST, one process (a global batch is what data-parallel workers would share):
 - Batch sizes 128, 2048 and 8192 (`--batch_sizes`; 512 and 16384 available), each with
   a budget in epochs of the full train split (BATCHES: 10 at 128; above it twice the
@@ -206,7 +206,7 @@ LABELS = {
     "lamb": "Lamb",
 }
 FIRST_ORDER = ("sgd", "schedule_free_adamw", "muon", "adamw", "lamb")
-# The gradient noise scale (docs/design_options.md §13), which McCandlish et al. find
+# The gradient noise scale (docs/design.md §13), which McCandlish et al. find
 # predicts the critical batch size: measured per epoch in one more run of each entry at
 # batch 128 and its tuned point (a tuning trial's split and seed, stopping at the top
 # target), every NOISE_INTERVAL steps from the batch's halves; K-FAC entries also give
@@ -879,7 +879,7 @@ def raced_batches(document):
 
 
 def tables(document):
-    """The Markdown tables of `document` (`report`'s) that docs/large_batch.md holds
+    """The Markdown tables of `document` (`report`'s) that docs/benchmarks.md holds
     between TABLES_BEGIN and TABLES_END: per batch size each complete cell's tuned
     point, seeds, step time and median steps [range over seeds] (seconds) to each
     target, the fewest median steps to the primary target in bold; the misses at twice

@@ -1,7 +1,7 @@
 """How far K-FAC's step length is from Adam's, per layer, and how often the KL clip binds:
 the diagnostic behind layer-wise grafting on the ViT.
 
-Grafting (docs/design_options.md §11) keeps K-FAC's direction P_ℓ per managed layer ℓ and takes
+Grafting (docs/design.md §11) keeps K-FAC's direction P_ℓ per managed layer ℓ and takes
 the length of Adam's r_ℓ = ∇_ℓ / (√v̂ + ε): it multiplies P_ℓ by ‖r_ℓ‖ / ‖P_ℓ‖. What it
 changes against K-FAC with the KL clip, which scales every layer by one ν, is therefore
 the spread of ρ_ℓ = ‖P_ℓ‖ / ‖r_ℓ‖ between layers and over training: a common factor
@@ -11,7 +11,7 @@ trainer's own data (the real Fashion-MNIST train split, its pipeline), model and
 optimizer (`trainers.runner.Trainer`), the protocol's warm-up + cosine schedule over the
 run and its decoupled weight decay (`time_to_accuracy.run_settings`), the inverse method
 with the KL clip on; learning rate, damping and KL clip default to the geometric middle
-of the entry's ViT tuning grid (bench/trials.py GRIDS). The steps run in docs/usage.md's
+of the entry's ViT tuning grid (bench/trials.py GRIDS). The steps run in docs/guide.md §2's
 custom loop (`optimizer.record()` as tape, `optimizer.minimize(loss, tape=tape)`), with a
 plain tape on the same forward pass for the gradients the optimizer receives.
 With public API and numpy only, every step updates Adam's v (β2-average of ∇² per
@@ -101,7 +101,7 @@ def managed_groups(optimizer, variables):
 
 
 class AdamDirections:
-    """Adam's direction r = ∇ / (√v̂ + ε) per variable (docs/design_options.md §11): v ← β2 v +
+    """Adam's direction r = ∇ / (√v̂ + ε) per variable (docs/design.md §11): v ← β2 v +
     (1-β2) ∇² from v = 0, v̂ = v / (1 - β2^t), t the 1-based count of updates; float64."""
 
     def __init__(self, beta_2, epsilon):
@@ -153,7 +153,7 @@ def kl_clip_scale(preconditioned, gradients, groups, learning_rate, kl_clip):
 
 
 def training_step(model, optimizer, loss_fn):
-    """A tf.function `step(x, y)`: one K-FAC training step in docs/usage.md's custom loop;
+    """A tf.function `step(x, y)`: one K-FAC training step in docs/guide.md §2's custom loop;
     returns (loss, the gradients the optimizer received, as dense tensors, the learning
     rate the step used). The gradients come from a plain tape on the same forward pass
     (in one process they are the optimizer's, which no rank averaging changes); the

@@ -44,7 +44,7 @@ OPTIMIZERS = {
     "kfac_constant": dict(_KFAC, kfac_method="inverse", learning_rate=0.05, kl_clip=1e-3),
     # K-FAC in front of AdamW (the protocol's weight decay goes to the inner AdamW),
     # grafted to Adam's step length, and Adam in the Kronecker eigenbasis (docs/design.md
-    # §2c). Their step length is Adam's, so the KL clip is off.
+    # §11). Their step length is Adam's, so the KL clip is off.
     "kfac_adamw": dict(_KFAC, kfac_method="inverse", kfac_inner_optimizer="adamw",
                        kl_clip=None),
     "kfac_graft_adam": dict(_KFAC, kfac_method="inverse", grafting="adam", kl_clip=None),
@@ -52,7 +52,7 @@ OPTIMIZERS = {
     # K-FAC's directions into ScheduleFreeAdamW, the first-order entry that won the CNN:
     # its warm-up and weight decay go to the inner optimizer, no schedule, no KL clip.
     "kfac_schedule_free_adamw": _KFAC_SCHEDULE_FREE,
-    # The same with adaptive stale statistics (docs/design_options.md §12): a layer's
+    # The same with adaptive stale statistics (docs/design.md §12): a layer's
     # factor interval doubles from 10 up to 80 steps while a refresh changes its running
     # factors by less than α = 0.05 = 1 - factor_decay (the batch's statistics closer to
     # the average than the average's own norm); on the CNN's first epoch the layers'
@@ -66,7 +66,7 @@ OPTIMIZERS = {
     "schedule_free_adamw": dict(optimizer="schedule_free_adamw"),
     "lamb": dict(optimizer="lamb"),
 }
-# The options that lower K-FAC's floor (docs/design_options.md §8, §9), each an entry
+# The options that lower K-FAC's floor (docs/design.md §8, §9), each an entry
 # over a K-FAC entry: statistics from a quarter of each batch, bfloat16 preconditioning
 # products, the reduce rule for convolutions. Each approximates its base entry's method,
 # and the question is how many steps the approximation costs: it runs at the base's

@@ -1,4 +1,4 @@
-"""Adaptive stale statistics (docs/design_options.md §12): a recorded run and the numpy replay
+"""Adaptive stale statistics (docs/design.md §12): a recorded run and the numpy replay
 of the rule, for tests/test_adaptive_staleness.py, and one rank of the 2-rank job of
 tests/test_adaptive_staleness_distributed.py.
 

@@ -11,7 +11,7 @@ Kronecker pair per head), Dense, PReLU (no block: it gets the plain gradient) an
 head. Activations are tanh, so no unit is dead and, with a batch of 16, every factor
 has distinct eigenvalues (eigenbases defined up to sign).
 
-`Reference` is the numpy model of docs/design_options.md §11 for this net: from the factors the
+`Reference` is the numpy model of docs/design.md §11 for this net: from the factors the
 optimizer reports (`KFAC.factors`, eigenbases by numpy.linalg.eigh) and the raw gradients
 (a plain tf.GradientTape on the step's batch), the update each layer receives.
 `block_matrices` lays a layer's gradient-shaped arrays out as docs/design.md §2-§3 define

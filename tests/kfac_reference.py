@@ -28,7 +28,7 @@ RTOL = 1e-4
 def sgd_kfac(learning_rate=0.05, momentum=0.9, **settings):
     """tfkfac.KFAC over `keras.optimizers.SGD(learning_rate, momentum)`, with damping 0.1
     and the KL clip 1e-3 unless `settings` give them: tfkfac's defaults before the declared
-    one (ScheduleFreeAdamW inside, docs/usage.md), which the tests using this check."""
+    one (ScheduleFreeAdamW inside, docs/guide.md §3), which the tests using this check."""
     return tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(learning_rate, momentum=momentum),
                        **{"damping": 0.1, "kl_clip": 1e-3, **settings})
 
@@ -146,7 +146,7 @@ def loop_step(model, opt, loss_fn, x, y):
     return [v.numpy() - b for v, b in zip(model.trainable_variables, before)]
 
 
-# ------------------------------------ grafting and eigenbasis Adam (docs/design_options.md §11)
+# ------------------------------------ grafting and eigenbasis Adam (docs/design.md §11)
 def adam_scale(value, moment, step, beta_2, epsilon):
     """(value / (√ŝ + ε), s): s = β2·`moment` + (1-β2)·value², ŝ = s / (1 - β2^step),
     `step` counted from 1, elementwise."""

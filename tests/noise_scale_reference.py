@@ -46,7 +46,7 @@ def per_example_gradients(x, y):
 def step_estimates(gradients, batch, transform=None):
     """(steps, 2) estimates [|G|², tr(Σ)] of each batch of `batch` per-example
     `gradients`, from its two halves (first batch//2 examples, then the rest) and their
-    mean: b_small = batch/2, b_big = batch, the formulas of docs/design.md, every norm
+    mean: b_small = batch/2, b_big = batch, the formulas of docs/design.md §13, every norm
     taken after the linear `transform` (a matrix; None: the identity)."""
     transform = np.eye(gradients.shape[1]) if transform is None else transform
     rows = []

@@ -1,4 +1,4 @@
-"""The second moments of docs/design_options.md §11 survive save/restore: eigenbasis Adam's s and
+"""The second moments of docs/design.md §11 survive save/restore: eigenbasis Adam's s and
 grafted Adam's v.
 
 One float32 run of tests/every_block_net.py (every block kind) with

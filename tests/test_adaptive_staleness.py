@@ -1,4 +1,4 @@
-"""Adaptive stale statistics (docs/design_options.md §12), in one process.
+"""Adaptive stale statistics (docs/design.md §12), in one process.
 
 - The rule against its numpy replay (tests/adaptive_staleness_worker.py) on the factor
   sequence a run records step by step: a block's factors change exactly at the steps the

@@ -1,4 +1,4 @@
-"""Adaptive stale statistics (docs/design_options.md §12) on a real 2-rank Horovod job (Gloo):
+"""Adaptive stale statistics (docs/design.md §12) on a real 2-rank Horovod job (Gloo):
 tests/adaptive_staleness_worker.py trains on each rank's half of every global batch,
 under both placements.
 

@@ -2,7 +2,7 @@
 keras.callbacks.BackupAndRestore: a process killed by a real SIGTERM after two of four
 epochs, run again, ends with every variable of a run never stopped (weights, momenta,
 K-FAC factors, decompositions, counters) bit for bit. The callback backs up at epoch
-ends; the work of an unfinished epoch is redone (see docs/trainer.md)."""
+ends; the work of an unfinished epoch is redone (see docs/guide.md §6)."""
 
 import os
 import signal

@@ -667,7 +667,7 @@ class RecordTest(absltest.TestCase):
     """The earlier protocol's results, moved to bench/results/variants/, and the docs."""
 
     def test_the_planner_reads_the_variants_record(self):
-        # The figures docs/planner.md quotes from it.
+        # What `trainers.plan --steps_from` reads from it (docs/guide.md §5).
         target, steps = measured_steps.load(VARIANTS_JSON, "cnn", None,
                                             ("muon", "kfac_schedule_free_adamw"))
         self.assertEqual(target, 0.9)
@@ -685,7 +685,7 @@ class RecordTest(absltest.TestCase):
         for name, begin_mark, end_mark, make in (
                 ("benchmarks.md", batch_scaling.SUMMARY_BEGIN, batch_scaling.SUMMARY_END,
                  batch_scaling.summary),
-                ("large_batch.md", batch_scaling.TABLES_BEGIN, batch_scaling.TABLES_END,
+                ("benchmarks.md", batch_scaling.TABLES_BEGIN, batch_scaling.TABLES_END,
                  batch_scaling.tables)):
             with open(os.path.join(REPO_ROOT, "docs", name)) as f:
                 doc = f.read()

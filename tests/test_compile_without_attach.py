@@ -1,4 +1,4 @@
-"""`model.compile(optimizer=tfkfac.KFAC(...))` without `attach` (docs/usage.md): KFAC finds
+"""`model.compile(optimizer=tfkfac.KFAC(...))` without `attach` (docs/guide.md §2): KFAC finds
 its model when `compile` takes it (a built model), or where Keras builds the optimizer on
 the model's variables before the first step — under a tf.distribute strategy (one device,
 or two logical CPUs mirrored) and in `keras.models.load_model` — and then trains exactly

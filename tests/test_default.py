@@ -1,4 +1,4 @@
-"""The declared default (docs/usage.md, "The default"): what `tfkfac.KFAC()` and
+"""The declared default (docs/guide.md, "The default"): what `tfkfac.KFAC()` and
 `python -m trainers.train` give with no arguments — the inverse method, damping 0.03, no
 KL clip, factors every 10 steps (decay 0.95) and decompositions every 100, into
 `tfkfac.ScheduleFreeAdamW` at learning rate 0.01 (β1 0.9; the trainer warms it up over

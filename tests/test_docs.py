@@ -21,13 +21,25 @@ import write_arguments_doc  # noqa: E402
 USER_DOCS = ["README.md"] + sorted(
     os.path.relpath(path, REPO_ROOT) for path in glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))
 
+# The docs, one of each kind: the user guide, the design notes (one numbering, §1-§14,
+# which code and tests cite), development, benchmarks, and the generated settings table.
+DOCS = ["docs/arguments.md", "docs/benchmarks.md", "docs/design.md", "docs/development.md",
+        "docs/guide.md"]
+
 # Bytes of UTF-8. The README is the page every user reads whole: what tfkfac is, how to
 # install it, one runnable example and where to read on, about one screen of text
-# (7 KiB). Every other doc is a reference page read to the end (32 KiB); benchmarks.md
-# too, keeping each benchmark's headline table, command and meaning, the rest living in
-# its own doc (large_batch.md), the results' JSONs and git history.
+# (7 KiB). Every other doc is a page read to the end (32 KiB); benchmarks.md keeps each
+# benchmark's headline table, command and meaning, the rest living in the results' JSONs.
 SIZE_BOUNDS = {"README.md": 7 * 1024}
 OTHER_DOC_BOUND = 32 * 1024
+# What a newcomer reads first, the README and the guide, is read in about 30 minutes.
+FIRST_READ = ["README.md", "docs/guide.md"]
+FIRST_READ_BOUND = 60 * 1000
+# Every hand-written page together: the docs but arguments.md, which the config writes, and
+# the tables scripts write between markers ("<!-- ... -->" to "<!-- end of ... -->").
+GENERATED_DOCS = ["docs/arguments.md"]
+GENERATED_BLOCK = re.compile(r"<!-- (?!end of ).*?-->.*?<!-- end of .*?-->", re.S)
+HAND_WRITTEN_BOUND = 107 * 1000
 
 # Users never see the issue tracker, and commit hashes mean nothing to them: a doc says
 # what a thing is, and a result's provenance is the `library_commit` its JSON records.
@@ -61,6 +73,24 @@ class DocsTest(absltest.TestCase):
             size = len(read(path).encode())
             bound = SIZE_BOUNDS.get(path, OTHER_DOC_BOUND)
             self.assertLessEqual(size, bound, msg=f"{path}: {size} bytes, bound {bound}")
+
+    def test_the_docs_are_one_of_each_kind(self):
+        self.assertEqual(USER_DOCS, ["README.md"] + DOCS)
+
+    def test_what_a_newcomer_reads_first_stays_within_its_bound(self):
+        size = sum(len(read(path).encode()) for path in FIRST_READ)
+        self.assertLessEqual(size, FIRST_READ_BOUND,
+                             msg=f"{' + '.join(FIRST_READ)}: {size} bytes")
+
+    def test_the_hand_written_docs_together_stay_within_their_bound(self):
+        sizes = {path: len(GENERATED_BLOCK.sub("", read(path)).encode())
+                 for path in USER_DOCS if path not in GENERATED_DOCS}
+        self.assertLessEqual(sum(sizes.values()), HAND_WRITTEN_BOUND, msg=str(sizes))
+
+    def test_generated_blocks_are_told_from_hand_written_text(self):
+        page = ("a\n<!-- race tables: written by x -->\n| t |\n<!-- end of race tables -->\nb\n"
+                "<!-- summary: y prints it -->\n| s |\n<!-- end of summary -->\n")
+        self.assertEqual(GENERATED_BLOCK.sub("", page), "a\n\nb\n\n")
 
     def test_issue_or_commit_pattern_tells_references_from_words(self):
         for text in ("issue 16's options", "Issue 16", "issue-16 target", "(issue #27)",

@@ -1,4 +1,4 @@
-"""`method="eigen_adam"` (docs/design_options.md §11) against numpy, on every block kind.
+"""`method="eigen_adam"` (docs/design.md §11) against numpy, on every block kind.
 
 tests/every_block_net.py holds one layer of every block kind: Dense, Conv2D, grouped
 Conv2D, DepthwiseConv2D, SeparableConv2D, Conv2DTranspose, EinsumDense (one pair, and one

@@ -1,4 +1,4 @@
-"""Eigenbasis Adam and grafting (docs/design_options.md §11) in a real 2-rank Horovod job (Gloo).
+"""Eigenbasis Adam and grafting (docs/design.md §11) in a real 2-rank Horovod job (Gloo).
 
 One `horovodrun --gloo -np 2` job of eigen_adam_worker.py trains tests/every_block_net.py
 (every block kind, LayerNorm as the normalization layer) with `model.fit`, each rank on

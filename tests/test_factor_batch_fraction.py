@@ -1,6 +1,6 @@
 """`factor_batch_fraction`: factor statistics from a random part of each batch.
 
-The reference is plain K-FAC fed the kept examples alone (docs/design_options.md §8):
+The reference is plain K-FAC fed the kept examples alone (docs/design.md §8):
 - the Kronecker factors of a model with every block kind (tests/modern_net.py), for both
   weight-sharing rules, equal plain K-FAC's on the sub-batch of the examples
   `kept_examples` draws; the normalization blocks keep the whole batch (also a

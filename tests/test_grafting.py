@@ -1,4 +1,4 @@
-"""Layer-wise grafting, `KFAC(grafting="sgd" | "adam")` (docs/design_options.md §11), against numpy.
+"""Layer-wise grafting, `KFAC(grafting="sgd" | "adam")` (docs/design.md §11), against numpy.
 
 On tests/every_block_net.py (one layer of every block kind and a PReLU without a block)
 the expected update is built in numpy (`every_block_net.Reference`): r = ∇ ("sgd") or

@@ -1,7 +1,7 @@
-"""KFAC is a preconditioner in front of a Keras optimizer (docs/usage.md): the inner
+"""KFAC is a preconditioner in front of a Keras optimizer (docs/guide.md §3): the inner
 optimizer applies every update, its learning rate is the one Keras users set — through
 KFAC's `learning_rate`, schedules and callbacks — and its Keras options (clipping, weight
-decay, EMA, loss scale, accumulation) act as docs/usage.md's table states."""
+decay, EMA, loss scale, accumulation) act as docs/guide.md §3 states."""
 
 import os
 import warnings
@@ -140,7 +140,7 @@ def preconditioned(optimizer, model, x, y):
 
 
 class InnerOptionsTest(absltest.TestCase):
-    """The inner optimizer's Keras options under KFAC (the table in docs/usage.md)."""
+    """The inner optimizer's Keras options under KFAC (docs/guide.md §3)."""
 
     def test_options_train_as_the_plain_optimizer_when_kfac_manages_no_layer(self):
         sgd = lambda **options: keras.optimizers.SGD(0.1, momentum=0.5, **options)

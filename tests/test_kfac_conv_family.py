@@ -26,7 +26,7 @@ Checked:
   case x both methods x both weight-sharing rules, with and without bias;
 - one optimizer step per case through `record()` / `minimize` (momentum 0, no KL clip):
   the stored factors and the update -lr·P;
-- the docs/design.md §2b equivalences, block level: Conv1D kernel k on (T, c) = Conv2D
+- the docs/design.md §2 equivalences, block level: Conv1D kernel k on (T, c) = Conv2D
   kernel (1, k) on (1, T, c); a grouped Conv2D = q separate Conv2D on the channel slices;
   DepthwiseConv2D = Conv2D with groups = c_in;
 - factor layouts (plain Conv2D unbatched for its checkpoints, groups batched, SeparableConv
@@ -382,7 +382,7 @@ class OptimizerStepTest(parameterized.TestCase):
 
 
 class EquivalenceTest(parameterized.TestCase):
-    """docs/design.md §2b, on the blocks with the same inputs and dL/ds."""
+    """docs/design.md §2, on the blocks with the same inputs and dL/ds."""
 
     @parameterized.parameters("eigen", "inverse")
     def test_conv1d_equals_conv2d_with_a_1_by_k_kernel(self, method):

@@ -1,6 +1,6 @@
 """`factor_examples="fresh"`: K-FAC's factors count each source example once under echoing.
 
-The reference is plain K-FAC fed the fresh examples alone (docs/design_options.md §7):
+The reference is plain K-FAC fed the fresh examples alone (docs/design.md §7):
 - one echoed batch (repeats mixed in, in any order): every factor of a model with every
   block kind (tests/modern_net.py), for both weight-sharing rules, equals the factor of
   the batch's fresh examples alone; the loss and gradients still use every example;

@@ -1,5 +1,5 @@
 """The gradient noise scale measured during training (tfkfac.GradientNoiseScale; docs/
-design_options.md §13), on linear regression where the truth is known
+design.md §13), on linear regression where the truth is known
 (tests/noise_scale_reference.py), at learning rate 0 so every step sees the same weights.
 
 - On each step's own batch, the callback's B_simple equals numpy's, computed from the

@@ -1,4 +1,4 @@
-"""Osawa et al.'s (CVPR'19) large-batch recipe pieces in one process (docs/large_batch.md):
+"""Osawa et al.'s (CVPR'19) large-batch recipe pieces in one process (docs/design.md §5):
 weight rescaling (§4.4) and the momentum coupled to the learning rate (§4.3).
 
 - Against a float64 numpy replay of K-FAC (eigen method: (A ⊗ G + λI)⁻¹ vec(∇) on the

@@ -1,4 +1,4 @@
-"""Osawa et al.'s weight rescaling and momentum coupling (docs/large_batch.md) on a real
+"""Osawa et al.'s weight rescaling and momentum coupling (docs/design.md §5) on a real
 2-rank Horovod job (Gloo): tests/osawa_recipe_worker.py trains with both on each rank's
 half of every global batch, under both placements.
 

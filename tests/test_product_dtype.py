@@ -1,6 +1,6 @@
 """`product_dtype="bfloat16"`: K-FAC's Gram and preconditioning products in bfloat16.
 
-The reference is the same K-FAC with float32 products (docs/design_options.md §9):
+The reference is the same K-FAC with float32 products (docs/design.md §9):
 - `tfkfac.linalg.matmul` rounds its operands and its product to bfloat16: it equals a
   numpy float64 product of the rounded operands, rounded;
 - the decompositions' matrices are stored rounded to bfloat16 once, when computed;

@@ -1,4 +1,4 @@
-"""Self-tuning K-FAC's core (docs/design_options.md §14) against an independent numpy reference
+"""Self-tuning K-FAC's core (docs/design.md §14) against an independent numpy reference
 (tests/self_tuning_reference.py: a tiny MLP's explicit Jacobian, each loss's Hessian by
 central differences of the loss written in numpy).
 

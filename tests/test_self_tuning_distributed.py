@@ -1,5 +1,5 @@
 """Self-tuning across 2 Horovod ranks (Gloo), tests/self_tuning_worker.py, each rank holding
-half of every batch (docs/design_options.md §14):
+half of every batch (docs/design.md §14):
 
 - The exact curvature products and Gram matrix, averaged over the ranks, are those of the
   whole batch: the numpy reference (tests/self_tuning_reference.py) on all its examples, to

@@ -5,7 +5,7 @@
     model.fit(dataset, epochs=5, validation_data=val,
               callbacks=[tfkfac.AveragedWeights(optimizer)])  # evaluated at the average
 
-The default (`tfkfac.KFACConfig`, docs/usage.md) was declared before the final races:
+The default (`tfkfac.KFACConfig`; docs/guide.md §3):
 the inverse method, damping 0.03, no KL clip, factors every 10 steps and decompositions
 every 100, handed to `tfkfac.ScheduleFreeAdamW` at learning rate 0.01. The learning rate
 is the one number to tune: start at 0.01, about 1-2x the rate ScheduleFreeAdamW alone

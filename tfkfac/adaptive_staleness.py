@@ -1,4 +1,4 @@
-"""Adaptive stale statistics (docs/design_options.md §12): each block's factors are refreshed on
+"""Adaptive stale statistics (docs/design.md §12): each block's factors are refreshed on
 an interval of its own, which doubles while the block's factors change by less than a
 threshold between refreshes and halves when they change more (SP-NGD, Osawa et al.,
 TPAMI 2020, as Ueno et al. cite it), between the base factor interval and a cap.

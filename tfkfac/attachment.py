@@ -38,7 +38,7 @@ SAMPLED_IN_CUSTOM_LOOP = (
     "(`model.fit`), from the compiled loss and the model's predictions; a custom loop "
     "(`record()` and `minimize`) hands K-FAC neither: use fisher='empirical' there.")
 class Captures(typing.NamedTuple):
-    """What one step gives the optimizer's `apply` (docs/design_options.md §7).
+    """What one step gives the optimizer's `apply` (docs/design.md §7).
 
     `calls()`: per block, the (inputs, unscaled output gradients) of every call, each
     example's output gradients multiplied by its `output_scales` entry (docs/design.md

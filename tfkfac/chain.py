@@ -1,4 +1,4 @@
-"""The update as a chain (docs/design.md §1, §5, §11; docs/large_batch.md): K-FAC's
+"""The update as a chain (docs/design.md §1, §5, §11): K-FAC's
 preconditioning, then one post-transform — the KL clip, grafting, or none — then the
 inner optimizer, with Osawa et al.'s momentum coupling before it and weight rescaling
 after it when asked, in the spirit of optax's `chain`.

@@ -49,7 +49,7 @@ class KFACConfig:
     every 100, handed to `tfkfac.ScheduleFreeAdamW` at learning rate 0.01. The learning
     rate is the one number to tune: start at 0.01, about 1-2x the rate you would give
     ScheduleFreeAdamW alone; evaluate and export at its averaged weights
-    (`tfkfac.AveragedWeights`; docs/usage.md, "The default"). Every other method, inner
+    (`tfkfac.AveragedWeights`; docs/guide.md, "The default"). Every other method, inner
     optimizer and option stays available.
     """
 
@@ -73,7 +73,7 @@ class KFACConfig:
         "factor_update_freq, or a callable of the step.")
     stale_threshold: typing.Optional[float] = _setting(
         None, validation.optional(validation.positive, "turns it off"),
-        "Adaptive stale statistics (docs/design_options.md §12): each layer's factor interval "
+        "Adaptive stale statistics (docs/design.md §12): each layer's factor interval "
         "doubles while its factors change by less than this relative amount between "
         "refreshes and halves when they change more; None: every layer on "
         "factor_update_freq.")
@@ -85,13 +85,13 @@ class KFACConfig:
         "inverse", methods.check,
         "eigen: exact (A⊗G + λI)⁻¹ by eigendecompositions; inverse: π-corrected "
         "factored Tikhonov damping; eigen_adam: Adam's second moments in the factors' "
-        "eigenbases (no damping; docs/design_options.md §11); or a `tfkfac.Method` object "
-        "(docs/usage.md).", flag="kfac_method")
+        "eigenbases (no damping; docs/design.md §11); or a `tfkfac.Method` object "
+        "(docs/guide.md §3).", flag="kfac_method")
     grafting: typing.Optional[str] = _setting(
         None, validation.one_of(GRAFTING),
         "Each layer's step length from another optimizer, its direction from K-FAC: sgd "
         "(the gradient's norm) or adam (Adam's step's norm); None: K-FAC's own. The KL "
-        "clip has no effect under grafting and is not applied (docs/design_options.md §11).")
+        "clip has no effect under grafting and is not applied (docs/design.md §11).")
     adam_beta_2: float = _setting(
         0.999, validation.fraction,
         "β2 of the second moments of grafting='adam' and method='eigen_adam', in [0, 1).")
@@ -167,14 +167,14 @@ class KFACConfig:
     weight_rescaling: bool = _setting(
         False, validation.boolean,
         "Osawa et al.'s weight rescaling: after each update every managed Dense and "
-        "Conv1D/2D/3D kernel W becomes √(2·d_out)·W/(‖W‖_F + 1e-9) (docs/large_batch.md).")
+        "Conv1D/2D/3D kernel W becomes √(2·d_out)·W/(‖W‖_F + 1e-9) (docs/design.md §5).")
     couple_momentum_to_lr: bool = _setting(
         False, validation.boolean,
         "Osawa et al.'s momentum coupled to the learning rate: the inner SGD's momentum "
-        "m(t) = m(0)·η(t)/η_max, η_max the largest rate so far (docs/large_batch.md).")
+        "m(t) = m(0)·η(t)/η_max, η_max the largest rate so far (docs/design.md §5).")
     self_tuning: bool = _setting(
         False, validation.boolean,
-        "Martens & Grosse's self-tuning (docs/design_options.md §14): each step's learning "
+        "Martens & Grosse's self-tuning (docs/design.md §14): each step's learning "
         "rate and momentum from the quadratic model of the exact Fisher/GGN, λ by the "
         "Levenberg-Marquardt rule every 5 steps from `damping`, the factors' damping tied "
         "to λ; plain SGD applies the step (no learning_rate, momentum or schedule). Two "

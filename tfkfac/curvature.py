@@ -167,7 +167,7 @@ class Curvature:
     def _decomposition_variable(self, add_variable, part, name, block):
         """A variable for `part` (a `methods.Part`) of a decomposition of `block`, held
         where the placement holds decompositions: saved if they are. A matrix part is
-        stored in the block's `product_dtype` when set (docs/design_options.md §9): cast once
+        stored in the block's `product_dtype` when set (docs/design.md §9): cast once
         when computed rather than at every preconditioning product."""
         shape = part.shape
         dtype = block.product_dtype if part.matrix and block.product_dtype else self.dtype
@@ -291,9 +291,9 @@ class Curvature:
         change of its factors, `adaptive_staleness.relative_change`, else None).
 
         `weights` (N,): per-example weights of the statistics, mean 1 over the examples
-        of all ranks (docs/design_options.md §7); None counts every example once. With a
+        of all ranks (docs/design.md §7); None counts every example once. With a
         `factor_batch_fraction` below 1 the statistics come from the examples
-        `kept_examples` draws for `step` (docs/design_options.md §8).
+        `kept_examples` draws for `step` (docs/design.md §8).
         """
         keep = None
         if self.factor_batch_fraction < 1 and calls:
@@ -330,12 +330,12 @@ class Curvature:
     def update_factors_if_due(self, step, calls, interval, weights=None, ready=True):
         """`update_factors(calls(), weights)` at a due step (`interval(step)` steps after
         the last one); with adaptive stale statistics, of the blocks due at `step`, at a
-        step where any is (docs/design_options.md §12). `calls` is a function, called in the due
+        step where any is (docs/design.md §12). `calls` is a function, called in the due
         branch only: whatever makes the calls (the output gradients' unscaling) runs on
         factor steps alone. The counters' `next_factor_step` is the next step with
         factors due, which the stale steps (`tfkfac.stale_steps`) are chosen from.
 
-        A step that is not `ready` (no fresh example on any rank, docs/design_options.md §7)
+        A step that is not `ready` (no fresh example on any rank, docs/design.md §7)
         updates nothing; due work waits for the next ready step.
         """
         if self.adaptive is None:
@@ -622,7 +622,7 @@ def _one_rank():
 
 def kept_examples(examples, fraction, step, rank):
     """Indices (ascending) of the ceil(fraction · examples) examples of a batch that a
-    factor step takes its statistics from (docs/design_options.md §8): a uniformly random subset,
+    factor step takes its statistics from (docs/design.md §8): a uniformly random subset,
     drawn from (step, rank) alone, so that a rerun or a resumed run draws the same one
     and each rank its own."""
     count = tf.cast(tf.math.ceil(fraction * tf.cast(examples, tf.float64)), tf.int32)

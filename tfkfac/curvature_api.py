@@ -1,7 +1,7 @@
 """KFAC's public view of its curvature: factors, preconditioning, exact curvature products,
 counters, summary.
 
-For checking tfkfac against another K-FAC, or custom updates (docs/usage.md). A mixin of
+For checking tfkfac against another K-FAC, or custom updates (docs/guide.md §2). A mixin of
 `tfkfac.KFAC`, kept apart from the optimizer's training logic.
 """
 
@@ -70,7 +70,7 @@ class CurvatureAPI:
     def exact_curvature_products(self, x, vectors, sample_weight=None, training=True):
         """[F v for v in `vectors`]: products with the exact Fisher/GGN F = Jᵀ H_L J of the
         model's compiled loss on the batch `x`, averaged over the batch and over ranks as
-        the gradient is (docs/design_options.md §14); each a list of tensors aligned with the
+        the gradient is (docs/design.md §14); each a list of tensors aligned with the
         model's trainable variables, as each vector is.
 
         Why: K-FAC's Kronecker factors approximate F, and the exact products are what

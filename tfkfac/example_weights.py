@@ -174,7 +174,7 @@ def statistics_weights(flags, weights, mean_sums):
     reference = flags if flags is not None else weights
     batch = tf.cast(tf.size(reference), tf.float64)
     if weights is None:
-        # Fresh flags alone: u_i = f_i N / n̄ (docs/design_options.md §7).
+        # Fresh flags alone: u_i = f_i N / n̄ (docs/design.md §7).
         flags = tf.cast(flags, tf.float64)
         return StatisticsWeights(tf.math.divide_no_nan(flags * batch, mean_sums[0]), None,
                                  mean_sums[0] > 0)

@@ -1,5 +1,5 @@
 """Products with the exact curvature of the model's loss, the Fisher/GGN F = Jᵀ H_L J
-(docs/design_options.md §14): what self-tuning K-FAC measures its directions with
+(docs/design.md §14): what self-tuning K-FAC measures its directions with
 (tfkfac/self_tuning.py), and what a check of any curvature approximation needs.
 
 J is the Jacobian of the model's output with respect to the trainable variables, H_L

@@ -1,4 +1,4 @@
-"""Layer-wise grafting (docs/design_options.md §11): K-FAC gives each layer's direction, another
+"""Layer-wise grafting (docs/design.md §11): K-FAC gives each layer's direction, another
 optimizer its step length (Agarwal et al. 2020; Distributed Shampoo). A post-transform of
 the update chain (tfkfac/chain.py).
 

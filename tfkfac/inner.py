@@ -4,7 +4,7 @@ Without one, KFAC builds its default, `tfkfac.ScheduleFreeAdamW` (tfkfac/schedul
 from its own `learning_rate`, `momentum` (the rule's β1) and `weight_decay`; with one,
 those belong to it (docs/design.md §5). Saves of 0.1, when KFAC was its own momentum SGD,
 hold those three in KFAC's config and load as that SGD. `MomentumCoupling` keeps an inner
-SGD's momentum proportional to its learning rate (docs/large_batch.md).
+SGD's momentum proportional to its learning rate (docs/design.md §5).
 """
 
 import copy
@@ -19,7 +19,7 @@ INNER_ONLY = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_moment
               "ema_overwrite_frequency", "loss_scale_factor", "gradient_accumulation_steps")
 _DEFAULT_RULE = ("learning_rate", "momentum", "weight_decay")
 # The default rule's learning rate and β1 (`momentum`): the declared default
-# configuration (docs/usage.md, "The default").
+# configuration (docs/guide.md, "The default").
 DEFAULT_LEARNING_RATE = 0.01
 DEFAULT_MOMENTUM = 0.9
 # Update rules K-FAC refuses to precede, and why (the trainer words its refusal with it).

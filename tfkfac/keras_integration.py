@@ -126,7 +126,7 @@ def model_compiling(optimizer):
     tracking then calls the optimizer's `_maybe_initialize_trackable`, from which this is
     called: the model is the `self` of `compile` on the call stack, its `optimizer`
     argument (after `keras.optimizers.get`) being `optimizer`. This is before the first
-    step, so K-FAC can install its train step (docs/usage.md).
+    step, so K-FAC can install its train step (docs/guide.md §2).
     """
     return _calling_model(("compile",), lambda model, frame: (
         frame.f_locals.get("optimizer") is optimizer))

@@ -181,7 +181,7 @@ def matmul(a, b, product_dtype=None, **kwargs):
 
     With "bfloat16" the CPU kernel accumulates in float32 (oneDNN with AVX-512 BF16) or
     partly in bfloat16 (AVX2) and rounds the product to bfloat16 (TensorFlow has no CPU
-    kernel with a float32 result); docs/design_options.md §9.
+    kernel with a float32 result); docs/design.md §9.
     """
     if product_dtype is None:
         return tf.linalg.matmul(a, b, **kwargs)

@@ -48,7 +48,7 @@ class Piece:
 
 class Part(typing.NamedTuple):
     """One tensor of a stored decomposition. A `matrix` (an eigenbasis, an inverse)
-    starts as the identity and is kept in `product_dtype` (docs/design_options.md §9); any other
+    starts as the identity and is kept in `product_dtype` (docs/design.md §9); any other
     part starts at zero in the state dtype."""
 
     shape: tuple
@@ -200,7 +200,7 @@ class Inverse(Method):
 @keras.saving.register_keras_serializable(package="tfkfac")
 class EigenAdam(EigenbasisMethod):
     """Adam's second moments in the factors' eigenbases (SOAP's rule on K-FAC's bases,
-    docs/design_options.md §11): ĝ = Q_Aᵀ ∇ Q_G, s ← β2 s + (1-β2) ĝ²,
+    docs/design.md §11): ĝ = Q_Aᵀ ∇ Q_G, s ← β2 s + (1-β2) ĝ²,
     P = Q_A [ĝ / (√ŝ + ε)] Q_Gᵀ; a diagonal is its own basis. Keeps s per piece; damping
     does not enter."""
 

@@ -1,4 +1,4 @@
-"""The gradient noise scale, measured during training (docs/design_options.md
+"""The gradient noise scale, measured during training (docs/design.md
 §13).
 
 McCandlish et al. (2018, appendix A): the gradient averaged over b examples, G_b, has
@@ -189,7 +189,7 @@ class NoiseScaleProbe:
 class GradientNoiseScale(keras.callbacks.Callback):
     """Logs the gradient noise scale B_simple of each epoch: "noise_scale" of the plain
     gradient and, under K-FAC, "preconditioned_noise_scale" of the preconditioned one
-    (docs/design_options.md §13).
+    (docs/design.md §13).
 
     Data parallel (K-FAC's communicator over several ranks or replicas), from each
     rank's gradient and their average; on one process, and for Keras's own optimizers on

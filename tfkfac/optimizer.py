@@ -215,7 +215,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
     def _maybe_initialize_trackable(self):
         # The first `model.compile(optimizer=kfac)` tracks KFAC as the model's attribute,
         # which calls this: the one call Keras makes on an optimizer before the first step
-        # outside a tf.distribute strategy (docs/usage.md).
+        # outside a tf.distribute strategy (docs/guide.md §2).
         if "_attachment" in self.__dict__ and self._attachment is None:
             model = keras_integration.model_compiling(self)
             if model is not None:

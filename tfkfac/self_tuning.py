@@ -1,4 +1,4 @@
-"""Self-tuning K-FAC (Martens & Grosse 2015 §6.5-§7; docs/design_options.md §14): the step's
+"""Self-tuning K-FAC (Martens & Grosse 2015 §6.5-§7; docs/design.md §14): the step's
 learning rate α and momentum μ from the quadratic model of the exact curvature, and the
 damping λ from the Levenberg-Marquardt rule, so that none of the three is a setting.
 

@@ -11,7 +11,7 @@ before each step the counters, read outside the graph, say which of the two runs
 rank holds the same counters, so every rank runs the same function and issues the same
 collectives. With no LAPACK call and, in one process, no collective, the stale step
 compiles with XLA under `model.compile(jit_compile=True)`. With adaptive stale statistics
-(docs/design_options.md §12) the next factor step is the earliest step any block is due at.
+(docs/design.md §12) the next factor step is the earliest step any block is due at.
 
 Every step runs the factor step where the choice cannot be made per step:
 `steps_per_execution` > 1 (several steps in one graph call), `factor_examples="fresh"`

@@ -20,7 +20,7 @@ owner names, "<owner>:<parts>" (`key`: a nested layer's path "mha/query" is writ
   "adaptive_staleness:decomposed_dampings";
 - "momentum_coupling:peak_learning_rate";
 - "self_tuning:<name>" (λ, γ and the logged α, μ, M(δ), h(θ), ρ) and
-  "self_tuning:previous_update:<variable path>" (δ₀): self-tuning's (docs/design_options.md §14).
+  "self_tuning:previous_update:<variable path>" (δ₀): self-tuning's (docs/design.md §14).
 A load matches keys, not positions: a key the model lacks or a missing one (another
 architecture, method, placement or setting) is a ValueError naming them.
 

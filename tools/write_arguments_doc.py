@@ -16,7 +16,7 @@ Generated from `tfkfac.KFACConfig` by `tools/write_arguments_doc.py`; do not edi
 Each is an argument of `tfkfac.KFAC(...)` and a field of `tfkfac.KFACConfig(...)`, and the
 trainer flag beside it sets it for `python -m trainers.train --optimizer=kfac`, with the
 same default. The defaults, with KFAC's default inner optimizer `tfkfac.ScheduleFreeAdamW`,
-are the configuration declared before the final races ([usage.md](usage.md#the-default));
+are the configuration the benchmarks judge ([guide.md](guide.md#the-default));
 that optimizer's `learning_rate` (the one number to tune: start at 0.01, about 1-2x the rate
 ScheduleFreeAdamW alone takes), `momentum` (its β1, 0.9) and `weight_decay` (None) are
 arguments of `tfkfac.KFAC` too. Evaluate and export at its averaged weights

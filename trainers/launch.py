@@ -18,7 +18,7 @@ worker, which stop after the same step with a checkpoint (trainers/preemption.py
 launcher waits for them and exits 75 when they did (horovodrun itself exits 1 then), or
 kills them past their --preemption_grace_seconds and a margin. Nothing it started
 outlives it. On a cluster, start one trainer per machine with `TF_CONFIG` naming every
-worker (docs/distributed.md).
+worker (docs/guide.md §5).
 """
 
 import argparse

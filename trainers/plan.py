@@ -6,8 +6,8 @@
 --model: a trainer model, a keras.applications name or a saved .keras file. Prints the
 per-phase table, the memory per worker and the recommendation; writes plan.json and
 plan.png to --output_dir. A bad value ends it with a usage hint and one line naming the
-flag and what it allows (exit code 2, trainers/cli.py). How the model works and what it
-was validated against: docs/planner.md.
+flag and what it allows (exit code 2, trainers/cli.py). Its use: docs/guide.md §5; the
+model: trainers/planning/ (each module's docstring); its validation: docs/benchmarks.md.
 """
 
 import math

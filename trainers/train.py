@@ -145,7 +145,7 @@ flags.DEFINE_float("eval_spacing", _DEFAULTS.eval_spacing,
                    "is known to within this share of itself. 0: off.")
 flags.DEFINE_bool("noise_scale", _DEFAULTS.noise_scale,
                   "Log the gradient noise scale B_simple per epoch (noise_scale, and under "
-                  "kfac preconditioned_noise_scale); see docs/design.md.")
+                  "kfac preconditioned_noise_scale); see docs/design.md §13.")
 flags.DEFINE_integer("noise_scale_interval", _DEFAULTS.noise_scale_interval,
                      "With --noise_scale, measure every this many steps (on one process each "
                      "measured step takes one more backward pass).")
@@ -184,7 +184,7 @@ flags.DEFINE_enum("distribution", _DEFAULTS.distribution, distribution.DISTRIBUT
                   "mirrored: tf.distribute.MirroredStrategy over this machine's GPUs; "
                   "multi_worker: MultiWorkerMirroredStrategy, a process per worker with its "
                   "TF_CONFIG (trainers.launch on one host); auto: horovod under horovodrun, "
-                  "multi_worker with TF_CONFIG, else none. See docs/distributed.md.")
+                  "multi_worker with TF_CONFIG, else none. See docs/guide.md §5.")
 flags.DEFINE_float("startup_timeout_seconds", _DEFAULTS.startup_timeout_seconds,
                    "multi_worker: seconds every worker named in TF_CONFIG has to join; past "
                    "them each waiting worker ends naming the ones that did not.")

@@ -22,7 +22,7 @@ class Block:
     kind = "block"
     # Axis of the examples in the recorded pre-activations (and their gradients).
     output_batch_axis = 0
-    # dtype of the operands of the block's large matrix products (docs/design_options.md §9).
+    # dtype of the operands of the block's large matrix products (docs/design.md §9).
     product_dtype = None
 
     def __init__(self, layer, variables):
@@ -62,18 +62,18 @@ class Block:
         `out_grads` is dL/ds for the mean loss L of the batch, already unscaled, in the
         structure of the recorded pre-activations. `weights` (N,), if given, weighs each
         example's terms (all its positions): every (1/N) Σ_i becomes (1/N) Σ_i w_i
-        (docs/design_options.md §7). None counts every example once, at no extra cost.
+        (docs/design.md §7). None counts every example once, at no extra cost.
         """
         raise NotImplementedError
 
     def use_product_dtype(self, product_dtype):
         """Run the factor Gram products and the preconditioning products with operands in
-        `product_dtype` (None: the state dtype); docs/design_options.md §9."""
+        `product_dtype` (None: the state dtype); docs/design.md §9."""
         self.product_dtype = product_dtype
 
     def take_examples(self, calls, weights, keep, batch):
         """`calls` and `weights` of the examples `keep` (of `batch`) only, for factor
-        statistics from part of the batch (docs/design_options.md §8).
+        statistics from part of the batch (docs/design.md §8).
 
         Output gradients are scaled by N/n (N = `batch`, n the examples kept), so that
         N·dL/ds, the per-example gradient every block forms from `batch_size` times the

@@ -1,5 +1,5 @@
 """The planner behind `python -m trainers.plan`: predicted step times of SGD and K-FAC
-for a model on a cluster that has not been rented yet (docs/planner.md).
+for a model on a cluster that has not been rented yet (docs/guide.md §5).
 
 `hardware` holds the device and network profiles, `collectives` the α-β times of the
 collectives, `step_model` the phases of a step from the library's own geometry,

@@ -3,7 +3,7 @@
 A phase's time is its floor (floor_model.py: products and elementwise work at the
 roofline, decompositions at an effective rate) divided by the fraction of the floor a
 real step achieves. Every number is either measured on this machine by the project's
-benchmarks or published, and each profile names its sources (docs/planner.md):
+benchmarks or published, and each profile names its sources, which every plan prints:
 
 - "local": this machine. Rates from bench/results/step_floor.json (matmul, bandwidth,
   LAPACK eigh and Cholesky inverse, measured by bench/linalg_benchmark.py's `rates()`);

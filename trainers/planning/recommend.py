@@ -14,7 +14,7 @@ import itertools
 from tfkfac.distributed import assignment
 from trainers.planning import step_model
 
-# What a remedy for the one-factor bound assumes (docs/planner.md): the largest factors'
+# What a remedy for the one-factor bound assumes: the largest factors'
 # decompositions split over this many ranks at this parallel efficiency (a distributed
 # eigensolver), or refreshed this many times less often than the others.
 SPLIT_RANKS, SPLIT_EFFICIENCY, REFRESH_EVERY = 4, 0.5, 4
