@@ -55,9 +55,8 @@ def model_tables(model, result):
              for load in ((run.get("machine") or {}).get("load_average_before", [None])[:1])
              if load is not None]
     lines = [f"**{MODELS.get(model, model)}**: final target {final['accuracy']:.4f} "
-             f"({NAMES.get(final['entry'], final['entry'])}'s median final accuracy); "
-             f"measured at commit {result.get('measured_at_commit', 'unrecorded')}"
-             + (f", 1-minute load average {min(loads):.1f}-{max(loads):.1f} before the runs"
+             f"({NAMES.get(final['entry'], final['entry'])}'s median final accuracy)"
+             + (f"; 1-minute load average {min(loads):.1f}-{max(loads):.1f} before the runs"
                 if loads else "") + ".", "",
              "| K-FAC's time against | " + " | ".join(f"to {t}" for t in targets) + " |",
              "|---" * (len(targets) + 1) + "|"]

@@ -120,6 +120,7 @@ class RaceTablesTest(absltest.TestCase):
                       "1.17x [1.00, 1.33], tie | not reached by K-FAC |", text)
         self.assertIn("| K-FAC (default) | 10.0 s, 100 steps (3/3) | 35.0 s, 300 steps "
                       "(3/3) | not reached (0/3) | 0.9200 |", text)
+        self.assertNotIn("abc1234", text)  # user docs name no commit; the JSON holds it
         self.assertEqual(race_tables.tables(None), race_tables.NOT_RACED)
 
     def test_the_page_is_rewritten_between_its_markers_only(self):
