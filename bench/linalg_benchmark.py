@@ -16,7 +16,7 @@ Every kernel runs inside a `tf.function`, as in training; reported: median ms ov
 It also measures this machine's rates (`rates()`, which bench/step_floor.py imports):
 the best float32 matmul FLOP/s over square sizes, the streaming bandwidth of an
 elementwise op, and the LAPACK eigh and Cholesky-inverse FLOP/s at the nominal counts
-of trainers/planning/floor_model.py.
+the methods declare (`Method.decomposition_kernels`, tfkfac/methods.py).
 
 Run (~2 min on 2 idle cores):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/linalg_benchmark.py
@@ -29,9 +29,8 @@ import numpy as np
 import tensorflow as tf
 
 import harness
-from tfkfac import linalg
+from tfkfac import linalg, methods
 from tfkfac.blocks import ConvBlock
-from trainers.planning import floor_model
 
 FLAGS = flags.FLAGS
 
@@ -80,14 +79,14 @@ def best_seconds(function, *args, repeats):
 
 def rates(repeats, matmul_sizes=(512, 1024, 2048), stream_elements=(2 ** 20, 2 ** 24),
           decomposition_size=1024):
-    """This machine's throughputs, the rates of trainers/planning/floor_model.py's
+    """This machine's throughputs, the rates of tfkfac/costs.py's
     `Kernel.seconds`, each from the fastest of `repeats` calls.
 
     matmul: float32 FLOP/s (2n³ per product), the best of square sizes; bandwidth:
     bytes/s of `x * 2` (x read, the result written), the best of the working sets (the
     smaller one fits in the L3 cache here, the larger one does not); eigh and
     cholesky_inverse: FLOP/s of `tfkfac.linalg`'s LAPACK decompositions (as training
-    calls them) at the nominal 9n³ and n³ of trainers/planning/floor_model.py.
+    calls them) at the nominal 9n³ and n³ the methods declare (tfkfac/methods.py).
     """
     measured = {"matmul_by_size": {}, "bandwidth_by_elements": {}}
     for n in matmul_sizes:
@@ -99,11 +98,12 @@ def rates(repeats, matmul_sizes=(512, 1024, 2048), stream_elements=(2 ** 20, 2 *
         seconds = best_seconds(lambda t: t * 2.0, x, repeats=repeats)
         measured["bandwidth_by_elements"][elements] = 2 * 4 * elements / seconds
     a = factor(decomposition_size)
-    for kind, method, decompose in (
-            ("eigh", "eigen", lambda m: linalg.symmetric_eigh(m, "lapack")),
-            ("cholesky_inverse", "inverse", lambda m: linalg.damped_inverse(m, 0.01, "lapack"))):
+    for method, decompose in (
+            (methods.Eigen(), lambda m: linalg.symmetric_eigh(m, "lapack")),
+            (methods.Inverse(), lambda m: linalg.damped_inverse(m, 0.01, "lapack"))):
         seconds = best_seconds(decompose, a, repeats=repeats)
-        measured[kind] = floor_model.decomposition(decomposition_size, 1, method).flops / seconds
+        (kernel,) = method.decomposition_kernels((decomposition_size, decomposition_size))
+        measured[kernel.kind] = kernel.flops / seconds
     measured["matmul"] = max(measured["matmul_by_size"].values())
     measured["bandwidth"] = max(measured["bandwidth_by_elements"].values())
     measured["decomposition_size"] = decomposition_size

@@ -38,6 +38,7 @@ from absl import flags
 import harness
 import linalg_benchmark
 import step_time
+from tfkfac import costs
 from trainers import config as config_lib, data as data_lib, models
 from trainers.planning import floor_model
 
@@ -225,9 +226,9 @@ def main():
     report = {"batch_size": FLAGS.batch_size, "blocks": FLAGS.repeats,
               "amortized_block_steps": FLAGS.amortized_block_steps,
               "configurations": CONFIGURATIONS,
-              "floor_model": {"eigh_flops_per_n3": floor_model.EIGH_FLOPS_PER_N3,
+              "floor_model": {"eigh_flops_per_n3": costs.EIGH_FLOPS_PER_N3,
                               "cholesky_inverse_flops_per_n3":
-                                  floor_model.CHOLESKY_INVERSE_FLOPS_PER_N3},
+                                  costs.CHOLESKY_INVERSE_FLOPS_PER_N3},
               "notes": {
                   "floor": "trainers/planning/floor_model.py: per phase FLOPs and bytes "
                            "from the layer shapes, time = max(FLOPs / matmul rate, bytes / bandwidth) per "

@@ -1,4 +1,5 @@
-"""`python -m trainers.plan` run in the test's own process, as the planner tests use it."""
+"""What the planner tests share: `python -m trainers.plan` run in the test's own
+process, and a device whose rates are round numbers."""
 
 import contextlib
 import io
@@ -8,6 +9,15 @@ import tempfile
 from absl.testing import absltest, flagsaver
 
 from trainers import plan
+from trainers.planning import collectives, hardware
+
+# Rates do not enter bytes or FLOPs: any device serves those checks.
+UNIT_DEVICE = hardware.Device(
+    name="unit", matmul={"float32": 1e12, "mixed": 1e12}, bandwidth=1e11, eigh=1e11,
+    cholesky_inverse=1e11, fractions={p: {"float32": 1.0, "mixed": 1.0}
+                                      for p in hardware.PHASES},
+    intra_node=collectives.Link(1e10, 1e-6, 1e-5), sources=())
+UNIT_FABRIC = collectives.Fabric(UNIT_DEVICE.intra_node, UNIT_DEVICE.intra_node, 1, 1)
 
 
 def run_plan(*args):

@@ -23,6 +23,7 @@ REPO_ROOT = os.path.dirname(TESTS_DIR)
 sys.path.insert(0, TESTS_DIR)
 
 import plan_worker as worker  # noqa: E402
+from plan_testing import UNIT_DEVICE, UNIT_FABRIC  # noqa: E402
 import tfkfac  # noqa: E402
 from trainers.planning import floor_model  # noqa: E402
 from tfkfac import distributed, placement as placement_lib  # noqa: E402
@@ -34,13 +35,6 @@ from trainers.planning import (collectives, hardware, recommend, step_model,  # 
 
 JOB_TIMEOUT_SECONDS = 480  # 3 short fits on 2 ranks; 4 took 271 s at load 20-25
 KFAC_CATEGORIES = ("gradients", "factors", "decompositions", "preconditioned")
-# Rates do not enter bytes or FLOPs: any device serves those checks.
-UNIT_DEVICE = hardware.Device(
-    name="unit", matmul={"float32": 1e12, "mixed": 1e12}, bandwidth=1e11, eigh=1e11,
-    cholesky_inverse=1e11, fractions={p: {"float32": 1.0, "mixed": 1.0}
-                                      for p in hardware.PHASES},
-    intra_node=collectives.Link(1e10, 1e-6, 1e-5), sources=())
-UNIT_FABRIC = collectives.Fabric(UNIT_DEVICE.intra_node, UNIT_DEVICE.intra_node, 1, 1)
 
 
 class BytesMatchTwoRankJobTest(parameterized.TestCase):

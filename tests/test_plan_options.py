@@ -10,6 +10,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl.testing import absltest, parameterized  # noqa: E402
 
+import plan_testing  # noqa: E402
 from plan_testing import run_plan, temporary_path  # noqa: E402
 from trainers.planning import collectives, hardware, recommend, step_model, workloads  # noqa: E402
 
@@ -17,11 +18,7 @@ LINK = collectives.Link(bandwidth=1e9, ring_step_latency=1e-5, tree_level_latenc
 NVLINK = collectives.Link(bandwidth=1e11, ring_step_latency=1e-6, tree_level_latency=2e-6)
 # 4 ranks a node, 2 links: 8 ranks are 2 nodes.
 FABRIC = collectives.Fabric(LINK, NVLINK, ranks_per_node=4, links_per_node=2)
-UNIT_DEVICE = hardware.Device(
-    name="unit", matmul={"float32": 1e12, "mixed": 1e12}, bandwidth=1e11, eigh=1e11,
-    cholesky_inverse=1e11, fractions={p: {"float32": 1.0, "mixed": 1.0}
-                                      for p in hardware.PHASES},
-    intra_node=NVLINK, sources=(), overlap_hides=1.0)
+UNIT_DEVICE = dataclasses.replace(plan_testing.UNIT_DEVICE, intra_node=NVLINK, overlap_hides=1.0)
 
 
 class HierarchicalCollectivesTest(absltest.TestCase):

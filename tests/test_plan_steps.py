@@ -177,7 +177,7 @@ class PlannerTest(absltest.TestCase):
 
     def test_a_step_that_cannot_be_priced_is_refused(self):
         """No measured step where one is needed, another machine than the local
-        profile's, a method the planner does not cost, a first-order entry as K-FAC's:
+        profile's, settings tfkfac refuses, a first-order entry as K-FAC's:
         one line each."""
         kfac_512 = lambda data: data["entries"]["kfac_inverse"]["batches"]["512"]
         for damage, expected in (
@@ -185,7 +185,7 @@ class PlannerTest(absltest.TestCase):
                  "has no measured step of kfac_inverse at batch 512"),
                 (lambda d: d["machine"].update(cpus=64), "was timed on 64 CPUs"),
                 (lambda d: d["entries"]["kfac_inverse"]["settings"].update(
-                    kfac_method="eigen_adam"), "kfac_inverse ran method eigen_adam"),
+                    kfac_method="cholesky"), "kfac_inverse's settings cannot be priced: `method`"),
                 (lambda d: d["entries"]["kfac_inverse"]["settings"].update(optimizer="sgd"),
                  "kfac_inverse is not a K-FAC entry (optimizer sgd)")):
             with self.subTest(expected):

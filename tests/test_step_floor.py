@@ -14,6 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
+from tfkfac import methods  # noqa: E402
 from trainers.planning import floor_model  # noqa: E402
 
 BYTES = 4  # float32
@@ -31,6 +32,11 @@ def geometry(layer, input_shape, batch_size):
 
 def flops(kernels):
     return floor_model.total(kernels)[0]
+
+
+def decompositions(block, method):
+    """Every kernel of `method`'s decompositions of `block`'s full factors."""
+    return [k for ks in floor_model.decomposition_kernels(block, method) for k in ks]
 
 
 class DenseCountTest(absltest.TestCase):
@@ -57,14 +63,15 @@ class DenseCountTest(absltest.TestCase):
 
     def test_preconditioning(self):
         left, right = 2 * 21 * 21 * 30, 2 * 21 * 30 * 30  # (21x21)(21x30), (21x30)(30x30)
-        self.assertEqual(flops(self.block.precondition_kernels("inverse")), left + right)
-        self.assertEqual(flops(self.block.precondition_kernels("eigen")),
+        self.assertEqual(flops(floor_model.precondition_kernels(self.block, "inverse")),
+                         left + right)
+        self.assertEqual(flops(floor_model.precondition_kernels(self.block, "eigen")),
                          2 * (left + right) + 3 * 21 * 30)
 
     def test_decompositions(self):
-        self.assertEqual(flops(self.block.decomposition_kernels("eigen")),
+        self.assertEqual(flops(decompositions(self.block, "eigen")),
                          9 * (21 ** 3 + 30 ** 3))
-        self.assertEqual(flops(self.block.decomposition_kernels("inverse")),
+        self.assertEqual(flops(decompositions(self.block, "inverse")),
                          21 ** 3 + 30 ** 3)
 
     def test_forward_backward(self):
@@ -82,7 +89,8 @@ class DenseCountTest(absltest.TestCase):
         self.assertEqual(summary["decomposition"]["flops_per_step"], (21 ** 3 + 30 ** 3) / 100)
         # KL clip: Σ<P, ∇> (2 FLOPs) and the scaling (1) per managed parameter.
         self.assertEqual(summary["precondition"]["flops_per_step"],
-                         flops(self.block.precondition_kernels("inverse")) + 3 * parameters)
+                         flops(floor_model.precondition_kernels(self.block, "inverse"))
+                         + 3 * parameters)
         self.assertEqual(summary["update"]["flops_per_step"], 4 * parameters)
         communication = floor["communication"]
         packed = 21 * 22 // 2 + 30 * 31 // 2  # upper triangles on the wire
@@ -127,8 +135,8 @@ class Conv2DCountTest(parameterized.TestCase):
         self.assertEqual(floor_model.total(kernels)[1],
                          a_bytes + BYTES * (rows * 4 + 4 * 4) + BYTES * 3 * (a * a + 4 * 4))
         left, right = 2 * a * a * 4, 2 * a * 4 * 4
-        self.assertEqual(flops(block.precondition_kernels("inverse")), left + right)
-        self.assertEqual(flops(block.precondition_kernels("eigen")),
+        self.assertEqual(flops(floor_model.precondition_kernels(block, "inverse")), left + right)
+        self.assertEqual(flops(floor_model.precondition_kernels(block, "eigen")),
                          2 * (left + right) + 3 * a * 4)
         self.assertEqual(flops(block.forward_kernels()), 3 * 2 * rows * d * 4)
 
@@ -139,9 +147,9 @@ class KernelTimeTest(absltest.TestCase):
         rates = {"matmul": 100.0, "bandwidth": 10.0, "eigh": 50.0, "cholesky_inverse": 5.0}
         self.assertEqual(floor_model.Kernel("matmul", 1000.0, 50.0).seconds(rates), 10.0)
         self.assertEqual(floor_model.Kernel("memory", 100.0, 500.0).seconds(rates), 50.0)
-        self.assertEqual(floor_model.decomposition(10, 2, "eigen").seconds(rates),
+        self.assertEqual(methods.Eigen().decomposition_kernels((2, 10, 10))[0].seconds(rates),
                          9 * 2 * 1000 / 50.0)
-        self.assertEqual(floor_model.decomposition(10, 1, "inverse").seconds(rates),
+        self.assertEqual(methods.Inverse().decomposition_kernels((10, 10))[0].seconds(rates),
                          1000 / 5.0)
 
 

@@ -29,13 +29,16 @@ RENAMED = {"inv_update_freq": "decomposition_update_freq",
            "eigen_wire_dtype": "decomposition_wire_dtype"}
 
 
-def _setting(default, check, doc, flag=True, saved=True):
+def _setting(default, check, doc, flag=True, saved=True, changes_work=True):
     """A field of `KFACConfig`. `flag`: whether the trainer exposes it as an absl flag
     (True: under the setting's name; a string: under that name; False: not a flag).
     `saved`: whether `to_config` (the optimizer's saved config) holds it; False for how
-    one job's ranks communicate, which another job that loads the save chooses anew."""
+    one job's ranks communicate, which another job that loads the save chooses anew.
+    `changes_work`: whether its value can change what a step computes or moves, so that
+    the planner (trainers/planning/) prices it or names it as not priced."""
     return dataclasses.field(default=default, metadata={"check": check, "doc": doc,
-                                                        "flag": flag, "saved": saved})
+                                                        "flag": flag, "saved": saved,
+                                                        "changes_work": changes_work})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +59,10 @@ class KFACConfig:
     damping: typing.Any = _setting(
         0.03, validation.positive_or_schedule,
         "Tikhonov damping λ: a number > 0 or a callable of the step "
-        "(`tfkfac.WarmupDamping` is Osawa et al.'s warm-up).")
+        "(`tfkfac.WarmupDamping` is Osawa et al.'s warm-up).", changes_work=False)
     factor_decay: float = _setting(
-        0.95, validation.fraction, "ξ of the factors' running average, in [0, 1).")
+        0.95, validation.fraction, "ξ of the factors' running average, in [0, 1).",
+        changes_work=False)
     kl_clip: typing.Optional[float] = _setting(
         None, validation.optional(validation.positive, "disables it"),
         "κ of the KL clip (Pauloski et al. eq. 18) scaling every step; None disables it "
@@ -94,14 +98,15 @@ class KFACConfig:
         "clip has no effect under grafting and is not applied (docs/design.md §11).")
     adam_beta_2: float = _setting(
         0.999, validation.fraction,
-        "β2 of the second moments of grafting='adam' and method='eigen_adam', in [0, 1).")
+        "β2 of the second moments of grafting='adam' and method='eigen_adam', in [0, 1).",
+        changes_work=False)
     adam_epsilon: float = _setting(
         1e-7, validation.positive,
-        "ε of grafting='adam' and method='eigen_adam': ∇ / (√v̂ + ε).")
+        "ε of grafting='adam' and method='eigen_adam': ∇ / (√v̂ + ε).", changes_work=False)
     diagonal_damping_multiplier: float = _setting(
         1.0, validation.positive,
         "ρ of the diagonal blocks (BatchNorm, LayerNorm, GroupNorm, RMSNorm), "
-        "preconditioned by 1/(F + ρλ).")
+        "preconditioned by 1/(F + ρλ).", changes_work=False)
     weight_sharing: str = _setting(
         "expand", validation.one_of(WEIGHT_SHARING),
         "Layers applied at several positions per example: expand (each position counts "
@@ -159,7 +164,7 @@ class KFACConfig:
     fisher_seed: int = _setting(
         0, lambda name, value: validation.integer(name, value, 0, validation.INT64_MAX),
         "With fisher='sampled': the seed of the draws (stateless, keyed by the step and "
-        "the rank).")
+        "the rank).", changes_work=False)
     product_dtype: typing.Optional[str] = _setting(
         None, validation.one_of(PRODUCT_DTYPES),
         "bfloat16: Gram and preconditioning products with bfloat16 operands (native "
@@ -171,7 +176,8 @@ class KFACConfig:
     couple_momentum_to_lr: bool = _setting(
         False, validation.boolean,
         "Osawa et al.'s momentum coupled to the learning rate: the inner SGD's momentum "
-        "m(t) = m(0)·η(t)/η_max, η_max the largest rate so far (docs/design.md §5).")
+        "m(t) = m(0)·η(t)/η_max, η_max the largest rate so far (docs/design.md §5).",
+        changes_work=False)
     self_tuning: bool = _setting(
         False, validation.boolean,
         "Martens & Grosse's self-tuning (docs/design.md §14): each step's learning "

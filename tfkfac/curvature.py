@@ -118,7 +118,7 @@ class Curvature:
                     [self._decomposition_variable(add_variable, part,
                                                   f"{block.name}_decomp{j}_{k}", block)
                      for k, part in enumerate(self.method.decomposition_parts(shape))]
-                    for j, shape in enumerate(self._full_factor_shapes(block))]
+                    for j, shape in enumerate(methods.full_factor_shapes(block))]
             method_state = None
             if self.placement.saves_decompositions:
                 method_state = self._method_state_variables(add_variable, block)
@@ -158,11 +158,6 @@ class Curvature:
         return [add_variable(shape, "zeros", f"{block.name}_{self.method.state_name}{k}",
                              self.dtype)
                 for k, shape in enumerate(methods.state_shapes(self.method, block))]
-
-    @staticmethod
-    def _full_factor_shapes(block):
-        shapes = block.factor_shapes()
-        return [shapes[j] for j in block.symmetric_factors()]
 
     def _decomposition_variable(self, add_variable, part, name, block):
         """A variable for `part` (a `methods.Part`) of a decomposition of `block`, held

@@ -6,16 +6,19 @@ matrix per *piece* of its curvature and back (`Block.pieces`, `gradient_matrices
 factor a full symmetric matrix or a diagonal kept as a vector (an Embedding's A), or one
 diagonal F damped with ρλ (a normalization layer). A method decomposes a piece's full
 factors and preconditions its matrix, so a new method is a `Method` subclass and touches
-no block. The math of the built-in three is docs/design.md §2, §3 and §11.
+no block. It also says what that work costs (`decomposition_kernels`,
+`precondition_kernels`, in tfkfac/costs.py's kernels), which the planner prices. The math
+of the built-in three is docs/design.md §2, §3 and §11.
 """
 
 import dataclasses
+import math
 import typing
 
 import keras
 import tensorflow as tf
 
-from tfkfac import linalg, validation
+from tfkfac import costs, linalg, validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,25 @@ class Method:
         reduced (`KFACConfig.overlap_reduction`); a method that does not say is taken to."""
         return True
 
+    # --- what the work costs, for the planner (trainers/planning/), in tfkfac/costs.py's
+    # kernels: a method says it here, next to its math, and is priced without an edit
+    # to the planner.
+    def decomposition_kernels(self, shape, itemsize=4):
+        """The kernels of `decompose` of one full factor of `shape`, (n, n) or (q, n, n).
+        Nothing for a method that keeps no decomposition (`decomposition_parts`)."""
+        if self.decomposition_parts(shape):
+            raise NotImplementedError(
+                f"{type(self).__name__} keeps a decomposition (decomposition_parts) but "
+                "does not say what computing it costs: define decomposition_kernels")
+        return []
+
+    def precondition_kernels(self, piece, matrix_shape, itemsize=4):
+        """The kernels of `precondition` of `piece`, whose gradient matrix has
+        `matrix_shape`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not say what its preconditioning costs: define "
+            "precondition_kernels")
+
     def get_config(self):
         """The constructor's arguments (Keras serialization)."""
         return {}
@@ -127,6 +149,26 @@ def _damped_diagonal(piece, matrix, factors, damping):
     return matrix / (fisher + piece.damping_multiplier * damping)
 
 
+def _damped_diagonal_kernels(matrix_shape, itemsize):
+    """`_damped_diagonal`'s work: ∇ and F read, the quotient written (2 FLOPs an entry)."""
+    return [costs.elementwise(math.prod(matrix_shape), 2, 2, 1, itemsize)]
+
+
+def _pair_products(matrix_shape, itemsize):
+    """The products of a pair's (q, a, o) gradient matrix by its A side (a, a) and by
+    its G side (o, o), each batched over the q pairs."""
+    *batch, a, o = matrix_shape
+    q = math.prod(batch)
+    return [costs.product(a, a, o, q, itemsize), costs.product(a, o, o, q, itemsize)]
+
+
+def _rotation_kernels(piece, matrix_shape, itemsize):
+    """Q_Aᵀ ∇ Q_G (or Q_A (.) Q_Gᵀ): a product per full factor; a diagonal's eigenbasis
+    is the identity."""
+    return [product for product, diagonal in zip(_pair_products(matrix_shape, itemsize),
+                                                  piece.diagonal) if not diagonal]
+
+
 class EigenbasisMethod(Method):
     """A method that keeps each full factor's [eigenbasis, eigenvalues] (eigenvalues
     clipped at 0); a diagonal's eigenbasis is the identity, its eigenvalues the vector."""
@@ -137,6 +179,9 @@ class EigenbasisMethod(Method):
     def decompose(self, piece, factors, position, damping):
         values, vectors = linalg.symmetric_eigh(factors[position])
         return [vectors, values]
+
+    def decomposition_kernels(self, shape, itemsize=4):
+        return [costs.decomposition("eigh", costs.EIGH_FLOPS_PER_N3, shape, itemsize)]
 
 
 @keras.saving.register_keras_serializable(package="tfkfac")
@@ -153,6 +198,14 @@ class Eigen(EigenbasisMethod):
                                   for f, d in zip(factors, decompositions)]
         return linalg.eigen_precondition(matrix, q_a, v_a, q_g, v_g, damping,
                                          product_dtype), []
+
+    def precondition_kernels(self, piece, matrix_shape, itemsize=4):
+        if not piece.pair:
+            return _damped_diagonal_kernels(matrix_shape, itemsize)
+        rotation = _rotation_kernels(piece, matrix_shape, itemsize)
+        # Divided by v_A v_Gᵀ + λ, 3 FLOPs an entry, between the two rotations.
+        return rotation + [costs.elementwise(math.prod(matrix_shape), 3, 1, 1,
+                                             itemsize)] + rotation
 
     def reads_factors(self, piece):
         return _has_diagonal(piece)
@@ -181,6 +234,10 @@ class Inverse(Method):
         shift = self._shifts(piece, factors, damping)[position]
         return [linalg.damped_inverse(factors[position], shift)]
 
+    def decomposition_kernels(self, shape, itemsize=4):
+        return [costs.decomposition("cholesky_inverse", costs.CHOLESKY_INVERSE_FLOPS_PER_N3,
+                                    shape, itemsize)]
+
     def precondition(self, piece, matrix, factors, decompositions, damping, state, step,
                      product_dtype=None):
         if not piece.pair:
@@ -192,6 +249,14 @@ class Inverse(Method):
                 else linalg.matmul(a_inverse[0], matrix, product_dtype))
         return (left / (g[..., None, :] + shift_g) if g_inverse is None
                 else linalg.matmul(left, g_inverse[0], product_dtype)), []
+
+    def precondition_kernels(self, piece, matrix_shape, itemsize=4):
+        if not piece.pair:
+            return _damped_diagonal_kernels(matrix_shape, itemsize)
+        # A⁻¹ ∇ G⁻¹; a diagonal side divides ∇ entrywise (1 FLOP an entry).
+        divided = costs.elementwise(math.prod(matrix_shape), 1, 1, 1, itemsize)
+        return [divided if diagonal else product for product, diagonal
+                in zip(_pair_products(matrix_shape, itemsize), piece.diagonal)]
 
     def reads_factors(self, piece):
         return _has_diagonal(piece)
@@ -227,6 +292,15 @@ class EigenAdam(EigenbasisMethod):
         rotated = linalg.to_eigenbasis(matrix, q_a, q_g, product_dtype)
         scaled, moment = self._scale(rotated, moment, step)
         return linalg.from_eigenbasis(scaled, q_a, q_g, product_dtype), [moment]
+
+    def precondition_kernels(self, piece, matrix_shape, itemsize=4):
+        # `linalg.adam_scale`: s ← β2 s + (1-β2) ĝ² (4 FLOPs an entry), ŝ = s / (1 - β2^t),
+        # √ŝ + ε and the quotient (4); ĝ and s read, s and the result written.
+        scale = [costs.elementwise(math.prod(matrix_shape), 8, 2, 2, itemsize)]
+        if not piece.pair:
+            return scale
+        rotation = _rotation_kernels(piece, matrix_shape, itemsize)
+        return rotation + scale + rotation
 
     def reads_factors(self, piece):
         return False
@@ -285,10 +359,32 @@ def decompose_factor(method, block, j, factors, damping):
 
 
 def state_shapes(method, block):
-    """Shapes of `method`'s state for `block`, its pieces' in order."""
+    """Shapes of `method`'s state for `block` (a block, or its `costs.BlockCost`), its
+    pieces' in order."""
     factor_shapes = block.factor_shapes()
     return [shape for piece in block.pieces()
             for shape in method.state_shapes(piece, piece.matrix_shape(factor_shapes))]
+
+
+def full_factor_shapes(block):
+    """The shapes of `block`'s full factors (a block's, or its `costs.BlockCost`'s), in
+    `symmetric_factors()` order: those a method decomposes."""
+    factor_shapes = block.factor_shapes()
+    return [factor_shapes[j] for j in block.symmetric_factors()]
+
+
+def decomposition_elements(method, shape):
+    """Elements of `method`'s stored decomposition of a full factor of `shape`."""
+    return sum(math.prod(part.shape) for part in method.decomposition_parts(shape))
+
+
+def precondition_kernels(method, block, itemsize=4):
+    """The kernels of `method`'s preconditioning of `block` (a block, or its
+    `costs.BlockCost`), its pieces' in order."""
+    factor_shapes = block.factor_shapes()
+    return [kernel for piece in block.pieces()
+            for kernel in method.precondition_kernels(piece, piece.matrix_shape(factor_shapes),
+                                                      itemsize)]
 
 
 def precondition_block(method, block, grads, factors, decompositions, damping, state=(),

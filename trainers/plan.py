@@ -17,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
+from tfkfac.fisher import FISHERS  # noqa: E402
 from trainers import cli  # noqa: E402
 from trainers.planning import (hardware, measured_steps, memory, pricing,  # noqa: E402
                                recommend, report, step_model, workloads)
@@ -53,13 +54,18 @@ flags.DEFINE_list("factor_intervals", ["1", "10"], "Factor intervals compared.")
 flags.DEFINE_list("decomposition_intervals", ["10", "100"],
                   "Decomposition intervals compared.")
 flags.DEFINE_list("weight_sharing", list(workloads.WEIGHT_SHARING), "Weight-sharing rules.")
-flags.DEFINE_list("methods", list(step_model.METHODS), "Decomposition methods compared.")
+flags.DEFINE_list("methods", list(step_model.METHODS), "Preconditioning methods compared.")
 flags.DEFINE_list("overlap_reduction", ["false"], "Compared values of tfkfac's "
                   "overlap_reduction (false, true); with --collective=reduce_scatter_v the "
                   "papers' overlap of A's reduction with the backward pass.")
 flags.DEFINE_list("hierarchical_reduction", ["false"], "Compared values of tfkfac's "
                   "hierarchical_reduction (false, true): means summed within each node, "
                   "then across nodes.")
+flags.DEFINE_list("factor_batch_fractions", ["1"], "Compared values of tfkfac's "
+                  "factor_batch_fraction: the share of each batch, in (0, 1], the factor "
+                  "statistics are taken from.")
+flags.DEFINE_list("fishers", ["empirical"], "Compared values of tfkfac's fisher "
+                  f"({', '.join(FISHERS)}): sampled adds a backward pass on factor steps.")
 flags.DEFINE_float("forward_backward_ms", None, "Measured forward/backward of one worker "
                    "at --batch (replaces the device model's; required for a model with "
                    "weight products the planner cannot count, e.g. an LSTM).")
@@ -89,15 +95,26 @@ def _choices(name, values, allowed):
     return chosen
 
 
-def _integers(name, values, low=1, high=None):
+def _numbers(name, values, parse, accepted, wanted):
+    """`values` parsed by `parse`, every one `accepted`; else a ValueError naming the flag
+    and the `wanted` values."""
     try:
-        numbers = [int(v) for v in values]
+        numbers = [parse(v) for v in values]
     except ValueError:
         numbers = []
-    if not numbers or min(numbers) < low or (high is not None and max(numbers) > high):
-        bounds = f"from {low} to {high}" if high else f"of at least {low}"
-        raise ValueError(f"--{name} must be a list of integers {bounds}; got {','.join(values)}")
+    if not numbers or not all(accepted(n) for n in numbers):
+        raise ValueError(f"--{name} must be a list of {wanted}; got {','.join(values)}")
     return numbers
+
+
+def _integers(name, values, low=1, high=None):
+    bounds = f"from {low} to {high}" if high else f"of at least {low}"
+    return _numbers(name, values, int, lambda n: n >= low and (high is None or n <= high),
+                    f"integers {bounds}")
+
+
+def _fractions(name, values):
+    return _numbers(name, values, float, lambda n: 0 < n <= 1, "numbers in (0, 1]")
 
 
 def _booleans(name, values):
@@ -145,7 +162,9 @@ def _settings():
         _choices("methods", FLAGS.methods, step_model.METHODS),
         _booleans("overlap_reduction", FLAGS.overlap_reduction),
         _booleans("hierarchical_reduction", FLAGS.hierarchical_reduction),
-        FLAGS.collective.lower())
+        FLAGS.collective.lower(),
+        _fractions("factor_batch_fractions", FLAGS.factor_batch_fractions),
+        _choices("fishers", FLAGS.fishers, FISHERS))
     if not configs:
         config, why = refused[0]
         raise ValueError(f"tfkfac refuses every configuration compared, e.g. "
@@ -240,10 +259,7 @@ def main(_):
                                      _priced(settings, fabric, forward_backward_s))
     except ValueError as error:
         CLI.usage_error(str(error))
-    # The bound of exact K-FAC (eigen, the default wires and rule) when it was compared:
-    # the method whose decompositions cost most, so the one a worker count must spread.
-    exact = [c for c in results[-1]["times"] if recommend.same_approximation(c, "eigen")]
-    bounded = min(exact, key=results[-1]["times"].get) if exact else results[-1]["best"]
+    bounded = recommend.bound_configuration(work, results[-1]["times"])
     bound = dict(recommend.one_factor_bound(work, bounded, workers, device),
                  configuration=bounded)
     needs = memory.per_worker(work, settings["placements"], workers,
@@ -258,7 +274,8 @@ def main(_):
                "forward_backward": "measured (--forward_backward_ms)" if forward_backward_s
                else f"from the {device.name} profile",
                "steps_to_target": settings["steps_source"],
-               "layers_without_block": [s["layer"] for s in work.skipped]}
+               "layers_without_block": [s["layer"] for s in work.skipped],
+               "unpriced_settings": list(step_model.unpriced_settings())}
     if settings["refused"]:
         config, why = settings["refused"][0]
         print(f"Left out {len(settings['refused'])} configuration(s) tfkfac refuses, e.g. "

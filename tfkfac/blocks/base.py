@@ -89,6 +89,18 @@ class Block:
                  for inputs, grads in calls]
         return calls, None if weights is None else tf.gather(weights, keep)
 
+    # --- what the planner prices (trainers/planning/) ----------------------------
+    def cost(self, calls, batch_size):
+        """What this block's work costs at one batch, a `tfkfac.costs.BlockCost`, from
+        its recorded `calls` [(inputs, pre-activations)] of `batch_size` examples."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what its work costs: "
+                                  "define Block.cost")
+
+    def cost_layout(self):
+        """The `costs.BlockCost` fields every block fills alike: its factors and pieces."""
+        return {"block_factor_shapes": tuple(tuple(s) for s in self.factor_shapes()),
+                "block_pieces": tuple(self.pieces())}
+
     # --- what the method preconditions ----------------------------------------
     def pieces(self):
         """The independent pieces of this block's curvature (`tfkfac.methods.Piece`):

@@ -43,6 +43,7 @@ import types
 import keras
 import tensorflow as tf
 
+from tfkfac import costs
 from tfkfac.blocks import conv_correlation
 from tfkfac.blocks.base import Block, Unsupported, as_float, layer_input, per_row
 from tfkfac.blocks.kronecker import KroneckerBlock
@@ -138,6 +139,15 @@ class ConvBlock(KroneckerBlock):
             return None
         return int(input_shape[0]) * conv_correlation.multiply_adds(
             *self._stride_1_geometry(input_shape), self.channels_in)
+
+    def cost(self, calls, batch_size):
+        """The Kronecker rule's, and im2col's reads of the inputs, or A's correlation
+        products where every call gets A from them."""
+        correlation = [self.correlation_multiply_adds(inputs.shape) for inputs, _ in calls]
+        return dataclasses.replace(
+            super().cost(calls, batch_size),
+            patch_input=sum(math.prod(inputs.shape) for inputs, _ in calls),
+            correlation_multiply_adds=sum(correlation) if None not in correlation else 0)
 
     def input_rows(self, inputs):
         patches = self.patches(inputs)
@@ -273,6 +283,12 @@ class SeparableConvBlock(Block):
                 for statistic in part.batch_statistics(
                     [(inputs[i], out_grads[i]) for inputs, out_grads in calls], batch_size,
                     weights)]
+
+    def cost(self, calls, batch_size):
+        """Each part's, on its own (input, pre-activation) of every call."""
+        return costs.PartsCost(**self.cost_layout(), parts=tuple(
+            part.cost([(inputs[i], outputs[i]) for inputs, outputs in calls], batch_size)
+            for i, part in enumerate(self.parts)))
 
     def pieces(self):
         """The two parts' pairs, each part's factor indices shifted past the earlier's."""

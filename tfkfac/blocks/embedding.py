@@ -7,9 +7,11 @@ gradient matrix is the embeddings' gradient (docs/design.md §2 gives what the m
 make of a diagonal A).
 """
 
+import math
+
 import tensorflow as tf
 
-from tfkfac import linalg
+from tfkfac import costs, linalg
 from tfkfac.blocks.base import Block, as_float, per_row
 
 
@@ -39,6 +41,12 @@ class EmbeddingBlock(Block):
         g = linalg.matmul(weighted_rows, g_rows, self.product_dtype,
                           transpose_a=True) * (n / positions)
         return [counts / n, g]
+
+    def cost(self, calls, batch_size):
+        """One row of G's Gram per token of every call."""
+        return costs.EmbeddingCost(**self.cost_layout(), vocabulary=self.vocabulary,
+                                   width=self.width,
+                                   rows=sum(math.prod(tokens.shape) for tokens, _ in calls))
 
     def gradient_matrices(self, grads):
         return [as_float(grads[0])]

@@ -21,7 +21,7 @@ pairs (a block-diagonal layer such as a grouped convolution), all computed batch
 
 import tensorflow as tf
 
-from tfkfac import linalg
+from tfkfac import costs, linalg
 from tfkfac.blocks.base import Block, as_float, layer_input, per_row
 
 
@@ -93,6 +93,15 @@ class KroneckerBlock(Block):
         positions = tf.cast(tf.shape(g_rows)[-2], g_rows.dtype) / n
         # G = (1/(N T)) Σ (N dL/ds)(N dL/ds)ᵀ = (N / T) Σ dL/ds dL/dsᵀ
         return _gram(g_rows, row_weights, self.product_dtype) * (n / positions)
+
+    def cost(self, calls, batch_size):
+        """The layer's product at its rows over all calls; under "reduce" the Gram
+        products have one row per example and call."""
+        rows = sum(int(self.output_rows(out).shape[-2]) for _, out in calls)
+        return costs.KroneckerCost(
+            **self.cost_layout(), groups=self.groups, product_rows=rows,
+            statistics_rows=batch_size * len(calls) if self.weight_sharing == "reduce" else rows,
+            in_dim=self.in_dim, out_dim=self.out_dim, has_bias=self.has_bias)
 
     def grad_matrix(self, grads):
         """[dL/dW ; dL/db] as a (a_dim, out_dim) matrix, bias row last."""

@@ -16,10 +16,13 @@ normalization ops (in float32, or float64 with state_dtype="float64") when facto
 updated, so steps without a factor update pay nothing for it.
 """
 
+import math
+
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tfkfac import costs
 from tfkfac.blocks.base import Block, Unsupported, as_float
 from tfkfac.methods import Piece
 
@@ -93,6 +96,14 @@ class NormalizationBlock(Block):
         if weights is not None:
             squares = squares * weights[:, None]
         return [tf.reduce_mean(squares, axis=0)]
+
+    def cost(self, calls, batch_size):
+        """x̂ recomputed over every call's input, one per-example gradient per example."""
+        (size,) = self.factor_shapes()[0]
+        return costs.DiagonalCost(
+            **self.cost_layout(), size=size,
+            input_elements=sum(math.prod(inputs.shape) for inputs, _ in calls),
+            batch_size=batch_size)
 
     def pieces(self):
         """One diagonal F, damped with ρλ (docs/design.md §3)."""

@@ -1,46 +1,37 @@
 """The arithmetic floor of a training step: FLOPs and bytes per phase, from layer shapes.
 
-A step is a list of kernels per phase (docs/design.md §1), each counted from the shapes
-of the layers K-FAC manages at a given batch:
+A step is a list of kernels per phase (docs/design.md §1). What a block's and a method's
+work costs is theirs to say, next to their math, in tfkfac/costs.py's kernels:
 
-- forward/backward (K-FAC and SGD alike): every weight product of the model (a
-  Kronecker block's layer, MultiHeadAttention's score and value products) three times,
-  forward, input gradient and weight gradient (≈ 3x the forward matmul FLOPs);
-- factors, on factor steps: im2col of convolutions (the patch matrix written), the Gram
-  products A = ĀᵀĀ and G = ḡᵀḡ of every Kronecker block (2·rows·n² each, full products
-  as TensorFlow computes them; a symmetric rank-k update would halve them), or for a
-  convolution whose A comes from input correlations (tfkfac/blocks/conv_correlation.py)
-  those products' multiply-adds and no patch matrix, the diagonal blocks' per-example
-  gradients, and the running averages;
+- forward/backward (K-FAC and SGD alike): every block's weight products (`Block.cost`'s
+  `forward_kernels`: a Kronecker block's layer forward, input gradient and weight
+  gradient, ≈ 3x the forward matmul FLOPs) and MultiHeadAttention's score and value
+  products, counted here;
+- factors, on factor steps: every block's statistics (`statistics_kernels`: im2col and
+  the Gram products A = ĀᵀĀ and G = ḡᵀḡ, input correlations, the diagonal blocks'
+  per-example gradients, the running averages);
 - communication: bytes per collective, for a job of `ranks` processes (none for one);
-- decompositions, on decomposition steps: per symmetric factor (a batch of q counts q
-  times) one eigendecomposition (method "eigen", 9n³ FLOPs) or one Cholesky inverse
-  (method "inverse", n³: potrf n³/3 + potri 2n³/3);
-- preconditioning, every step: Q_Aᵀ ∇ Q_G, the scaling and Q_A (.) Q_Gᵀ (eigen), or
-  A⁻¹ ∇ G⁻¹ (inverse), per block; the diagonal blocks; the KL clip's inner products;
+- decompositions, on decomposition steps: per full factor the method's
+  (`Method.decomposition_kernels`: "eigen" one eigendecomposition, 9n³ FLOPs, "inverse"
+  one Cholesky inverse, n³);
+- preconditioning, every step: the method's per piece of every block
+  (`Method.precondition_kernels`), and the KL clip's inner products;
 - update: momentum SGD over every trainable parameter (read g, m, w; write m, w).
 
 A kernel's floor time on a machine is `Kernel.seconds(rates)`: products and elementwise
 work at the roofline max(FLOPs / matmul rate, bytes / streaming bandwidth), LAPACK
 decompositions at their measured rate; `rates` come from
 `bench/linalg_benchmark.py`'s `rates()`. Counts are in the state dtype (float32).
-
-Pure counting functions of numbers (`product`, `gram`, `elementwise`, `decomposition`,
-the `*_kernels` of each geometry) do not touch TensorFlow; `model_floor` derives the
-geometries from a model by recording one forward pass (`tfkfac.capture.Recorder`).
+`record_geometries` asks the blocks of a model for their costs by recording one forward
+pass (`tfkfac.capture.Recorder`).
 """
 
-import dataclasses
+import functools
 import math
 
-# Golub & Van Loan (4th ed.), §8.3: tridiagonalization and the symmetric QR algorithm
-# with the eigenvectors accumulated, about 9n³ FLOPs.
-EIGH_FLOPS_PER_N3 = 9.0
-# LAPACK potrf (n³/3) then potri (2n³/3): the inverse from the Cholesky factor.
-CHOLESKY_INVERSE_FLOPS_PER_N3 = 1.0
-DECOMPOSITION_FLOPS_PER_N3 = {"eigen": EIGH_FLOPS_PER_N3,
-                              "inverse": CHOLESKY_INVERSE_FLOPS_PER_N3}
-DECOMPOSITION_KINDS = {"eigen": "eigh", "inverse": "cholesky_inverse"}
+from tfkfac import KFACConfig, methods as methods_lib
+from tfkfac.costs import Kernel, elementwise, product
+
 # Momentum SGD per parameter: m ← μm − ηg (3 FLOPs), w ← w + m (1); reads g, m, w,
 # writes m, w.
 UPDATE_FLOPS, UPDATE_READS, UPDATE_WRITES = 4, 3, 2
@@ -48,202 +39,31 @@ PHASES = ("forward_backward", "factors", "communication", "decomposition",
           "precondition", "update")
 
 
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """One piece of work: "matmul", "memory", "eigh" or "cholesky_inverse"."""
-
-    kind: str
-    flops: float
-    bytes: float
-
-    def seconds(self, rates):
-        """Floor time at `rates` {"matmul", "eigh", "cholesky_inverse": FLOP/s,
-        "bandwidth": bytes/s}."""
-        if self.kind in ("eigh", "cholesky_inverse"):
-            return self.flops / rates[self.kind]
-        return max(self.flops / rates["matmul"], self.bytes / rates["bandwidth"])
+@functools.lru_cache(maxsize=None)
+def as_method(method):
+    """`method` as a `tfkfac.Method`: a built-in's name as `KFACConfig` resolves it at the
+    library's defaults, an object as it is; a ValueError naming `method` otherwise."""
+    return KFACConfig(method=method).preconditioning_method()
 
 
-def product(m, k, n, count=1, itemsize=4):
-    """`count` products (m, k) x (k, n): 2mkn FLOPs each; both inputs read, output written."""
-    return Kernel("matmul", 2.0 * count * m * k * n, itemsize * count * (m * k + k * n + m * n))
+def decomposition_kernels(geometry, method, itemsize=4):
+    """Per full factor of a block's `geometry` (`Block.cost`), the kernels of
+    `method`'s (a name or a `tfkfac.Method`) decomposition of it."""
+    method = as_method(method)
+    return [method.decomposition_kernels(shape, itemsize)
+            for shape in methods_lib.full_factor_shapes(geometry)]
 
 
-def gram(rows, dim, count=1, itemsize=4):
-    """`count` Gram matrices XᵀX of (rows, dim): 2·rows·dim² FLOPs, X read once."""
-    return Kernel("matmul", 2.0 * count * rows * dim * dim,
-                  itemsize * count * (rows * dim + dim * dim))
+def decomposition_elements(geometry, method):
+    """Per full factor of a block's `geometry`, the elements `method` stores of it."""
+    method = as_method(method)
+    return [methods_lib.decomposition_elements(method, shape)
+            for shape in methods_lib.full_factor_shapes(geometry)]
 
 
-def elementwise(elements, flops_per_element, reads, writes, itemsize=4):
-    """Work over `elements` entries, each read `reads` and written `writes` times."""
-    return Kernel("memory", float(flops_per_element) * elements,
-                  float(itemsize) * elements * (reads + writes))
-
-
-def decomposition(dim, count, method, itemsize=4):
-    """`count` damped decompositions of (dim, dim) factors: eigh or Cholesky inverse."""
-    return Kernel(DECOMPOSITION_KINDS[method],
-                  DECOMPOSITION_FLOPS_PER_N3[method] * count * dim ** 3,
-                  itemsize * count * 2 * dim * dim)
-
-
-def fisher_average(elements, itemsize=4):
-    """F ← ξF + (1 − ξ)F_batch over `elements` factor entries."""
-    return elementwise(elements, 3, 2, 1, itemsize)
-
-
-@dataclasses.dataclass(frozen=True)
-class KroneckerGeometry:
-    """A Kronecker block (Dense, Conv, EinsumDense) at one batch.
-
-    groups: q pairs (grouped convolutions, EinsumDense shared letters), else 1.
-    product_rows: rows of the layer's product per group, N·T over all calls.
-    statistics_rows: rows of the Gram products per group: product_rows under "expand",
-      N per call under "reduce".
-    in_dim, out_dim: the weight matrix per group; a_dim = in_dim + 1 with a bias.
-    patch_input: elements of the inputs im2col reads (0 when rows are a reshape).
-    correlation_multiply_adds: per group, those of A's input correlations when A comes
-      from them instead of the im2col Gram (0 otherwise).
-    """
-
-    groups: int
-    product_rows: int
-    statistics_rows: int
-    in_dim: int
-    out_dim: int
-    has_bias: bool
-    patch_input: int = 0
-    correlation_multiply_adds: int = 0
-
-    @property
-    def a_dim(self):
-        return self.in_dim + int(self.has_bias)
-
-    @property
-    def parameters(self):
-        return self.groups * self.a_dim * self.out_dim
-
-    def forward_kernels(self, itemsize=4):
-        """Forward product, its input gradient and its weight gradient."""
-        q, rows, d_in, d_out = self.groups, self.product_rows, self.in_dim, self.out_dim
-        return [product(rows, d_in, d_out, q, itemsize), product(rows, d_out, d_in, q, itemsize),
-                product(d_in, rows, d_out, q, itemsize)]
-
-    def statistics_kernels(self, itemsize=4):
-        q, a, o = self.groups, self.a_dim, self.out_dim
-        kernels = []
-        if self.correlation_multiply_adds:  # the input read as both operands, A written
-            kernels.append(Kernel("matmul", 2.0 * q * self.correlation_multiply_adds,
-                                  itemsize * (2 * self.patch_input + q * a * a)))
-        elif self.patch_input:  # the patch matrix: inputs read, q·rows·in_dim written
-            kernels.append(Kernel("memory", 0.0, itemsize * (
-                self.patch_input + q * self.product_rows * self.in_dim)))
-        if self.statistics_rows != self.product_rows:  # "reduce": sums over positions
-            kernels.append(elementwise(q * self.product_rows * (self.in_dim + o), 1, 1, 0,
-                                       itemsize))
-        if not self.correlation_multiply_adds:
-            kernels.append(gram(self.statistics_rows, a, q, itemsize))
-        kernels += [gram(self.statistics_rows, o, q, itemsize),
-                    fisher_average(q * (a * a + o * o), itemsize)]
-        return kernels
-
-    def factor_shapes(self):
-        batch = () if self.groups == 1 else (self.groups,)
-        return [batch + (self.a_dim, self.a_dim), batch + (self.out_dim, self.out_dim)]
-
-    def decomposition_kernels(self, method, itemsize=4):
-        return [decomposition(n, self.groups, method, itemsize) for n in (self.a_dim,
-                                                                          self.out_dim)]
-
-    def decomposition_elements(self, method):
-        """Elements of each factor's stored decomposition (eigen, eigen_adam: Q and v;
-        inverse: M⁻¹)."""
-        return [self.groups * (n * n + (n if method != "inverse" else 0))
-                for n in (self.a_dim, self.out_dim)]
-
-    def precondition_kernels(self, method, itemsize=4):
-        q, a, o = self.groups, self.a_dim, self.out_dim
-        left, right = product(a, a, o, q, itemsize), product(a, o, o, q, itemsize)
-        if method == "inverse":  # A⁻¹ ∇ G⁻¹
-            return [left, right]
-        # Q_Aᵀ ∇ Q_G, divided by v_A v_Gᵀ + λ (3 FLOPs an entry), then Q_A (.) Q_Gᵀ.
-        return [left, right, elementwise(q * a * o, 3, 1, 1, itemsize), left, right]
-
-
-@dataclasses.dataclass(frozen=True)
-class EmbeddingGeometry:
-    """An Embedding block: vocabulary V, width d, `rows` tokens in the batch."""
-
-    vocabulary: int
-    width: int
-    rows: int
-
-    @property
-    def parameters(self):
-        return self.vocabulary * self.width
-
-    def forward_kernels(self, itemsize=4):
-        return []  # a gather, and a scatter of the gradient: no products
-
-    def statistics_kernels(self, itemsize=4):
-        v, d = self.vocabulary, self.width
-        return [elementwise(self.rows, 1, 1, 0, itemsize),  # token counts
-                gram(self.rows, d, 1, itemsize), fisher_average(v + d * d, itemsize)]
-
-    def factor_shapes(self):
-        return [(self.vocabulary,), (self.width, self.width)]
-
-    def decomposition_kernels(self, method, itemsize=4):
-        return [decomposition(self.width, 1, method, itemsize)]
-
-    def decomposition_elements(self, method):
-        d = self.width
-        return [d * d + (d if method != "inverse" else 0)]
-
-    def precondition_kernels(self, method, itemsize=4):
-        v, d = self.vocabulary, self.width
-        if method == "inverse":  # ∇ / (a + π√λ), then (.) G⁻¹
-            return [elementwise(v * d, 1, 1, 1, itemsize), product(v, d, d, 1, itemsize)]
-        return [product(v, d, d, 1, itemsize), elementwise(v * d, 3, 1, 1, itemsize),
-                product(v, d, d, 1, itemsize)]
-
-
-@dataclasses.dataclass(frozen=True)
-class DiagonalGeometry:
-    """A normalization block: `size` parameters (γ and β), `input_elements` over all
-    calls, N = `batch_size` examples."""
-
-    size: int
-    input_elements: int
-    batch_size: int
-
-    @property
-    def parameters(self):
-        return self.size
-
-    def forward_kernels(self, itemsize=4):
-        return []
-
-    def statistics_kernels(self, itemsize=4):
-        # x̂ recomputed (mean 1, variance 2, normalize 2 FLOPs an entry), N·dL/dy (1),
-        # times x̂ (1), the γ and β sums (2); x and dL/dy read once. Then the mean of
-        # squared per-example gradients and the running average.
-        return [elementwise(self.input_elements, 9, 2, 0, itemsize),
-                elementwise(self.batch_size * self.size, 2, 1, 0, itemsize),
-                fisher_average(self.size, itemsize)]
-
-    def factor_shapes(self):
-        return [(self.size,)]
-
-    def decomposition_kernels(self, method, itemsize=4):
-        return []
-
-    def decomposition_elements(self, method):
-        return []
-
-    def precondition_kernels(self, method, itemsize=4):
-        return [elementwise(self.size, 2, 2, 1, itemsize)]  # ∇ / (F + ρλ)
+def precondition_kernels(geometry, method, itemsize=4):
+    """`method`'s preconditioning of a block's `geometry`, its pieces' in order."""
+    return methods_lib.precondition_kernels(as_method(method), geometry, itemsize)
 
 
 def attention_kernels(batch, heads, queries, keys, key_dim, value_dim, itemsize=4):
@@ -287,42 +107,14 @@ def _size(shape):
     return math.prod(int(d) for d in shape)
 
 
-def block_geometry(block, calls, batch_size):
-    """The geometry of a tfkfac block from its recorded calls [(inputs, pre-activations)]."""
-    # Imported here: the counting above needs no TensorFlow.
-    from tfkfac import blocks as blocks_lib
-    from tfkfac.blocks.normalization import NormalizationBlock
-
-    if isinstance(block, blocks_lib.SeparableConvBlock):
-        raise NotImplementedError("separable convolutions: count their two parts")
-    if isinstance(block, blocks_lib.EmbeddingBlock):
-        rows = sum(_size(inputs.shape) for inputs, _ in calls)
-        return EmbeddingGeometry(block.vocabulary, block.width, rows)
-    if isinstance(block, blocks_lib.KroneckerBlock):
-        rows = sum(int(block.output_rows(out).shape[-2]) for _, out in calls)
-        reduce = block.weight_sharing == "reduce"
-        patch = isinstance(block, blocks_lib.ConvBlock)
-        correlation = [block.correlation_multiply_adds(inputs.shape) if patch else None
-                       for inputs, _ in calls]
-        return KroneckerGeometry(
-            groups=block.groups, product_rows=rows,
-            statistics_rows=batch_size * len(calls) if reduce else rows,
-            in_dim=block.in_dim, out_dim=block.out_dim, has_bias=block.has_bias,
-            patch_input=sum(_size(inputs.shape) for inputs, _ in calls) if patch else 0,
-            correlation_multiply_adds=(sum(correlation) if None not in correlation else 0))
-    if isinstance(block, NormalizationBlock):
-        return DiagonalGeometry(block.factor_shapes()[0][0],
-                                sum(_size(inputs.shape) for inputs, _ in calls), batch_size)
-    raise NotImplementedError(f"no floor model for {type(block).__name__}")
-
-
 def record_geometries(model, batch_size, weight_sharing="expand"):
-    """{block path: geometry} and the attention kernels of `model` at `batch_size`, from
-    one recorded forward pass on zeros; also the layers K-FAC leaves unmanaged."""
+    """{block path: its `Block.cost`} and the attention kernels of `model` at
+    `batch_size`, from one recorded forward pass on zeros; also the layers K-FAC leaves
+    unmanaged."""
     import keras
     import numpy as np
 
-    from tfkfac import KFACConfig, blocks as blocks_lib, keras_integration
+    from tfkfac import blocks as blocks_lib, keras_integration
     from tfkfac.capture import Recorder
 
     blocks, skipped = blocks_lib.discover(keras_integration.leaf_layers(model),
@@ -332,7 +124,7 @@ def record_geometries(model, batch_size, weight_sharing="expand"):
     with recorder.recording():
         model(inputs, training=True)
     calls = recorder.take()
-    geometries = {block.path: block_geometry(block, block_calls, batch_size)
+    geometries = {block.path: block.cost(block_calls, batch_size)
                   for block, block_calls in zip(blocks, calls)}
     by_layer = {id(block.layer): block_calls for block, block_calls in zip(blocks, calls)}
     attention = []
@@ -352,18 +144,14 @@ def at_batch(geometries, attention, scale):
     """`record_geometries`' results for a batch `scale` times larger: every row count,
     recorded input, example count and attention product grows with the batch. Lets a
     large model be recorded at a small batch (its activations are held in memory)."""
-    fields = {KroneckerGeometry: ("product_rows", "statistics_rows", "patch_input",
-                                  "correlation_multiply_adds"),
-              EmbeddingGeometry: ("rows",), DiagonalGeometry: ("input_elements", "batch_size")}
-    scaled = {path: dataclasses.replace(g, **{f: getattr(g, f) * scale for f in fields[type(g)]})
-              for path, g in geometries.items()}
+    scaled = {path: g.at_batch(scale) for path, g in geometries.items()}
     return scaled, [Kernel(k.kind, k.flops * scale, k.bytes * scale) for k in attention]
 
 
 def model_floor(geometries, attention, trainable_parameters, method, factor_update_freq,
                 decomposition_update_freq, ranks=2, kl_clip=True, itemsize=4):
     """Per phase the kernels of one step and how often they run, and the bytes a job of
-    `ranks` processes would move.
+    `ranks` processes would move; `method` a built-in's name or a `tfkfac.Method`.
 
     Returns {"phases": {phase: {"kernels": [...], "per_step": fraction of steps}},
     "communication": {...}}. SGD's step is "forward_backward" + "update".
@@ -373,9 +161,10 @@ def model_floor(geometries, attention, trainable_parameters, method, factor_upda
     blocks = list(geometries.values())
     managed = sum(g.parameters for g in blocks)
     forward = [k for g in blocks for k in g.forward_kernels(itemsize)] + list(attention)
-    statistics = [k for g in blocks for k in g.statistics_kernels(itemsize)]
-    decompositions = [k for g in blocks for k in g.decomposition_kernels(method, itemsize)]
-    precondition = [k for g in blocks for k in g.precondition_kernels(method, itemsize)]
+    statistics = [k for g in blocks for k in g.statistics_kernels(itemsize=itemsize)]
+    decompositions = [k for g in blocks for ks in decomposition_kernels(g, method, itemsize)
+                      for k in ks]
+    precondition = [k for g in blocks for k in precondition_kernels(g, method, itemsize)]
     if kl_clip:
         precondition += kl_clip_kernels(managed, itemsize)
     phases = {
@@ -393,9 +182,8 @@ def model_floor(geometries, attention, trainable_parameters, method, factor_upda
     shapes = [s for g in blocks for s in g.factor_shapes()]
     factor_elements = (packing.packed_size([s for s in shapes if len(s) >= 2])
                        + sum(_size(s) for s in shapes if len(s) == 1))
-    items = [(n, count) for g in blocks for s in g.factor_shapes() if len(s) >= 2
-             for n, count in [(s[-1], _size(s[:-2]))]]
-    elements = [e for g in blocks for e in g.decomposition_elements(method)]
+    items = [(s[-1], _size(s[:-2])) for g in blocks for s in methods_lib.full_factor_shapes(g)]
+    elements = [e for g in blocks for e in decomposition_elements(g, method)]
     owners = assignment.lpt_assignment([assignment.eigen_cost(n, c) for n, c in items], ranks)
     received = max(sum(e for e, owner in zip(elements, owners) if owner != rank)
                    for rank in range(ranks)) if ranks > 1 else 0

@@ -1,9 +1,9 @@
 """Device and network profiles: what a phase's kernels cost, and what a byte costs.
 
-A phase's time is its floor (floor_model.py: products and elementwise work at the
-roofline, decompositions at an effective rate) divided by the fraction of the floor a
-real step achieves. Every number is either measured on this machine by the project's
-benchmarks or published, and each profile names its sources, which every plan prints:
+A phase's time is its floor (`Kernel.seconds`, tfkfac/costs.py: products and elementwise
+work at the roofline, decompositions at an effective rate) divided by the fraction of the
+floor a real step achieves. Every number is either measured on this machine by the
+project's benchmarks or published, and each profile names its sources:
 
 - "local": this machine. Rates from bench/results/step_floor.json (matmul, bandwidth,
   LAPACK eigh and Cholesky inverse, measured by bench/linalg_benchmark.py's `rates()`);

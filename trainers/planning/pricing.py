@@ -8,10 +8,10 @@ the worker count, `--batch` each); the price is the measured step times their ra
 what the model leaves out on the measuring machine (Keras's step, the framework) is
 carried over in proportion rather than dropped. Between measured batches the price is
 interpolated as the steps are (log-log). The K-FAC step is the entry's own configuration
-at b (its method, intervals, factor batch fraction and KL clip; the rest the library's
-defaults, which the benchmark's trainer runs), not the planner's fastest. What cannot be
-priced (no measured step at a batch it needs, a method without a cost model, a local
-profile of another machine) ends the plan with one line.
+at b (its method, intervals, factor batch fraction, Fisher and KL clip; the rest the
+library's defaults, which the benchmark's trainer runs), not the planner's fastest. What
+cannot be priced (no measured step at a batch it needs, settings tfkfac refuses, a
+local profile of another machine) ends the plan with one line.
 """
 
 import dataclasses
@@ -21,7 +21,7 @@ from trainers.planning import hardware, measured_steps, step_model
 # The JSON's K-FAC settings, as `step_model.Configuration`'s fields.
 SETTINGS = {"kfac_method": "method", "factor_update_freq": "factor_interval",
             "decomposition_update_freq": "decomposition_interval", "kl_clip": "kl_clip",
-            "factor_batch_fraction": "factor_batch_fraction"}
+            "factor_batch_fraction": "factor_batch_fraction", "fisher": "fisher"}
 
 
 def configuration(settings, entry):
@@ -31,9 +31,10 @@ def configuration(settings, entry):
                          "so its step is not K-FAC's; choose one with --kfac_entry")
     config = dataclasses.replace(step_model.LIBRARY_DEFAULTS, **{
         SETTINGS[name]: value for name, value in settings.items() if name in SETTINGS})
-    if config.method not in step_model.METHODS:
-        raise ValueError(f"{entry} ran method {config.method}, whose step the planner "
-                         f"does not cost ({', '.join(step_model.METHODS)})")
+    try:
+        config.library_config()
+    except ValueError as error:
+        raise ValueError(f"{entry}'s settings cannot be priced: {error}") from None
     return config
 
 

@@ -3,9 +3,10 @@
 The recommendation is the configuration with the lowest predicted time per step at each
 worker count, and, given steps to target for SGD and K-FAC, the worker count and
 optimizer with the lowest time to target. Only time is modelled: a configuration that
-changes the approximation (wire dtypes, intervals, the reduce rule, the inverse method)
-may change the steps to target, which the user's estimates must account for; the fastest
-configuration with the library's default approximation is reported beside it.
+changes the approximation (wire dtypes, intervals, the reduce rule, the method, the factor
+batch fraction, the sampled Fisher) may change the steps to target, which the user's
+estimates must account for; the fastest configuration with the library's default
+approximation is reported beside it.
 """
 
 import dataclasses
@@ -22,7 +23,9 @@ SPLIT_RANKS, SPLIT_EFFICIENCY, REFRESH_EVERY = 4, 0.5, 4
 
 def grid(placements, factor_wires, decomposition_wires, factor_intervals,
          decomposition_intervals, weight_sharing, methods, overlap=(False,),
-         hierarchical=(False,), collective="allreduce"):
+         hierarchical=(False,), collective="allreduce",
+         fractions=(step_model.LIBRARY_DEFAULTS.factor_batch_fraction,),
+         fishers=(step_model.LIBRARY_DEFAULTS.fisher,)):
     """(every combination the library accepts, [(combination, why)] of those
     `tfkfac.KFACConfig` refuses): the planner never ranks a configuration tfkfac would
     not run. Under the papers' collectives ("reduce_scatter_v", which tfkfac does not
@@ -30,10 +33,12 @@ def grid(placements, factor_wires, decomposition_wires, factor_intervals,
     settings are checked (Ueno et al. summed float21 factors hierarchically, §4.1);
     `tfkfac_refusal` names on the recommendation line what tfkfac refuses."""
     accepted, refused = [], []
-    for values in itertools.product(placements, factor_wires, decomposition_wires,
-                                    factor_intervals, decomposition_intervals,
-                                    weight_sharing, methods, overlap, hierarchical):
-        config = step_model.Configuration(*values)
+    for *values, fraction, fisher in itertools.product(
+            placements, factor_wires, decomposition_wires, factor_intervals,
+            decomposition_intervals, weight_sharing, methods, overlap, hierarchical,
+            fractions, fishers):
+        config = step_model.Configuration(*values, factor_batch_fraction=fraction,
+                                          fisher=fisher)
         checked = config
         if collective == "reduce_scatter_v":
             checked = dataclasses.replace(config, overlap_reduction=False,
@@ -71,10 +76,23 @@ def usable(work, configs, ranks, fabric):
 def same_approximation(config, method=step_model.LIBRARY_DEFAULTS.method):
     """Whether `config` computes what the library's defaults compute (up to staleness),
     with `method` in place of the default method when given."""
-    defaults = step_model.LIBRARY_DEFAULTS
-    return (config.factor_wire, config.decomposition_wire, config.weight_sharing,
-            config.method) == (defaults.factor_wire, defaults.decomposition_wire,
-                               defaults.weight_sharing, method)
+    defaults = dataclasses.replace(step_model.LIBRARY_DEFAULTS, method=method)
+    fields = ("factor_wire", "decomposition_wire", "weight_sharing", "method",
+              "factor_batch_fraction", "fisher")
+    return all(getattr(config, name) == getattr(defaults, name) for name in fields)
+
+
+def bound_configuration(work, times):
+    """The configuration whose one-factor bound the plan reports, of those timed at one
+    worker count (`times`: {config: seconds per step}): of those with the default
+    approximation up to the method, one whose method's decompositions cost most (the
+    work a worker count must spread), the fastest of them; else the fastest."""
+    exact = [config for config in times if same_approximation(config, config.method)]
+    if not exact:
+        return min(times, key=times.get)
+    flops = {method: sum(k.flops for ks in work.decompositions(method) for k in ks)
+             for method in {config.method for config in exact}}
+    return max(exact, key=lambda config: (flops[config.method], -times[config]))
 
 
 def evaluate(work, configs, workers, device, fabric, precision, forward_backward_s=None,

@@ -41,6 +41,9 @@ def table(setting, results, bound, needs, device):
                      "tfkfac runs allreduce, so these K-FAC times are the papers' system's.")
     if setting["steps_to_target"]:
         lines.append(f"Steps to target: {setting['steps_to_target']}.")
+    if setting["unpriced_settings"]:
+        lines.append("Not priced (every step at tfkfac's default for them): "
+                     f"{', '.join(setting['unpriced_settings'])}.")
     for entry in results:
         columns = _columns(entry)
         lines.append("")

@@ -10,6 +10,11 @@ allgather (`horovod_comm.GATHERED_MEAN_DTYPES`), a float21 mean as the reduce-sc
 allgather of `Communicator.float21_mean`, wire bytes as `packing.wire_bytes` (float21:
 three values to a 64-bit word). Not modelled: Horovod's negotiation, input pipelines.
 
+The factor statistics read `factor_batch_fraction` of the batch in the blocks that take
+that share (`BlockCost.statistics_kernels`); the sampled Fisher adds, on factor steps,
+its second backward pass (SAMPLED_BACKWARD_SHARE of forward/backward). The settings no
+`Configuration` field prices are named by `unpriced_settings`.
+
 `overlap_reduction` runs factor reduction beside computation that does not read it: in
 tfkfac (`collective` "allreduce") the preconditioning of the blocks whose method reads no
 factors, at factor steps with no decomposition due (docs/design.md §6); in the papers'
@@ -30,8 +35,9 @@ running statistics) still allreduced.
 """
 
 import dataclasses
+import typing
 
-from tfkfac import methods as methods_lib, placement as placement_lib
+from tfkfac import config as config_lib, methods as methods_lib, placement as placement_lib
 from tfkfac.config import KFACConfig
 from tfkfac.distributed import packing
 from tfkfac.distributed.horovod_comm import GATHERED_MEAN_DTYPES
@@ -41,15 +47,18 @@ from trainers.planning import collectives
 PHASES = ("forward_backward", "factor_statistics", "factor_reduction", "decomposition",
           "decomposition_sharing", "preconditioning", "preconditioned_sharing",
           "gradient_reduction", "update")
-# The methods whose costs differ; "eigen_adam" costs what "eigen" does (the same
-# decompositions and two rotations) plus elementwise work the model leaves out.
-METHODS = ("eigen", "inverse")
+# The methods the planner prices by name; a `tfkfac.Method` object is priced by what it
+# says its work costs (`Method.decomposition_kernels`, `Method.precondition_kernels`).
+METHODS = methods_lib.NAMES
 PLACEMENTS = placement_lib.PLACEMENTS
 WIRE_DTYPES = tuple(d for d in packing.WIRE_DTYPES if d != "float64")  # float64: checks only
 STATE_ITEMSIZE = 4  # float32 factors, decompositions and gradients
 COLLECTIVES = ("allreduce", "reduce_scatter_v")
 # The backward pass's share of forward/backward (twice the forward's products).
 BACKWARD_SHARE = 2 / 3
+# The sampled Fisher's second backward pass, on factor steps, from the predictions to the
+# layer outputs: the backward pass without its weight gradients, half of its products.
+SAMPLED_BACKWARD_SHARE = BACKWARD_SHARE / 2
 
 
 _LIBRARY = KFACConfig()  # the library's defaults
@@ -58,9 +67,7 @@ _LIBRARY = KFACConfig()  # the library's defaults
 @dataclasses.dataclass(frozen=True)
 class Configuration:
     """The K-FAC settings the planner compares (tfkfac.KFAC's arguments of the same
-    meaning: placement, factor_wire_dtype, decomposition_wire_dtype, factor_update_freq,
-    the decomposition interval, weight_sharing, method, overlap_reduction,
-    hierarchical_reduction, kl_clip, factor_batch_fraction)."""
+    meaning, `LIBRARY_SETTINGS`); `method` a built-in's name or a `tfkfac.Method`."""
 
     placement: str = _LIBRARY.placement
     factor_wire: str = _LIBRARY.factor_wire_dtype
@@ -68,37 +75,53 @@ class Configuration:
     factor_interval: int = _LIBRARY.factor_update_freq
     decomposition_interval: int = _LIBRARY.decomposition_update_freq
     weight_sharing: str = _LIBRARY.weight_sharing
-    method: str = _LIBRARY.method
+    method: typing.Any = _LIBRARY.method
     overlap_reduction: bool = _LIBRARY.overlap_reduction
     hierarchical_reduction: bool = _LIBRARY.hierarchical_reduction
     kl_clip: float = _LIBRARY.kl_clip  # None: no clip, so none of its cost
     factor_batch_fraction: float = _LIBRARY.factor_batch_fraction
+    fisher: str = _LIBRARY.fisher
 
     def library_config(self):
         """The `tfkfac.KFACConfig` of these settings; a ValueError when the library
         refuses them (e.g. a decomposition interval not a multiple of the factor one)."""
-        return KFACConfig(placement=self.placement, factor_wire_dtype=self.factor_wire,
-                          decomposition_wire_dtype=self.decomposition_wire,
-                          factor_update_freq=self.factor_interval,
-                          decomposition_update_freq=self.decomposition_interval,
-                          weight_sharing=self.weight_sharing, method=self.method,
-                          overlap_reduction=self.overlap_reduction,
-                          hierarchical_reduction=self.hierarchical_reduction,
-                          kl_clip=self.kl_clip,
-                          factor_batch_fraction=self.factor_batch_fraction)
+        return KFACConfig(**{setting: getattr(self, field)
+                             for field, setting in LIBRARY_SETTINGS.items()})
+
+    def preconditioning_method(self):
+        """The `tfkfac.Method` whose work is priced."""
+        return floor_model.as_method(self.method)
 
     def label(self):
         options = "".join(f" {name}" for name, on in (
             ("overlap", self.overlap_reduction),
             ("hierarchical", self.hierarchical_reduction),
             (f"kl_clip={self.kl_clip}", self.kl_clip is not None),
-            (f"fraction={self.factor_batch_fraction}", self.factor_batch_fraction != 1)) if on)
+            (f"fraction={self.factor_batch_fraction}", self.factor_batch_fraction != 1),
+            (f"fisher={self.fisher}", self.fisher != _LIBRARY.fisher)) if on)
         return (f"{self.placement} {self.factor_wire}/{self.decomposition_wire} "
                 f"f={self.factor_interval} d={self.decomposition_interval} "
                 f"{self.weight_sharing} {self.method}{options}")
 
 
+# `Configuration`'s fields, as the `tfkfac.KFACConfig` settings they are.
+LIBRARY_SETTINGS = {
+    "placement": "placement", "factor_wire": "factor_wire_dtype",
+    "decomposition_wire": "decomposition_wire_dtype", "factor_interval": "factor_update_freq",
+    "decomposition_interval": "decomposition_update_freq", "weight_sharing": "weight_sharing",
+    "method": "method", "overlap_reduction": "overlap_reduction",
+    "hierarchical_reduction": "hierarchical_reduction", "kl_clip": "kl_clip",
+    "factor_batch_fraction": "factor_batch_fraction", "fisher": "fisher"}
 LIBRARY_DEFAULTS = Configuration()
+
+
+def unpriced_settings():
+    """The `tfkfac.KFACConfig` settings that change a step's work (their field's
+    `changes_work`) but that no `Configuration` field prices: every step is priced at
+    their library defaults."""
+    priced = set(LIBRARY_SETTINGS.values())
+    return tuple(field.name for field in config_lib.settings()
+                 if field.metadata["changes_work"] and field.name not in priced)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +185,13 @@ def decomposition_units(work, config):
     symmetric factor for "replicated", a block for "owner"): (its decomposition kernels,
     the elements of its stored decompositions)."""
     blocks = work.blocks[config.weight_sharing]
-    kernels = work.decompositions(config.method)
     elements = work.decomposition_elements(config.method)
     if config.placement == "owner":
-        return list(zip(kernels, elements))
+        return list(zip(work.decompositions(config.method), elements))
+    kernels = [floor_model.decomposition_kernels(g, config.method)
+               for g in work.geometries["expand"].values()]
     position = lambda b, j: blocks[b].symmetric_factors().index(j)
-    return [([kernels[b][position(b, j)]], [elements[b][position(b, j)]])
+    return [(kernels[b][position(b, j)], [elements[b][position(b, j)]])
             for b, j in placement_lib.factor_items(blocks)]
 
 
@@ -239,7 +263,7 @@ def _reduce_scatter_v(work, config, owners, ranks, fabric_):
 def _reads_factors(work, config):
     """Per block, whether its method's preconditioning reads its factors
     (`Method.reads_factors`), so cannot run beside their reduction."""
-    method = methods_lib.resolve(config.method, None, None)
+    method = config.preconditioning_method()
     return _memo(("reads_factors", config.weight_sharing, config.method), (work,),
                  lambda: [any(method.reads_factors(p) for p in block.pieces())
                           for block in work.blocks[config.weight_sharing]])
@@ -356,6 +380,8 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     fraction = config.factor_batch_fraction  # of the examples the statistics read
     statistics_s = timed("statistics", "factor_statistics", lambda: [
         [k for ks in work.statistics(rule, fraction) for k in ks]], rule, fraction)[0]
+    if config.fisher == "sampled":  # its own backward pass, over the whole batch
+        statistics_s += SAMPLED_BACKWARD_SHARE * forward_backward
     return {
         "forward_backward": Phase(forward_backward),
         "factor_statistics": Phase(statistics_s, config.factor_interval),

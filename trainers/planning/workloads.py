@@ -1,5 +1,5 @@
-"""What one worker computes in a step, from the real model: the library's blocks and
-trainers/planning/floor_model.py's kernels, grouped by phase.
+"""What one worker computes in a step, from the real model: what the library's blocks and
+methods say their work costs (tfkfac/costs.py), grouped by phase.
 
 A model is one of the trainer's models, a `keras.applications` name or a saved `.keras`
 file. Its geometry is recorded once at a small batch (the recorder holds every managed
@@ -81,7 +81,7 @@ def _check_keras_file(path):
 class Workload:
     """One worker's step of `name` at `batch` examples.
 
-    geometries[rule]: {block path: floor_model geometry} under weight-sharing `rule`;
+    geometries[rule]: {block path: its `Block.cost`} under weight-sharing `rule`;
     blocks[rule]: the library's blocks in the same order; attention: MultiHeadAttention's
     weightless products; skipped: layers on the plain gradient (their forward products are
     not counted); uncounted_products: those of them with a weight matrix (a weight with
@@ -130,20 +130,23 @@ class Workload:
     def statistics(self, rule, fraction=1.0):
         """Per block, its factor statistics' kernels under weight-sharing `rule`, read
         from `fraction` of the batch's examples (`factor_batch_fraction`)."""
-        geometries, _ = floor_model.at_batch(self.geometries[rule], [], fraction)
-        return [g.statistics_kernels() for g in geometries.values()]
+        return [g.statistics_kernels(fraction) for g in self.geometries[rule].values()]
 
     def decompositions(self, method):
-        """Per block, one kernel per symmetric factor (in `symmetric_factors()` order)."""
-        return [g.decomposition_kernels(method) for g in self.geometries["expand"].values()]
+        """Per block, the kernels of `method`'s decompositions of its full factors (in
+        `symmetric_factors()` order)."""
+        return [[k for ks in floor_model.decomposition_kernels(g, method) for k in ks]
+                for g in self.geometries["expand"].values()]
 
     def decomposition_elements(self, method):
-        """Per block, the elements of each symmetric factor's stored decomposition."""
-        return [g.decomposition_elements(method) for g in self.geometries["expand"].values()]
+        """Per block, the elements of `method`'s stored decomposition of each full factor."""
+        return [floor_model.decomposition_elements(g, method)
+                for g in self.geometries["expand"].values()]
 
     def preconditioning(self, method):
-        """Per block, its preconditioning kernels."""
-        return [g.precondition_kernels(method) for g in self.geometries["expand"].values()]
+        """Per block, `method`'s preconditioning kernels."""
+        return [floor_model.precondition_kernels(g, method)
+                for g in self.geometries["expand"].values()]
 
     def managed_parameters(self):
         """Per block, the parameters it preconditions."""
@@ -175,7 +178,7 @@ def workload(model, batch, name):
             geometries[rule], attention, skipped = floor_model.record_geometries(
                 model, RECORDING_BATCH, rule)
         except NotImplementedError as error:
-            raise ValueError(f"--model {name}: the planner has no count for a layer: "
+            raise ValueError(f"--model {name}: a block cannot be priced: "
                              f"{error}") from None
         blocks[rule], _ = blocks_lib.discover(layers, KFACConfig(weight_sharing=rule))
     unit = Workload(
