@@ -124,6 +124,7 @@ import harness
 import race
 import timed_steps
 import trials
+from race import DEFAULT_ENTRY, FIRST_ORDER, NAMES
 from trainers import config as config_lib
 
 FLAGS = flags.FLAGS
@@ -132,7 +133,6 @@ TARGETS = (0.89, 0.90, 0.91)
 PRIMARY_TARGET = 0.90
 WEIGHT_DECAY = 5e-5  # bench/time_to_accuracy.py's λ per step for the CNN
 SMALLEST_BATCH = 128
-DEFAULT_ENTRY = "kfac"
 TUNING_SEED = 0
 # The tuning trials of a cell placed before any result; the rest of
 # trials.TUNING_TRIALS go one series step at a time beyond an edge (`next_index`).
@@ -196,16 +196,6 @@ ENTRIES = {
     "adamw": dict(pick=dict(learning_rate=0.01)),
     "lamb": dict(pick=dict(learning_rate=0.01)),
 }
-# How the tables (`tables`) name the entries.
-LABELS = {
-    "kfac": "K-FAC (default: inverse → ScheduleFreeAdamW, damping 0.03)",
-    "sgd": "SGD, Nesterov",
-    "schedule_free_adamw": "ScheduleFreeAdamW",
-    "muon": "Muon",
-    "adamw": "AdamW",
-    "lamb": "Lamb",
-}
-FIRST_ORDER = ("sgd", "schedule_free_adamw", "muon", "adamw", "lamb")
 # The gradient noise scale (docs/design.md §13), which McCandlish et al. find
 # predicts the critical batch size: measured per epoch in one more run of each entry at
 # batch 128 and its tuned point (a tuning trial's split and seed, stopping at the top
@@ -891,25 +881,25 @@ def tables(document):
         found = document["batches"][str(batch)]
         fewest = min(_primary_steps(c) for c in complete.values())
         lines += ["", f"Batch {batch} (budget {budget_steps(batch)} steps; best first-order "
-                      f"entry by tuning: {LABELS.get(found['best_first_order_by_tuning'])}): "
+                      f"entry by tuning: {NAMES.get(found['best_first_order_by_tuning'])}): "
                       "median steps [range over seeds] (seconds) to each target", "",
                   "| entry | tuned point | seeds | step ms | "
                   + " | ".join(f"{t:.2f}" for t in TARGETS) + " |",
                   "| --- | --- | --- | --- |" + " --- |" * len(TARGETS)]
         for name, cell in sorted(complete.items(), key=lambda item: _primary_steps(item[1])):
             cells = [_reached(cell, target, fewest) for target in TARGETS]
-            lines.append(f"| {LABELS[name]} | {_point(cell['chosen'])} | {len(cell['runs'])} "
+            lines.append(f"| {NAMES[name]} | {_point(cell['chosen'])} | {len(cell['runs'])} "
                          f"| {_step_ms(cell.get('retimed'))} | " + " | ".join(cells) + " |")
         for name, cell in complete.items():
             if "extended" in cell:
                 extended = cell["extended"]
                 steps = ", ".join(_reached(extended, t, None) for t in TARGETS)
-                lines += ["", f"{LABELS[name]} at {EXTENSION}x the budget "
+                lines += ["", f"{NAMES[name]} at {EXTENSION}x the budget "
                               f"({extended['epochs']} epochs, {len(extended['runs'])} seeds): "
                               f"{steps} steps to {', '.join(f'{t:.2f}' for t in TARGETS)}."]
         for baseline, by_target in found["ratios"].items():
             ratio = by_target[str(PRIMARY_TARGET)]
-            lines += ["", f"{LABELS[DEFAULT_ENTRY]} over {LABELS[baseline]} to "
+            lines += ["", f"{NAMES[DEFAULT_ENTRY]} over {NAMES[baseline]} to "
                           f"{PRIMARY_TARGET:.2f}: steps {_ratio(ratio['steps'])}, time "
                           f"{_ratio(ratio['time_s'])} ({len(ratio['steps']['seeds'])} rounds)."]
     lines += ["", f"Critical batch size per entry at {' / '.join(f'{t:.2f}' for t in TARGETS)} "
@@ -925,7 +915,7 @@ def tables(document):
             continue
         critical = " / ".join(_critical(r["critical_batch"][str(t)]) for t in TARGETS)
         primary = r["critical_batch"][str(PRIMARY_TARGET)]
-        lines.append(f"| {LABELS[name]} | {critical} | {_interval(primary)} | "
+        lines.append(f"| {NAMES[name]} | {critical} | {_interval(primary)} | "
                      f"{_fit(primary)} | {_noise(r['noise_scale'])} |")
     return "\n".join(lines + ["", TABLES_END])
 
@@ -948,13 +938,13 @@ def summary(document):
                  for batch in batches]
         if any(cell != "–" for cell in steps):
             critical = r["critical_batch"][str(PRIMARY_TARGET)]
-            lines.append(f"| {LABELS[name]} | {' | '.join(steps)} | {_critical(critical)} "
+            lines.append(f"| {NAMES[name]} | {' | '.join(steps)} | {_critical(critical)} "
                          f"({_interval(critical)}) | {_fit(critical)} |")
     for batch in batches:
         headline = document["batches"][str(batch)].get("headline")
         if headline:
-            lines += ["", f"Batch {batch}: {LABELS[DEFAULT_ENTRY]}'s steps to "
-                          f"{PRIMARY_TARGET:.2f} over {LABELS[headline['baseline']]}'s "
+            lines += ["", f"Batch {batch}: {NAMES[DEFAULT_ENTRY]}'s steps to "
+                          f"{PRIMARY_TARGET:.2f} over {NAMES[headline['baseline']]}'s "
                           f"{_ratio(headline)} ({len(headline['seeds'])} rounds)."]
     return "\n".join(lines + ["", SUMMARY_END])
 

@@ -16,6 +16,12 @@ import statistics
 
 import numpy as np
 
+# The race's entries (bench/trials.py OPTIMIZERS): the declared default and the
+# first-order ones, with the names the tables give them.
+DEFAULT_ENTRY = "kfac"
+FIRST_ORDER = ("sgd", "adamw", "muon", "schedule_free_adamw", "lamb")
+NAMES = {"kfac": "K-FAC (default)", "sgd": "SGD, Nesterov", "adamw": "AdamW",
+         "muon": "Muon", "schedule_free_adamw": "ScheduleFreeAdamW", "lamb": "Lamb"}
 FIRST_SEED = 1
 HEADLINE_SEEDS, OTHER_SEEDS = 5, 3
 # The earlier targets, this far below the final one.

@@ -10,15 +10,14 @@ import math
 import os
 import statistics
 
+from race import DEFAULT_ENTRY, NAMES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results", "time_to_accuracy.json")
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 BEGIN = ("<!-- race tables: written by bench/race_tables.py from "
          "bench/results/time_to_accuracy.json -->")
 END = "<!-- end of race tables -->"
-DEFAULT_ENTRY = "kfac"
-NAMES = {"kfac": "K-FAC (default)", "sgd": "SGD, Nesterov", "adamw": "AdamW",
-         "muon": "Muon", "schedule_free_adamw": "ScheduleFreeAdamW", "lamb": "Lamb"}
 MODELS = {"cnn": "Small CNN", "resnet20": "ResNet-20", "vit": "ViT"}
 NOT_RACED = "No model has been raced under this protocol yet."
 

@@ -53,6 +53,7 @@ from absl import flags
 import harness
 import race
 import trials
+from race import DEFAULT_ENTRY, FIRST_ORDER
 from race_tables import read_report
 from trials import GRIDS, OPTIMIZERS, TUNE_SPLIT, VALIDATION_SPLIT, WARMUP_FRACTION
 
@@ -78,8 +79,6 @@ flags.DEFINE_list("tuning_from", [os.path.join(harness.RESULTS_DIR, "time_to_acc
 flags.DEFINE_string("work_dir", "/tmp/tfkfac_time_to_accuracy",
                     "Where the trials' runs (checkpoints, logs) go.")
 
-DEFAULT_ENTRY = "kfac"
-FIRST_ORDER = ("sgd", "adamw", "muon", "schedule_free_adamw", "lamb")
 # Evaluations of the timed runs a share of the steps done apart (trainer --eval_spacing):
 # a time to a target is then at most 2.5% late, under the protocol's 3%.
 EVAL_SPACING = 0.025

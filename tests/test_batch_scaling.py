@@ -555,7 +555,7 @@ class RaceTest(InWorkDir):
                             for line in lines))
         self.assertTrue(any(line.startswith("SGD, Nesterov at 2x the budget (64 epochs, 3 "
                                             "seeds)") for line in lines))
-        self.assertTrue(any(line.startswith(f"{batch_scaling.LABELS['kfac']} over Muon to "
+        self.assertTrue(any(line.startswith(f"{batch_scaling.NAMES['kfac']} over Muon to "
                                             "0.90: steps 0.") and "(5 rounds)" in line
                             for line in lines))
         summary = batch_scaling.summary(document)
