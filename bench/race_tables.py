@@ -1,8 +1,9 @@
-"""The race's headline tables in docs/benchmarks.md, written from
-bench/results/time_to_accuracy.json, so that the page quotes what the JSON holds and
-nothing else (tests/test_race.py checks that they agree).
+"""The race's tables in docs/benchmarks.md (ratios and each entry's times) and its
+headline in README.md (the ratios), written from bench/results/time_to_accuracy.json, so
+that the pages quote what the JSON holds and nothing else (tests/test_race.py checks
+that they agree).
 
-  .venv/bin/python bench/race_tables.py   # after a race: rewrites the block in the page
+  .venv/bin/python bench/race_tables.py   # after a race: rewrites the blocks in the pages
 """
 
 import json
@@ -15,6 +16,7 @@ from race import DEFAULT_ENTRY, NAMES
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results", "time_to_accuracy.json")
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+README = os.path.join(ROOT, "README.md")
 BEGIN = ("<!-- race tables: written by bench/race_tables.py from "
          "bench/results/time_to_accuracy.json -->")
 END = "<!-- end of race tables -->"
@@ -29,13 +31,20 @@ def verdict(ratio):
     return "slower" if ratio["low"] > 1 else "tie"
 
 
+# Under each ratio table: how a round where one entry missed the target counts.
+RATIO_LEGEND = ("A round's ratio is 0 where only K-FAC reached the target and ∞ where "
+                "only the other entry did; \"tie\" where the interval holds 1.")
+
+
+def ratio_number(value):
+    return "0" if value == 0 else "∞" if math.isinf(value) else f"{value:.2f}"
+
+
 def ratio_cell(ratio):
     if ratio["median"] is None:
         return "neither reached"
-    if math.isinf(ratio["median"]):
-        return "not reached by K-FAC"
-    return (f"{ratio['median']:.2f}x [{ratio['low']:.2f}, {ratio['high']:.2f}], "
-            f"{verdict(ratio)}")
+    return (f"{ratio_number(ratio['median'])}x [{ratio_number(ratio['low'])}, "
+            f"{ratio_number(ratio['high'])}], {verdict(ratio)}")
 
 
 def time_cell(to_target, runs):
@@ -46,7 +55,8 @@ def time_cell(to_target, runs):
             f"({reached})")
 
 
-def model_tables(model, result):
+def model_tables(model, result, headline=False):
+    """`model`'s tables: its ratios, and unless `headline` each entry's times."""
     targets = [f"{target:.4f}" for target in result["targets"]]
     keys = [str(target) for target in result["targets"]]
     final = result["final_target"]
@@ -64,6 +74,9 @@ def model_tables(model, result):
         lines.append(f"| {NAMES.get(baseline, baseline)} ({seeds} rounds) | "
                      + " | ".join(ratio_cell(by_target[key]["time_s"]) for key in keys)
                      + " |")
+    lines += ["", RATIO_LEGEND]
+    if headline:
+        return "\n".join(lines)
     lines += ["", "| entry | " + " | ".join(f"to {t}" for t in targets)
               + " | final accuracy |", "|---" * (len(targets) + 2) + "|"]
     for entry, runs in result["runs"].items():
@@ -75,12 +88,14 @@ def model_tables(model, result):
     return "\n".join(lines)
 
 
-def tables(report):
-    """The block's markdown for `report` (the JSON's contents, None when absent)."""
+def tables(report, headline=False):
+    """The block's markdown for `report` (the JSON's contents, None when absent): the
+    README's `headline` or the benchmarks page's."""
     models = (report or {}).get("models", {})
     if not models:
         return NOT_RACED
-    return "\n\n".join(model_tables(model, models[model]) for model in sorted(models))
+    return "\n\n".join(model_tables(model, models[model], headline)
+                       for model in sorted(models))
 
 
 def read_report(path=RESULTS):
@@ -95,15 +110,15 @@ def block(page):
     """The text between BEGIN and END in `page` (ValueError when the markers are not
     there once each)."""
     if page.count(BEGIN) != 1 or page.count(END) != 1:
-        raise ValueError(f"{PAGE} must hold the lines {BEGIN!r} and {END!r} once each")
+        raise ValueError(f"the page must hold the lines {BEGIN!r} and {END!r} once each")
     return page.split(BEGIN)[1].split(END)[0].strip("\n")
 
 
-def write(page_path=PAGE, report=None):
+def write(page_path=PAGE, report=None, headline=False):
     with open(page_path, encoding="utf-8") as f:
         page = f.read()
     old = block(page)
-    new = tables(report if report is not None else read_report())
+    new = tables(report if report is not None else read_report(), headline)
     page = page.replace(f"{BEGIN}\n{old}\n{END}" if old else f"{BEGIN}\n{END}",
                         f"{BEGIN}\n{new}\n{END}")
     with open(page_path, "w", encoding="utf-8") as f:
@@ -112,3 +127,4 @@ def write(page_path=PAGE, report=None):
 
 if __name__ == "__main__":
     write()
+    write(README, headline=True)

@@ -84,12 +84,14 @@ class RaceTest(absltest.TestCase):
 
 class RaceTablesTest(absltest.TestCase):
 
-    def test_the_page_quotes_what_the_json_holds(self):
-        with open(race_tables.PAGE, encoding="utf-8") as f:
-            page = f.read()
-        self.assertEqual(race_tables.block(page), race_tables.tables(race_tables.read_report()),
-                         msg="docs/benchmarks.md's race tables are stale: run "
-                             ".venv/bin/python bench/race_tables.py")
+    def test_the_pages_quote_what_the_json_holds(self):
+        report = race_tables.read_report()
+        for path, headline in ((race_tables.PAGE, False), (race_tables.README, True)):
+            with open(path, encoding="utf-8") as f:
+                page = f.read()
+            self.assertEqual(race_tables.block(page), race_tables.tables(report, headline),
+                             msg=f"{path}'s race tables are stale: run "
+                                 ".venv/bin/python bench/race_tables.py")
 
     def test_a_race_gives_each_ratio_its_interval_and_verdict(self):
         # 0.90: K-FAC at 10 s in every round, Muon at 20 s (0.5x, faster); 0.92: K-FAC at
@@ -117,7 +119,13 @@ class RaceTablesTest(absltest.TestCase):
         text = race_tables.tables({"models": {"cnn": result}})
         self.assertIn("final target 0.9300 (Muon's median final accuracy)", text)
         self.assertIn("| Muon (3 rounds) | 0.50x [0.50, 0.50], faster | "
-                      "1.17x [1.00, 1.33], tie | not reached by K-FAC |", text)
+                      "1.17x [1.00, 1.33], tie | ∞x [∞, ∞], slower |", text)
+        self.assertIn(race_tables.RATIO_LEGEND, text)
+        headline = race_tables.tables({"models": {"cnn": result}}, headline=True)
+        self.assertTrue(text.startswith(headline))
+        self.assertNotIn("| entry |", headline)
+        self.assertEqual([race_tables.ratio_number(x) for x in (0.0, 0.456, float("inf"))],
+                         ["0", "0.46", "∞"])
         self.assertIn("| K-FAC (default) | 10.0 s, 100 steps (3/3) | 35.0 s, 300 steps "
                       "(3/3) | not reached (0/3) | 0.9200 |", text)
         self.assertNotIn("abc1234", text)  # user docs name no commit; the JSON holds it
