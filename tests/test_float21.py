@@ -305,10 +305,6 @@ class KfacRunChecks(ExchangeChecks):
         fabric = step_model.fabric(device, hardware.network("ib-edr"))
         columns = [distributed.CATEGORIES.index(c) for c in KFAC_CATEGORIES]
         for name, (placement, method, factor_wire, decomposition_wire) in worker.RUNS.items():
-            if method == "eigen_adam":
-                # Known defect: the planner prices eigen_adam's decomposition broadcast
-                # at half the bytes counted here (4656 against 9312 per rank and step).
-                continue
             config = step_model.Configuration(
                 placement, factor_wire, decomposition_wire, worker.FACTOR_INTERVAL,
                 worker.DECOMPOSITION_INTERVAL, "expand", method)

@@ -99,6 +99,14 @@ def gather_from_owners(comm, local_values, shapes, owners, wire_dtype="float32",
     return values
 
 
+def gathered_bytes(wire_dtype, rounded, exact, dtype="float32"):
+    """Bytes one rank hands to `gather_from_owners`'s allgather for `rounded` values on
+    the wire `wire_dtype` and `exact` values of `dtype` sent bit-exactly (what its
+    counters count, and what the planner prices)."""
+    wire = _Wire(wire_dtype, tf.as_dtype(dtype))
+    return wire.element.size * (wire.rounded_length(rounded) + wire.exact_length(exact))
+
+
 class _Wire:
     """How values of `dtype` travel on the wire `name` in a gather: rounded (cast to the
     wire dtype, or float21 words) or exactly (their bits, in as many wire elements as

@@ -8,7 +8,8 @@ unit: the test checks them against a real 2-rank job). The work is the library's
 for who decomposes and who preconditions, the Horovod communicator's bfloat16 mean as an
 allgather (`horovod_comm.GATHERED_MEAN_DTYPES`), a float21 mean as the reduce-scatter and
 allgather of `Communicator.float21_mean`, wire bytes as `packing.wire_bytes` (float21:
-three values to a 64-bit word). Not modelled: Horovod's negotiation, input pipelines.
+three values to a 64-bit word) and, for the gather of preconditioned gradients with the
+method's state (`EigenAdam`'s moments, sent bit-exactly), `exchange.gathered_bytes`. Not modelled: Horovod's negotiation, input pipelines.
 
 The factor statistics read `factor_batch_fraction` of the batch in the blocks that take
 that share (`BlockCost.statistics_kernels`); the sampled Fisher adds, on factor steps,
@@ -39,7 +40,7 @@ import typing
 
 from tfkfac import config as config_lib, methods as methods_lib, placement as placement_lib
 from tfkfac.config import KFACConfig
-from tfkfac.distributed import packing
+from tfkfac.distributed import exchange, packing
 from tfkfac.distributed.horovod_comm import GATHERED_MEAN_DTYPES
 from trainers.planning import floor_model
 from trainers.planning import collectives
@@ -357,9 +358,12 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     else:  # a block's owner decomposes and preconditions it; the results are gathered
         sharing = Phase(0.0, config.decomposition_interval)
         precondition_s = max(_rank_sums(block_s, owners, ranks)) + clip_s
-        sent = _memo(("sent", rule, ranks, config.decomposition_wire), (work,),
-                     lambda: [wire_bytes(p) for p in _rank_sums(work.managed_parameters(),
-                                                                owners, ranks)])
+        sent = _memo(("sent", rule, method, ranks, config.decomposition_wire), (work,),
+                     lambda: [exchange.gathered_bytes(config.decomposition_wire, g, s)
+                              for g, s in zip(_rank_sums(work.managed_parameters(), owners,
+                                                         ranks),
+                                              _rank_sums(work.method_state(method), owners,
+                                                         ranks))])
         preconditioned = Phase(gather(sent, fabric_), 1, "preconditioned", tuple(sent))
 
     factors = packing.wire_bytes(config.factor_wire, _memo(

@@ -20,6 +20,7 @@ import keras
 from trainers.planning import floor_model
 from pipelines import idx_dataset
 from tfkfac import KFACConfig, blocks as blocks_lib, keras_integration
+from tfkfac import methods as methods_lib
 from tfkfac.attachment import running_statistics
 from trainers import models
 
@@ -146,6 +147,13 @@ class Workload:
     def preconditioning(self, method):
         """Per block, `method`'s preconditioning kernels."""
         return [floor_model.precondition_kernels(g, method)
+                for g in self.geometries["expand"].values()]
+
+    def method_state(self, method):
+        """Per block, the elements of `method`'s state for it (under "owner" gathered
+        with its preconditioned gradients)."""
+        method = floor_model.as_method(method)
+        return [sum(math.prod(shape) for shape in methods_lib.state_shapes(method, g))
                 for g in self.geometries["expand"].values()]
 
     def managed_parameters(self):
