@@ -23,8 +23,8 @@ and which depends on TensorFlow's memory planner.
 
 import math
 
-from tfkfac import config as config_lib, methods as methods_lib
-from trainers.planning import floor_model, step_model
+from tfkfac import config as config_lib
+from trainers.planning import step_model
 
 COMPONENTS = ("model", "activations", "factors", "decompositions", "method_state", "host")
 DEVICE_COMPONENTS = COMPONENTS[:-1]
@@ -70,11 +70,9 @@ def worker_bytes(work, placement, method, ranks, precision=None):
         held = max(sum(e for e, owner in zip(decompositions, owners) if owner == rank)
                    for rank in range(ranks)) + 1  # and the damping they were computed at
         rebuild = sum(f for f, g in zip(factors, geometries) if g.symmetric_factors())
-    state = [s for g in geometries
-             for s in methods_lib.state_shapes(floor_model.as_method(method), g)]
     return {"model": MODEL_COPIES * itemsize * work.trainable_parameters,
             "activations": work.activation_bytes(precision) if precision else 0,
             "factors": itemsize * sum(factors),
             "decompositions": itemsize * held,
-            "method_state": itemsize * sum(math.prod(s) for s in state),
+            "method_state": itemsize * sum(work.method_state(method)),
             "host": itemsize * rebuild}
