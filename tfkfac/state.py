@@ -27,8 +27,9 @@ A load matches keys, not positions: a key the model lacks or a missing one (anot
 architecture, method, placement or setting) is a ValueError naming them.
 
 Saves from before the keys (.keras files with keys "0", "1", ...) and every
-`tf.train.Checkpoint` (`keras_integration.checkpoint_children`) hold the variables in
-`KFAC.variables` order, which is therefore kept: the inner optimizer's, the counters,
+`tf.train.Checkpoint` (`keras_integration.checkpoint_children`; one that also holds
+`KFAC.state_by_key()`, as the trainer's do, restores K-FAC's variables by key) hold the
+variables in `KFAC.variables` order, which is therefore kept: the inner optimizer's, the counters,
 per block its factors and, under "replicated", its decompositions and the method's
 state, grafting's moments, then under "owner" the rebuild state (per block the decomposed
 factors and the method's state, then the damping), then the momentum coupling's: each
