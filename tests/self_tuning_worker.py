@@ -80,8 +80,8 @@ def main(out_dir):
     model, optimizer = trained(comm, mine_x, mine_labels, ref.N // comm.size)
     arrays.update({f"weight{i}": v.numpy() for i, v in enumerate(model.variables)})
     arrays.update({f"optimizer{i}": v.numpy() for i, v in enumerate(optimizer.variables)})
-    arrays["scalars"] = np.array([optimizer._chain.post.values()[name]
-                                  for name in optimizer._chain.post.SCALARS])
+    arrays["scalars"] = np.array([optimizer._self_tuning.values()[name]
+                                  for name in optimizer._self_tuning.SCALARS])
     np.savez(os.path.join(out_dir, f"self_tuning.rank{comm.rank}.npz"), **arrays)
     print(f"rank {comm.rank}: done", flush=True)
 

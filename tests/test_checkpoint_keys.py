@@ -1,9 +1,10 @@
-"""A trainer checkpoint holds K-FAC's variables by position (`tf.train.Checkpoint`, the
-layout of every earlier checkpoint) and names them in `optimizer_keys.json`: a restore
-into an optimizer whose variables are not those (here: the same shapes under other layer
-names, where a restore by position would load every value into the wrong layer's
-variable) is refused naming the keys, before anything is assigned; one without the file
-(written before it) is restored by position as before."""
+"""A trainer checkpoint holds K-FAC's variables by key (`KFAC.state_by_key`) and restores
+them by key: a restore into an optimizer whose variables are not those (here: the same
+shapes under other layer names, where a restore by position would load every value into
+the wrong layer's variable) is refused naming the keys, before anything is assigned.
+Checkpoints written before the keys hold K-FAC's variables by position and name them in
+`optimizer_keys.json`: they restore by position, and one of other keys is refused by that
+file; one without the file (written before it) is restored by position as before."""
 
 import json
 import os
@@ -12,6 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 from absl.testing import absltest  # noqa: E402
 
 import tfkfac  # noqa: E402
@@ -42,11 +44,11 @@ class CheckpointKeysTest(absltest.TestCase):
         self.model_dir = self.create_tempdir().full_path
         model, optimizer = trained(("first", "second"))
         self.saved = [v.numpy() for v in model.variables + optimizer.variables]
-        state = {"counters": reporting.RunCounters(steps=STEP).to_dict(),
-                 "epoch_metrics": None}
         self.path = checkpoints.CheckpointStore(self.model_dir, model, optimizer).save(
-            STEP, state)
+            STEP, {"counters": reporting.RunCounters(steps=STEP).to_dict(),
+                   "epoch_metrics": None})
         self.keys_file = os.path.join(self.path, checkpoints.OPTIMIZER_KEYS_FILE)
+        self.model, self.optimizer = model, optimizer
 
     def store(self, names):
         model, optimizer = trained(names, seed=1)
@@ -55,13 +57,29 @@ class CheckpointKeysTest(absltest.TestCase):
     def variables(self, model, optimizer):
         return [v.numpy() for v in model.variables + optimizer.variables]
 
-    def test_the_keys_file_names_every_optimizer_variable(self):
-        _, optimizer, _ = self.store(("first", "second"))
-        with open(self.keys_file, encoding="utf-8") as f:
-            keys = json.load(f)["keys"]
-        self.assertEqual([tuple(pair) for pair in keys], optimizer.saved_keys())
-        self.assertLen(keys, len(optimizer.variables))
-        self.assertIn(["block:first:factor:A", [7, 7]], keys)  # 6 inputs and the bias
+    def write_by_position(self, keys_file=True):
+        """The checkpoint written again as before the keys: K-FAC's variables by position
+        only, with an `optimizer_keys.json` if `keys_file`."""
+        prefix = os.path.join(self.path, checkpoints.VARIABLES_PREFIX)
+        for name in os.listdir(self.path):
+            if name.startswith(checkpoints.VARIABLES_PREFIX):
+                os.remove(os.path.join(self.path, name))
+        tf.train.Checkpoint(model=self.model, optimizer=self.optimizer).write(prefix)
+        if keys_file:
+            with open(self.keys_file, "w", encoding="utf-8") as f:
+                json.dump({"keys": self.optimizer.saved_keys()}, f)
+        elif os.path.exists(self.keys_file):
+            os.remove(self.keys_file)
+
+    def test_the_checkpoint_holds_every_kfac_variable_under_its_key(self):
+        saved = {name for name, _ in tf.train.list_variables(
+            os.path.join(self.path, checkpoints.VARIABLES_PREFIX))}
+        keys = [key for key, _ in self.optimizer.saved_keys()
+                if not key.startswith("inner:")]
+        for key in keys:
+            self.assertIn(f"{checkpoints.KFAC_STATE}/{key}/.ATTRIBUTES/VARIABLE_VALUE", saved)
+        self.assertIn("block:first:factor:A", keys)
+        self.assertFalse(os.path.exists(self.keys_file))
 
     def test_same_names_restore_every_variable(self):
         model, optimizer, store = self.store(("first", "second"))
@@ -71,38 +89,46 @@ class CheckpointKeysTest(absltest.TestCase):
             np.testing.assert_array_equal(got, want)
 
     def test_other_layers_of_the_same_shapes_are_refused_by_name(self):
-        model, optimizer, store = self.store(("hidden", "logits"))
-        before = self.variables(model, optimizer)
-        with self.assertRaises(checkpoints.CheckpointError) as raised:
-            store.restore(report=False)
-        message = str(raised.exception)
-        for key in ("block:hidden:factor:A", "block:first:factor:A"):
-            self.assertIn(key, message)
-        self.assertIn(self.keys_file, message)
-        for got, want in zip(self.variables(model, optimizer), before):
-            np.testing.assert_array_equal(got, want)  # nothing was assigned
+        for by_position in (False, True):
+            with self.subTest(by_position=by_position):
+                if by_position:
+                    self.write_by_position()
+                model, optimizer, store = self.store(("hidden", "logits"))
+                before = self.variables(model, optimizer)
+                with self.assertRaises(checkpoints.CheckpointError) as raised:
+                    store.restore(report=False)
+                message = str(raised.exception)
+                for key in ("block:hidden:factor:A", "block:first:factor:A"):
+                    self.assertIn(key, message)
+                if by_position:
+                    self.assertIn(self.keys_file, message)
+                for got, want in zip(self.variables(model, optimizer), before):
+                    np.testing.assert_array_equal(got, want)  # nothing was assigned
 
-    def test_a_checkpoint_without_the_file_restores_by_position(self):
-        os.remove(self.keys_file)
-        model, optimizer, store = self.store(("hidden", "logits"))
-        store.restore()
-        for got, want in zip(self.variables(model, optimizer), self.saved):
-            np.testing.assert_array_equal(got, want)
+    def test_a_checkpoint_by_position_restores_by_position(self):
+        for keys_file in (True, False):
+            with self.subTest(keys_file=keys_file):
+                self.write_by_position(keys_file)
+                names = ("first", "second") if keys_file else ("hidden", "logits")
+                model, optimizer, store = self.store(names)
+                store.restore()
+                for got, want in zip(self.variables(model, optimizer), self.saved):
+                    np.testing.assert_array_equal(got, want)
 
     def test_a_damaged_keys_file_is_named(self):
+        self.write_by_position()
         with open(self.keys_file, "w", encoding="utf-8") as f:
             f.write("{not json")
         _, _, store = self.store(("first", "second"))
         with self.assertRaisesRegex(checkpoints.CheckpointError, self.keys_file):
             store.restore(report=False)
 
-    def test_the_same_keys_in_another_order_are_refused(self):
-        _, optimizer, _ = self.store(("first", "second"))
-        keys = optimizer.saved_keys()
+    def test_the_same_keys_in_another_order_are_refused_by_position(self):
+        keys = self.optimizer.saved_keys()
         swapped = keys[:-2] + [keys[-1], keys[-2]]
         with self.assertRaisesRegex(ValueError, "another order"):
-            optimizer.check_saved_keys(swapped)
-        optimizer.check_saved_keys(keys)
+            self.optimizer.check_saved_keys(swapped)
+        self.optimizer.check_saved_keys(keys)
 
 
 if __name__ == "__main__":

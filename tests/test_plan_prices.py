@@ -196,7 +196,7 @@ class SettingsTest(absltest.TestCase):
         self.assertEqual(step_model.unpriced_settings(), (
             "stale_threshold", "max_factor_interval", "grafting", "skip_layers", "xla",
             "state_dtype", "factor_examples", "product_dtype", "weight_rescaling",
-            "self_tuning", "phase_clocks"))
+            "self_tuning", "transforms", "phase_clocks"))
         output_dir = temporary_path("plan")
         code, out, err = run_plan("--model=mlp", "--workers=1", "--placements=replicated",
                                   "--factor_wires=float32", "--decomposition_wires=float32",

@@ -30,7 +30,7 @@ from absl.testing import absltest, parameterized  # noqa: E402
 
 import self_tuning_reference as ref  # noqa: E402
 import tfkfac  # noqa: E402
-from tfkfac import ggn, self_tuning  # noqa: E402
+from tfkfac import ggn, self_tuning, transform  # noqa: E402
 
 X, LABELS, ONE_HOT, BINARY, REAL = ref.data()
 # name: (output activation, Keras loss, numpy per-example loss of z, targets for numpy,
@@ -57,9 +57,14 @@ def random_vectors(count, seed=3):
     return [rng.normal(size=ref.PARAMS) for _ in range(count)]
 
 
-def zeros_variable(shape, name, dtype):
-    """The update chain's `add_variable` for post-transforms (tfkfac/chain.py)."""
-    return keras.Variable("zeros", shape=shape, dtype=dtype, name=name, trainable=False)
+def zeros_variable(shape, name, dtype, initializer="zeros"):
+    """The update chain's `add_variable` (tfkfac/transform.py)."""
+    return keras.Variable(initializer, shape=shape, dtype=dtype, name=name, trainable=False)
+
+
+def state_of(variables):
+    """What `SelfTuning.create_state` makes its state with, for `variables`."""
+    return transform.StateContext(zeros_variable, variables, [v.path for v in variables])
 
 
 def assert_close(actual, expected, rtol, message=""):
@@ -201,7 +206,7 @@ class QuadraticModelTest(absltest.TestCase):
         curvature = ggn.output_curvature(
             keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         tuning = self_tuning.SelfTuning(initial_damping=damping, l2=l2)
-        tuning.create_state(variables, [v.path for v in variables], zeros_variable)
+        tuning.create_state(state_of(variables))
         rng = np.random.default_rng(6)
         previous = rng.normal(size=ref.PARAMS) * 0.1
         for variable, value in zip(tuning.previous, ref.unflat(previous, params)):
@@ -257,7 +262,7 @@ class QuadraticModelTest(absltest.TestCase):
         curvature = ggn.output_curvature(
             keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         tuning = self_tuning.SelfTuning(initial_damping=damping)
-        tuning.create_state(variables, [v.path for v in variables], zeros_variable)
+        tuning.create_state(state_of(variables))
         rng = np.random.default_rng(7)
         preconditioned = rng.normal(size=ref.PARAMS).astype(np.float32)  # P; Δ = −P
         noise = rng.normal(size=ref.PARAMS)
@@ -292,7 +297,7 @@ class DampingTest(absltest.TestCase):
         rhos[9:40] = [2.0] * 31  # six decreases: from 3e-8 to the lower bound, held
         rule = self_tuning.LevenbergMarquardt()
         tuning = self_tuning.SelfTuning(initial_damping=3e-8)
-        tuning.create_state([], [], zeros_variable)
+        tuning.create_state(state_of([]))
         expected, damping, trajectory = [], 3e-8, []
         for step, rho in enumerate(rhos):
             # M(δ) = −1 and h(θ) = 0, so h(θ + δ) = −ρ gives ρ.
@@ -407,8 +412,8 @@ class KFACSelfTuningTest(absltest.TestCase):
         alpha = -(gradient @ direction) / (direction @ c @ direction)  # μ = 0 at first
         step = ref.flat(ref.weights(model)) - ref.flat(params)
         assert_close(step, alpha * direction, 1e-5)
-        assert_close(ref.flat(optimizer._chain.post.previous), step, 1e-6)  # δ₀ ← δ
-        logged = optimizer._chain.post.values()
+        assert_close(ref.flat(optimizer._self_tuning.previous), step, 1e-6)  # δ₀ ← δ
+        logged = optimizer._self_tuning.values()
         self.assertEqual(logged["momentum"], 0.0)
         self.assertAlmostEqual(logged["learning_rate"] / alpha, 1.0, delta=1e-5)
         self.assertAlmostEqual(logged["model_change"] / (0.5 * alpha * gradient @ direction),
@@ -418,7 +423,7 @@ class KFACSelfTuningTest(absltest.TestCase):
 
     def test_later_steps_add_momentum_and_adapt_damping_on_the_fifth(self):
         model, optimizer = compiled()
-        tuning = optimizer._chain.post
+        tuning = optimizer._self_tuning
         fit(model, 0, 4)
         self.assertEqual(tuning.values()["damping"], TRAINING["damping"])
         self.assertTrue(math.isnan(tuning.values()["rho"]))
@@ -464,7 +469,7 @@ class KFACSelfTuningTest(absltest.TestCase):
         fit(loaded, 3, STEPS - 3)
         for a, b in zip(model.get_weights(), loaded.get_weights()):
             np.testing.assert_array_equal(a, b)
-        self.assertEqual(optimizer._chain.post.values(), loaded.optimizer._chain.post.values())
+        self.assertEqual(optimizer._self_tuning.values(), loaded.optimizer._self_tuning.values())
         keys = [key for key, _ in optimizer.saved_keys()]
         self.assertIn("self_tuning:damping", keys)
         self.assertIn("self_tuning:previous_update:hidden.kernel", keys)

@@ -70,8 +70,8 @@ class SelfTuningDistributedTest(job_results.TwoRankJob, absltest.TestCase):
             expected = variable.numpy()
             np.testing.assert_allclose(rank0[f"weight{i}"], expected, rtol=0,
                                        atol=EQUIVALENCE_RTOL * np.abs(expected).max())
-        scalars = dict(zip(optimizer._chain.post.SCALARS, rank0["scalars"]))
-        one = optimizer._chain.post.values()
+        scalars = dict(zip(optimizer._self_tuning.SCALARS, rank0["scalars"]))
+        one = optimizer._self_tuning.values()
         self.assertEqual(scalars["damping"], one["damping"])
         self.assertNotEqual(one["damping"], worker.SETTINGS["damping"])  # it was adapted
         for name in ("learning_rate", "momentum", "model_change", "loss", "rho"):

@@ -21,7 +21,8 @@ from trainer_testing import BATCH, SMALL, config_from_argv, read_csv, read_json,
 FLAGS = flags.FLAGS
 # Checkpoint keys of the optimizer's step counter and K-FAC's factor-update counter.
 ITERATIONS_KEY = "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"
-FACTOR_UPDATES_KEY = "optimizer/_factor_updates/.ATTRIBUTES/VARIABLE_VALUE"
+# K-FAC's variables are saved by key (trainers/checkpoints.py, KFAC_STATE).
+FACTOR_UPDATES_KEY = "kfac_state/counters:factor_updates/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 def tensorboard_scalars(directory):

@@ -94,11 +94,9 @@ class TrainerHorovodTest(absltest.TestCase):
             self.assertLen(os.listdir(os.path.join(model_dir, "tensorboard")), 1)
             checkpoint_dir = os.path.join(model_dir, "checkpoints")
             self.assertEqual(os.listdir(checkpoint_dir), [f"step-{worker.STEPS}"])
-            # K-FAC's checkpoints also name its variables (optimizer_keys.json).
-            keys = ["optimizer_keys.json"] if optimizer == "kfac" else []
             self.assertEqual(sorted(os.listdir(os.path.join(checkpoint_dir, f"step-{worker.STEPS}"))),
-                             keys + ["trainer_state.json", "variables.data-00000-of-00001",
-                                     "variables.index"])
+                             ["trainer_state.json", "variables.data-00000-of-00001",
+                              "variables.index"])
         # One summary line per run, from rank 0 (horovodrun prefixes lines with [rank]).
         summaries = [line for line in self.output.splitlines() if "logs: " in line]
         self.assertLen(summaries, len(worker.OPTIMIZERS), self.output[-4000:])

@@ -27,7 +27,8 @@ from tfkfac.noise_scale import GradientNoiseScale  # noqa: E402
 from tfkfac.optimizer import KFAC  # noqa: E402
 from tfkfac.schedule_free import AveragedWeights, ScheduleFreeAdamW  # noqa: E402
 from tfkfac.schedules import OsawaInterval, WarmupDamping  # noqa: E402
+from tfkfac.transform import Transform  # noqa: E402
 
 __all__ = ["KFAC", "KFACConfig", "AveragedWeights", "Eigen", "EigenAdam",
            "GradientNoiseScale", "Inverse", "Method", "OsawaInterval", "ScheduleFreeAdamW",
-           "WarmupDamping", "fresh_flags", "__version__"]
+           "Transform", "WarmupDamping", "fresh_flags", "__version__"]

@@ -50,9 +50,9 @@ class AdaptiveStaleness:
     def create_state(self, add_variable, blocks):
         """The saved schedule: per block its interval (0 until its first refresh), the
         step its factors are next due and 1 while its factors were refreshed since its
-        last decomposition. `add_variable(shape, initializer, name, dtype)`."""
+        last decomposition. `add_variable(shape, name, dtype)` (`transform.StateContext`)."""
         self.intervals, self.next_steps, self.undecomposed = [
-            add_variable((blocks,), "zeros", name, "int64")
+            add_variable((blocks,), name, "int64")
             for name in ("adaptive_factor_intervals", "adaptive_next_factor_steps",
                          "adaptive_undecomposed")]
 
@@ -60,8 +60,7 @@ class AdaptiveStaleness:
         """Under placement "owner": per block the damping of its last decomposition,
         which a resumed owner rebuilds it with (blocks are decomposed at different
         steps, so under a damping schedule with different dampings)."""
-        self.decomposed_dampings = add_variable((blocks,), "zeros", "adaptive_decomposed_damping",
-                                                dtype)
+        self.decomposed_dampings = add_variable((blocks,), "adaptive_decomposed_damping", dtype)
 
     def saved_variables(self):
         return [(state_lib.key("adaptive_staleness", name), variable) for name, variable in (

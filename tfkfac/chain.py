@@ -1,21 +1,20 @@
-"""The update as a chain (docs/design.md §1, §5, §11): K-FAC's
-preconditioning, then one post-transform — the KL clip, grafting, or none — then the
-inner optimizer, with Osawa et al.'s momentum coupling before it and weight rescaling
-after it when asked, in the spirit of optax's `chain`.
-
-Each piece owns its state and saved variables, and names them (the keys of
-tfkfac/state.py): the curvature (`tfkfac.curvature`) its factors, decompositions and
-method state, grafting its Adam v, the momentum coupling its peak learning rate, the
-inner optimizer its own. `UpdateChain` composes them in one place, the order of
-`KFAC.variables` included.
+"""The update as a chain of transforms (docs/design.md §1, §5, §11), in the spirit of
+optax's `chain`: K-FAC's preconditioning (`curvature.Curvature`), the KL clip or grafting
+(or self-tuning), the `transforms` setting's, then, where the update is applied, the
+momentum coupling, the inner optimizer and weight rescaling; self-tuning's adaptation
+after it. Each is a `tfkfac.Transform` (tfkfac/transform.py): it makes and names its
+own state and has one `apply`. `transforms` builds the list from the settings, the one
+place that reads them for it; `UpdateChain` runs it.
 """
 
+import dataclasses
 import math
 
 import keras
 import tensorflow as tf
 
-from tfkfac import blocks as blocks_lib, grafting as grafting_lib, keras_integration, linalg
+from tfkfac import blocks as blocks_lib, grafting as grafting_lib, inner as inner_lib
+from tfkfac import keras_integration, linalg, self_tuning, transform
 
 # The layers whose kernels weight rescaling renormalizes: Osawa et al. rescale every
 # convolution and fully-connected kernel of their ResNet-50 (their code marks each conv
@@ -25,7 +24,7 @@ RESCALED_LAYERS = (keras.layers.Dense,) + blocks_lib.CONVOLUTIONS
 RESCALING_EPSILON = 1e-9
 
 
-class KLClip:
+class KLClip(transform.Transform):
     """Every preconditioned gradient scaled by ν = min(1, sqrt(κ / (η² Σ_layers |<P, ∇>|)))
     (Pauloski et al. eq. 18; docs/design.md §5), in the state dtype, with η the inner
     optimizer's learning rate at this step (`learning_rate()`). Keeps no state."""
@@ -33,42 +32,44 @@ class KLClip:
     def __init__(self, kappa, learning_rate):
         self.kappa, self.learning_rate = kappa, learning_rate
 
-    def create_state(self, model_variables, variable_paths, add_variable):
-        del model_variables, variable_paths, add_variable  # nothing to keep: ν is per step
-
-    def saved_variables(self):
-        return []
-
-    def update(self, preconditioned, step):
+    def apply(self, step):
+        preconditioned = step.preconditioned
         if not preconditioned.blocks:
-            return preconditioned.grads()
+            return step
         nu = linalg.kl_clip_scale(preconditioned.blocks, preconditioned.block_grads,
                                   self.learning_rate(), self.kappa)
-        return preconditioned.grads([[p * nu for p in ps] for ps in preconditioned.blocks])
+        return dataclasses.replace(step, grads=preconditioned.grads(
+            [[p * nu for p in ps] for ps in preconditioned.blocks]))
 
 
-def post_transform(config, learning_rate):
-    """The one post-transform `config` asks for: grafting (the KL clip would cancel in
-    the graft, so it is not applied), else the KL clip, else None."""
-    if config.grafting is not None:
-        return grafting_lib.Grafting(config.grafting, config.adam_beta_2,
-                                     config.adam_epsilon, config.state_dtype)
-    if config.kl_clip is not None:
-        return KLClip(config.kl_clip, learning_rate)
-    return None
+class InnerOptimizer(transform.Transform):
+    """The Keras optimizer that applies the update. Its state is Keras's own, made when
+    KFAC builds it and saved first, as "inner:<i>" (tfkfac/state.py)."""
+
+    stage = transform.UPDATE
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def apply(self, step):
+        self.optimizer.apply(step.grads, step.variables)
+        return step
 
 
-class WeightRescaling:
+class WeightRescaling(transform.Transform):
     """Osawa et al. §4.4 eq. 18 (van Laarhoven's normalizing weights): after each update,
     every kernel of `kernels` becomes √(2·d_out) · W / (‖W‖_F + ε), d_out its last axis
     (a Dense layer's units, a convolution's filters). Keeps no state."""
 
+    stage = transform.UPDATE
+
     def __init__(self, kernels):
         self.kernels = kernels
 
-    def apply(self):
+    def apply(self, step):
         """Rescale the kernels (in replica context, after the inner optimizer's update)."""
-        _assign_each(self.kernels, rescaled)
+        keras_integration.assign_each(self.kernels, rescaled)
+        return step
 
 
 def rescaled(kernel):
@@ -77,11 +78,9 @@ def rescaled(kernel):
     return kernel * (math.sqrt(2.0 * kernel.shape[-1]) / (norm + RESCALING_EPSILON))
 
 
-def weight_rescaling(config, blocks):
-    """The `WeightRescaling` of the managed Dense and convolution layers among `blocks`
-    when `config.weight_rescaling`, else None; an error when it would rescale nothing."""
-    if not config.weight_rescaling:
-        return None
+def weight_rescaling(blocks):
+    """The `WeightRescaling` of the managed Dense and convolution layers among `blocks`;
+    an error when it would rescale nothing."""
     kernels = [block.layer.kernel for block in blocks
                if isinstance(block.layer, RESCALED_LAYERS)]
     if not kernels:
@@ -104,59 +103,86 @@ def variable_paths(model, variables):
     return [held.get(id(v), f"#{i}") for i, v in enumerate(variables)]
 
 
+def transforms(config, curvature, optimizer, self_tuning_inputs):
+    """The chain `config` asks for, in order: `curvature` (a `curvature.Curvature`);
+    self-tuning, or grafting (the KL clip would cancel in the graft, so it is not
+    applied), or the KL clip, or none of them; a copy of each of the `transforms`
+    setting's; the momentum coupling; `optimizer`, the inner Keras optimizer; weight
+    rescaling; self-tuning's adaptation. `self_tuning_inputs()`: `SelfTuning`'s `model`,
+    `batch` and `communicator`, asked for under `self_tuning` only."""
+    learning_rate = lambda: optimizer.learning_rate  # noqa: E731 (read at each step)
+    chain = [curvature]
+    if config.self_tuning:
+        tuning = self_tuning.SelfTuning(config.damping, learning_rate=learning_rate,
+                                        **self_tuning_inputs())
+        chain.append(tuning)
+    elif config.grafting is not None:
+        chain.append(grafting_lib.Grafting(config.grafting, config.adam_beta_2,
+                                           config.adam_epsilon, config.state_dtype))
+    elif config.kl_clip is not None:
+        chain.append(KLClip(config.kl_clip, learning_rate))
+    chain += transform.copies(config.transforms)
+    if config.couple_momentum_to_lr:
+        chain.append(inner_lib.MomentumCoupling(optimizer))
+    chain.append(InnerOptimizer(optimizer))
+    if config.weight_rescaling:
+        chain.append(weight_rescaling(curvature.blocks))
+    if config.self_tuning:
+        chain.append(tuning.adaptation(lambda: optimizer.iterations))
+    return chain
+
+
 class UpdateChain:
-    """precondition (`curvature`) → `post` (`KLClip`, `grafting.Grafting` or None) →
-    `inner`, the Keras optimizer that applies the update, its momentum coupled to its
-    learning rate first by `coupling` (a `tfkfac.inner.MomentumCoupling`) and its
-    kernels rescaled after by `rescaling` (a `WeightRescaling`), each if given."""
+    """Runs `transforms` (`tfkfac.Transform`s, the first the curvature) stage by stage
+    (tfkfac/transform.py), and holds their state."""
 
-    def __init__(self, curvature, post, inner, coupling=None, rescaling=None):
-        self.curvature, self.post, self.inner = curvature, post, inner
-        self.coupling, self.rescaling = coupling, rescaling
-        self._inner_update = _InnerUpdate(self)
+    def __init__(self, transforms):
+        self.transforms = list(transforms)
+        self.curvature = self.transforms[0]
+        self._inner_update = _InnerUpdate(self.staged(transform.UPDATE))
 
-    def create_state(self, counters, add_variable, model_variables, variable_paths):
-        """Every piece's saved state, in `saved_variables` order. `add_variable(shape,
-        initializer, name, dtype)` makes an optimizer variable; `variable_paths` name
-        `model_variables` in saved keys (`variable_paths`)."""
-        self.curvature.create_state(counters, add_variable)
-        if self.post is not None:
-            self.post.create_state(model_variables, variable_paths,
-                                   lambda shape, name, dtype: add_variable(
-                                       shape, "zeros", name, dtype))
-        self.curvature.create_rebuild_state(add_variable)
-        if self.coupling is not None:
-            self.coupling.create_state(add_variable, model_variables)
+    def staged(self, stage):
+        return [t for t in self.transforms if t.stage == stage]
+
+    def create_state(self, context):
+        """Every transform's state (`Transform.create_state`), in chain order."""
+        for piece in self.transforms:
+            piece.create_state(context)
 
     def saved_variables(self):
-        """(key, variable) of the pieces' saved variables, which come after the inner
-        optimizer's and the counters: the curvature's, the post-transform's, then an
-        owner's rebuild state, late so that saves from before it existed still line up
-        (tfkfac/state.py), then the momentum coupling's."""
-        return (self.curvature.saved_variables()
-                + (self.post.saved_variables() if self.post is not None else [])
-                + self.curvature.saved_rebuild_variables()
-                + (self.coupling.saved_variables() if self.coupling is not None else []))
+        """(key, variable) of every transform's state in chain order, but for an owner's
+        rebuild state (`Curvature.rebuild_variables`), which comes after the GRADIENTS
+        stage's: saves by position (tfkfac/state.py) from before it existed hold the
+        rest in that order. Saves by name do not depend on it."""
+        late = {id(v) for v in self.curvature.rebuild_variables()}
+        gradients = [pair for piece in self.staged(transform.GRADIENTS)
+                     for pair in piece.saved_variables()]
+        return ([pair for pair in gradients if id(pair[1]) not in late]
+                + [pair for pair in gradients if id(pair[1]) in late]
+                + [pair for piece in self.transforms if piece.stage != transform.GRADIENTS
+                   for pair in piece.saved_variables()])
 
-    def gradients(self, grads, variables, damping, step, during=None):
-        """What the inner optimizer receives for `grads` of `variables` at `step`
-        (`during`: see `Curvature.precondition`)."""
-        preconditioned = self.curvature.precondition(grads, variables, damping, step=step,
-                                                     during=during)
-        if self.post is None:
-            return preconditioned.grads()
-        return self.post.update(preconditioned, step)
+    def gradients(self, step):
+        """What the inner optimizer receives for `step` (a `Step`): the GRADIENTS stage's
+        transforms applied in order."""
+        for piece in self.staged(transform.GRADIENTS):
+            step = piece.apply(step)
+        return step.grads
 
     def apply(self, finite, grads, variables):
-        """The inner optimizer's update with `grads` if `finite` (a step with a non-finite
-        gradient changes nothing), with the coupling before it and the rescaling after;
-        whether it ran, a tensor that exists once it has."""
+        """The UPDATE stage with `grads` if `finite` (a step with a non-finite gradient
+        changes nothing); whether it ran, a tensor that exists once it has."""
         return keras_integration.apply_if(finite, self._inner_update, grads, variables)
+
+    def after(self, step):
+        """The AFTER stage, on `step` (its `finite` and `applied` set)."""
+        for piece in self.staged(transform.AFTER):
+            step = piece.apply(step)
 
 
 class _InnerUpdate:
     """What `keras_integration.apply_if` runs in each replica as `apply(grads,
-    variables)`: the chain's coupling, its inner optimizer's update, its rescaling.
+    variables)`: the UPDATE stage's `transforms`, in order.
 
     Without a tf.distribute strategy, in a graph, the update is one tf.function per list
     of variables, so that the factor and the stale train functions (`tfkfac.stale_steps`)
@@ -165,8 +191,8 @@ class _InnerUpdate:
     cannot run in a nested tf.function.
     """
 
-    def __init__(self, chain):
-        self.chain = chain
+    def __init__(self, transforms):
+        self.transforms = transforms
         self._traced = {}  # tuple of variable ids -> tf.function of the gradients
 
     def apply(self, grads, variables):
@@ -179,27 +205,6 @@ class _InnerUpdate:
         self._traced[key](list(grads))
 
     def _update(self, grads, variables):
-        coupling, rescaling = self.chain.coupling, self.chain.rescaling
-        if coupling is not None:
-            slots, peak, ratio = coupling.step(variables)
-            _assign_each([coupling.peak], lambda _, peak: peak, peak)
-            _assign_each(slots, lambda slot, ratio: slot * tf.cast(ratio, slot.dtype), ratio)
-        self.chain.inner.apply(grads, variables)
-        if rescaling is not None:
-            rescaling.apply()
-
-
-def _assign_each(variables, value, *args):
-    """From replica context, assign `value(copy, *args)` to every copy of each of
-    `variables`: through `merge_call` and `extended.update`, as Keras's optimizers update
-    the variables a tf.distribute strategy mirrors (without one, a plain assign)."""
-    def update(strategy, *args):
-        for variable in variables:
-            if isinstance(variable, keras.Variable):
-                variable = variable.value  # the tf.Variable
-            strategy.extended.update(
-                variable, lambda copy, *args: copy.assign(tf.cast(value(copy, *args),
-                                                                  copy.dtype)),
-                args=args, group=False)
-
-    tf.distribute.get_replica_context().merge_call(update, args=args)
+        step = transform.Step(list(grads), list(variables))
+        for piece in self.transforms:
+            step = piece.apply(step)

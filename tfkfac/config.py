@@ -11,7 +11,9 @@ import math
 import typing
 import warnings
 
-from tfkfac import grafting, methods, schedules, self_tuning, validation
+import keras
+
+from tfkfac import grafting, methods, schedules, self_tuning, transform, validation
 from tfkfac.distributed.packing import WIRE_DTYPES
 from tfkfac.fisher import FISHERS
 from tfkfac.placement import PLACEMENTS
@@ -185,13 +187,19 @@ class KFACConfig:
         "Levenberg-Marquardt rule every 5 steps from `damping`, the factors' damping tied "
         "to λ; plain SGD applies the step (no learning_rate, momentum or schedule). Two "
         "forward-mode passes a step, a forward pass every 5; `model.fit` only.", flag=False)
+    transforms: tuple = _setting(
+        (), transform.check,
+        "`tfkfac.Transform`s of the update, applied in order after the KL clip or "
+        "grafting, before the inner optimizer; each saves its state under its name "
+        "(docs/design.md §1).", flag=False)
     phase_clocks: bool = _setting(
         False, validation.boolean,
         "Time each phase into summary()['phase_seconds']; costs 0.2-0.6 ms a step.")
 
     def __post_init__(self):
-        if isinstance(self.skip_layers, list):
-            object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        for name in ("skip_layers", "transforms"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         for field in dataclasses.fields(self):
             field.metadata["check"](field.name, getattr(self, field.name))
         if self.fisher_seed and self.fisher != "sampled":
@@ -299,6 +307,7 @@ class KFACConfig:
                   for field in dataclasses.fields(self) if field.metadata["saved"]}
         config["skip_layers"] = list(self.skip_layers)
         config["method"] = methods.serialize(self.method)
+        config["transforms"] = transform.serialize(self.transforms)
         return config
 
     def preconditioning_method(self):
@@ -311,6 +320,8 @@ class KFACConfig:
         """The inverse of `to_config` (a Keras-serialized method or schedule is
         deserialized); a save's renamed keys are read silently."""
         config = {RENAMED.get(name, name): value for name, value in config.items()}
+        config["transforms"] = [keras.saving.deserialize_keras_object(t)
+                                for t in config.get("transforms", [])]
         return cls(**{name: schedules.deserialize(value) for name, value in config.items()})
 
 

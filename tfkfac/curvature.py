@@ -6,7 +6,8 @@ decompositions spread over ranks by the placement, and the preconditioning of gr
 Factors and decompositions are updated when their interval schedule says they are due,
 or, with adaptive stale statistics (`tfkfac.adaptive_staleness`), each block's factors
 on its own schedule and its decompositions only after its factors were refreshed.
-It holds no Keras optimizer logic.
+It is the first transform of the update chain (tfkfac/chain.py), and `scheduled` runs a
+step's phases around the chain's gradient stage. It holds no Keras optimizer logic.
 """
 
 import dataclasses
@@ -16,7 +17,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfkfac import adaptive_staleness, distributed, methods, state as state_lib
+from tfkfac import adaptive_staleness, distributed, methods, schedules, state as state_lib
+from tfkfac import transform
 from tfkfac.blocks.base import batch_size
 from tfkfac.runtime_warnings import warn_if
 
@@ -27,7 +29,7 @@ NOT_DECOMPOSED = -1.0
 
 @dataclasses.dataclass
 class Preconditioned:
-    """One step's gradients after preconditioning, for the post-transform that follows
+    """One step's gradients after preconditioning, for the transforms that follow
     (tfkfac/chain.py).
 
     `raw`: the gradients as given, aligned with `variables`; `slots`: per block the
@@ -52,7 +54,7 @@ class Preconditioned:
         return grads
 
 
-class Curvature:
+class Curvature(transform.Transform):
     """Blocks, their state (`state.BlockState` each) and the phases that update it.
 
     `config` (a `tfkfac.KFACConfig`) gives the method (`tfkfac.methods`: what a
@@ -63,11 +65,13 @@ class Curvature:
     preconditioning run in. `config.xla` (True, False or "auto": when a GPU is visible)
     compiles the factor statistics and the preconditioning. Decompositions never use
     XLA: XLA:CPU lowers eigh to a Jacobi solver (docs/benchmarks.md), and on CPU they run
-    in LAPACK (`tfkfac.linalg`).
+    in LAPACK (`tfkfac.linalg`). `clocks` (a `state.PhaseClocks`) times the phases.
     """
 
-    def __init__(self, blocks, placement, comm, config):
-        self.blocks, self.placement, self.comm = blocks, placement, comm
+    name = "curvature"
+
+    def __init__(self, blocks, placement, comm, config, clocks):
+        self.blocks, self.placement, self.comm, self.clocks = blocks, placement, comm, clocks
         self.method = config.preconditioning_method()
         self.factor_decay = config.factor_decay
         self.factor_wire_dtype = config.factor_wire_dtype
@@ -81,6 +85,11 @@ class Curvature:
                          adaptive_staleness.AdaptiveStaleness(config.stale_threshold,
                                                               config.max_factor_interval))
         self._frozen = set()
+        self.factor_interval = schedules.interval("factor_update_freq",
+                                                  config.factor_update_freq)
+        self.decomposition_interval = schedules.interval("decomposition_update_freq",
+                                                         config.decomposition_update_freq)
+        self.overlap_reduction = config.overlap_reduction
         # Per block, whether its preconditioning reads its factors (then it waits for the
         # factor update; with `overlap_reduction` the others run while it is reduced).
         self.reads_factors = [any(self.method.reads_factors(p) for p in block.pieces())
@@ -98,19 +107,19 @@ class Curvature:
                                             autograph=False)
 
     # ----------------------------------------------------------------- state
-    def create_state(self, counters, add_variable):
+    def create_state(self, context):
         """Create every block's factors, held decompositions and, under "replicated", the
         method's state (the eigenbasis moments of `EigenAdam`), in a stable order, then
-        the adaptive schedule's state (with adaptive stale statistics only).
-
-        `add_variable(shape, initializer, name, dtype)` makes a saved optimizer variable.
-        An owner's decompositions are rank-specific and not saved; `create_rebuild_state`
-        makes the saved state it rebuilds them from after a restore.
+        the adaptive schedule's state (with adaptive stale statistics only), with
+        `context.add_variable` (a `transform.StateContext`, whose counters this curvature
+        keeps). An owner's decompositions are rank-specific and not saved; it saves the
+        state it rebuilds them from after a restore instead (`_create_rebuild_state`).
         """
-        self.counters = counters
+        add_variable = context.add_variable
+        self.counters = context.counters
         self.states = []
         for b, block in enumerate(self.blocks):
-            factors = [add_variable(shape, "zeros", f"{block.name}_factor{i}", self.dtype)
+            factors = [add_variable(shape, f"{block.name}_factor{i}", self.dtype)
                        for i, shape in enumerate(block.factor_shapes())]
             decompositions = None
             if self.placement.holds_decompositions(b):
@@ -129,15 +138,15 @@ class Curvature:
             self.decompositions_current = tf.Variable(
                 self.placement.saves_decompositions, trainable=False,
                 name="decompositions_current")
+        self._create_rebuild_state(add_variable)
 
-    def create_rebuild_state(self, add_variable):
+    def _create_rebuild_state(self, add_variable):
         """Under "owner", on every rank, all a resumed owner needs to go on as the
         uninterrupted run, whichever rank wrote the checkpoint: per block with
         decompositions a copy of the factors they were last computed from (in host
         memory), the method's state of every block (`EigenAdam`'s moments), and the
         damping of the decompositions (`NOT_DECOMPOSED` until the first; with adaptive
-        stale statistics also per block). Made after grafting's state, last, so that
-        saves from before it existed still line up."""
+        stale statistics also per block)."""
         self.decomposed_damping = None
         if self.placement.saves_decompositions:
             return
@@ -145,18 +154,17 @@ class Curvature:
             if block.symmetric_factors():
                 with tf.device("/CPU:0"):
                     state.decomposed = [
-                        add_variable(shape, "zeros", f"{block.name}_decomposed{i}", self.dtype)
+                        add_variable(shape, f"{block.name}_decomposed{i}", self.dtype)
                         for i, shape in enumerate(block.factor_shapes())]
             state.method_state = self._method_state_variables(add_variable, block)
         self.decomposed_damping = add_variable(
-            (), keras.initializers.Constant(NOT_DECOMPOSED), "decomposed_damping", self.dtype)
+            (), "decomposed_damping", self.dtype, keras.initializers.Constant(NOT_DECOMPOSED))
         if self.adaptive is not None:
             self.adaptive.create_rebuild_state(add_variable, len(self.blocks), self.dtype)
 
     def _method_state_variables(self, add_variable, block):
         """The method's state of `block` (none for a method without), from zero."""
-        return [add_variable(shape, "zeros", f"{block.name}_{self.method.state_name}{k}",
-                             self.dtype)
+        return [add_variable(shape, f"{block.name}_{self.method.state_name}{k}", self.dtype)
                 for k, shape in enumerate(methods.state_shapes(self.method, block))]
 
     def _decomposition_variable(self, add_variable, part, name, block):
@@ -168,16 +176,17 @@ class Curvature:
         dtype = block.product_dtype if part.matrix and block.product_dtype else self.dtype
         initializer = state_lib.identities if part.matrix else "zeros"  # until step 0
         if self.placement.saves_decompositions:
-            return add_variable(shape, initializer, name, dtype)
+            return add_variable(shape, name, dtype, initializer)
         # Not an optimizer variable: outside `variables`, so checkpoints skip it.
         with tf.init_scope():
             return keras.Variable(keras.initializers.get(initializer)(shape, dtype),
                                   trainable=False, name=name)
 
     def saved_variables(self):
-        """(key, variable) of the saved state (keys: tfkfac/state.py), in save order: per
-        block its factors, then under "replicated" its decompositions and the method's
-        state; then the adaptive schedule's state, if any."""
+        """(key, variable) of the saved state (keys: tfkfac/state.py): per block its
+        factors, then under "replicated" its decompositions and the method's state; then
+        the adaptive schedule's state, if any; then an owner's rebuild state
+        (`rebuild_variables`)."""
         saved = []
         for block, state in zip(self.blocks, self.states):
             saved += self._named_factors(block, "factor", state.factors)
@@ -187,11 +196,12 @@ class Curvature:
                           for name, parts in zip(full, state.decompositions or [])
                           for k, variable in enumerate(parts)]
                 saved += self._named_method_state(block, state)
-        return saved + (self.adaptive.saved_variables() if self.adaptive is not None else [])
+        return (saved + (self.adaptive.saved_variables() if self.adaptive is not None else [])
+                + self._saved_rebuild_variables())
 
-    def saved_rebuild_variables(self):
-        """(key, variable) of `create_rebuild_state`'s variables, in save order (none
-        under "replicated")."""
+    def _saved_rebuild_variables(self):
+        """(key, variable) of `_create_rebuild_state`'s variables (none under
+        "replicated")."""
         if self.decomposed_damping is None:
             return []
         saved = []
@@ -203,7 +213,7 @@ class Curvature:
             self.adaptive.saved_rebuild_variables() if self.adaptive is not None else [])
 
     def rebuild_variables(self):
-        return [variable for _, variable in self.saved_rebuild_variables()]
+        return [variable for _, variable in self._saved_rebuild_variables()]
 
     @staticmethod
     def _named_factors(block, kind, variables):
@@ -479,6 +489,53 @@ class Curvature:
         return tf.cond(due, update, none_failed if self.decomposed_damping is None
                        else rebuild_if_stale)
 
+    # ------------------------------------------------------------ the phases
+    def scheduled(self, step, captures, gradients, measure_noise=None):
+        """`gradients(step)`, the update chain's GRADIENTS stage (which this curvature's
+        `apply` begins), on `step` (a `transform.Step`) with the step's phases before it:
+        the factor update (from `captures`, the step's `attachment.Captures`) and the
+        decompositions when due, then `measure_noise()` if given, which reads them. With
+        `overlap_reduction`, at a step whose decompositions are settled, the factor
+        update runs inside the preconditioning instead, beside the blocks that do not
+        wait for it (docs/design.md §6). A stale step (`tfkfac.stale_steps`) has neither
+        phase due. With phase clocks each phase waits for the previous one's results
+        (the first for the gradients): the clocks then time them one after another."""
+        def update_factors():
+            return self.update_factors_if_due(step.step, captures.calls, self.factor_interval,
+                                              captures.weights, captures.ready)
+
+        def phases():
+            decomposed = step.grads
+            if not captures.stale:
+                updated = self.clocks.timed("factors", update_factors, after=step.grads)
+                decomposed = self.clocks.timed(
+                    "decomposition", lambda: self.update_decompositions_if_due(
+                        step.step, step.damping, self.decomposition_interval, captures.ready),
+                    after=updated)
+            if measure_noise is not None:
+                measure_noise()
+            return self.clocks.timed(
+                "precondition", lambda grads: gradients(dataclasses.replace(step, grads=grads)),
+                inputs=(step.grads,), after=decomposed)
+
+        def overlapped_phases():
+            if measure_noise is not None:  # the plain gradient's: no factors read
+                measure_noise()
+            return gradients(dataclasses.replace(step, during=update_factors))
+
+        if captures.stale or not self.overlap_reduction:
+            return phases()
+        return tf.cond(self.decompositions_settled(step.step, captures.ready),
+                       overlapped_phases, phases)
+
+    def apply(self, step):
+        """The chain's first transform: `step.grads` preconditioned (`precondition`, at
+        `step.during`), their `Preconditioned` kept for the transforms after it."""
+        preconditioned = self.precondition(step.grads, step.variables, step.damping,
+                                           step=step.step, during=step.during)
+        return dataclasses.replace(step, grads=preconditioned.grads(),
+                                   preconditioned=preconditioned)
+
     # ------------------------------------------------------- preconditioning
     def _precondition(self, block_indices, block_grads, factors, decompositions, damping,
                       method_state, step):
@@ -584,7 +641,7 @@ class Curvature:
             held = ([] if self.placement.saves_decompositions else  # an owner's, not saved
                     [v for s in self.states for d in s.decompositions or [] for v in d])
             state_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in [
-                v for _, v in self.saved_variables() + self.saved_rebuild_variables()] + held)
+                v for _, v in self.saved_variables()] + held)
         return {"managed": managed, "state_bytes": state_bytes}
 
 

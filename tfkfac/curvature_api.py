@@ -7,7 +7,7 @@ For checking tfkfac against another K-FAC, or custom updates (docs/guide.md §2)
 
 import tensorflow as tf
 
-from tfkfac import ggn, state as state_lib
+from tfkfac import ggn, keras_integration, state as state_lib
 from tfkfac.attachment import NOT_ATTACHED
 
 
@@ -110,6 +110,22 @@ class CurvatureAPI:
         (`check_saved_keys`)."""
         return [(key, list(variable.shape)) for key, variable in
                 self._state.saved_variables(self.inner_optimizer.variables)]
+
+    def state_by_key(self):
+        """K-FAC's saved variables (`saved_keys` but the inner optimizer's) in a trackable
+        dict by key, for a `tf.train.Checkpoint` that saves and restores them by name
+        rather than by their position in `variables` (trainers/checkpoints.py), under a
+        child name sorted before the optimizer's: a `tf.train.Checkpoint` orders its
+        children by name and binds each variable by the first child that holds it. Call it once the
+        optimizer is built: the same dict, grown with the variables made since."""
+        by_key = self.__dict__.get("_state_by_key")
+        if by_key is None:
+            by_key = tf.__internal__.tracking.wrap({})
+            keras_integration.set_untracked(self, "_state_by_key", by_key)
+        for key, variable in self._state.saved_variables():
+            if key not in by_key:
+                by_key[key] = variable
+        return by_key
 
     def check_saved_keys(self, saved):
         """ValueError unless `saved` (another optimizer's `saved_keys`) names the variables

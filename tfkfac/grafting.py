@@ -1,22 +1,26 @@
 """Layer-wise grafting (docs/design.md §11): K-FAC gives each layer's direction, another
-optimizer its step length (Agarwal et al. 2020; Distributed Shampoo). A post-transform of
-the update chain (tfkfac/chain.py).
+optimizer its step length (Agarwal et al. 2020; Distributed Shampoo). A transform of the
+update chain (tfkfac/chain.py), after the preconditioning.
 
 For a managed layer, its variables taken together: P̃ = (‖r‖ / ‖P‖) P, with r the grafted
 optimizer's step direction — the gradient ("sgd") or Adam's ∇ / (√v̂ + ε) ("adam") — and
 P K-FAC's preconditioned gradient; P̃ = r where ‖P‖ = 0. Every other variable gets r.
 """
 
+import dataclasses
+
 import tensorflow as tf
 
-from tfkfac import linalg, state as state_lib
+from tfkfac import linalg, state as state_lib, transform
 
 KINDS = ("sgd", "adam")
 
 
-class Grafting:
+class Grafting(transform.Transform):
     """The grafted optimizer's state (Adam's v per variable) and the graft itself, both
     in K-FAC's state dtype (`state_dtype`: float32, or float64 for float64 models)."""
+
+    name = "grafting"
 
     def __init__(self, kind, beta_2, epsilon, dtype="float32"):
         if kind not in KINDS:
@@ -25,25 +29,27 @@ class Grafting:
         self.dtype = tf.as_dtype(dtype)
         self.moments, self._index, self._paths = [], {}, []
 
-    def create_state(self, variables, paths, add_variable):
-        """Adam's v, one per variable (none for "sgd"), saved under the variable's path of
-        `paths` (`chain.variable_paths`); `add_variable(shape, name, dtype)`."""
+    def create_state(self, context):
+        """Adam's v, one per model variable (none for "sgd"), saved under the variable's
+        path (a `transform.StateContext`)."""
         if self.kind == "adam":
-            self.moments = [add_variable(v.shape, f"graft_v_{i}", self.dtype)
+            variables = context.model_variables
+            self.moments = [context.add_variable(v.shape, f"graft_v_{i}", self.dtype)
                             for i, v in enumerate(variables)]
             self._index = {id(v): i for i, v in enumerate(variables)}
-            self._paths = list(paths)
+            self._paths = list(context.variable_paths)
 
     def saved_variables(self):
         """Each v under "grafting:adam_v:<its variable's path>" (tfkfac/state.py)."""
-        return [(state_lib.key("grafting", "adam_v", path), moment)
+        return [(state_lib.key(self.name, "adam_v", path), moment)
                 for path, moment in zip(self._paths, self.moments)]
 
-    def update(self, preconditioned, step):
-        """The grafted gradients of a step's `curvature.Preconditioned` gradients at
-        `step`, 0-based."""
-        directions = self.directions(preconditioned.raw, preconditioned.variables, step)
-        return self.graft(preconditioned.grads(), directions, preconditioned.slots)
+    def apply(self, step):
+        """The grafted gradients of the step's `curvature.Preconditioned` ones."""
+        preconditioned = step.preconditioned
+        directions = self.directions(preconditioned.raw, preconditioned.variables, step.step)
+        return dataclasses.replace(step, grads=self.graft(
+            preconditioned.grads(), directions, preconditioned.slots))
 
     def directions(self, grads, variables, step):
         """r per gradient of `variables` (None stays None); "adam" updates v with these

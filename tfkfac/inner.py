@@ -12,7 +12,8 @@ import copy
 import keras
 import tensorflow as tf
 
-from tfkfac import schedule_free, schedules, state as state_lib, validation
+from tfkfac import keras_integration, schedule_free, schedules, state as state_lib
+from tfkfac import transform, validation
 
 # Keras optimizer arguments that belong to the optimizer applying the update.
 INNER_ONLY = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
@@ -180,7 +181,7 @@ def from_saved(config, custom_objects=None):
     return {"inner_optimizer": saved_rule(**legacy)}, config
 
 
-class MomentumCoupling:
+class MomentumCoupling(transform.Transform):
     """Osawa et al. §4.3 eq. 16: the inner SGD's momentum kept proportional to its learning
     rate, m(t) = m(0) · η(t) / η_max(t), η_max(t) the largest learning rate of the steps so
     far (η(0) under a non-increasing schedule, as in the paper; during a warm-up m(t) stays
@@ -190,23 +191,20 @@ class MomentumCoupling:
     optimizer state (saved).
     """
 
+    name = "momentum_coupling"
+    stage = transform.UPDATE
+
     def __init__(self, optimizer):
-        refusal = _uncoupled_reason(optimizer)
-        if refusal:
-            raise ValueError(
-                "`couple_momentum_to_lr` couples the momentum of a keras.optimizers.SGD "
-                "with momentum > 0 and nesterov=False (the heavy-ball momentum of Osawa et "
-                f"al.'s eq. 17) to its learning rate; the inner optimizer here {refusal}. "
-                "Pass inner_optimizer=keras.optimizers.SGD(learning_rate, momentum=0.9), "
-                "or set couple_momentum_to_lr=False.")
+        check_couplable(optimizer)
         self.optimizer = optimizer
         self.peak, self._slots = None, None
 
-    def create_state(self, add_variable, model_variables):
+    def create_state(self, context):
         """The peak learning rate (an optimizer variable), and which of the SGD's velocity
-        slots belongs to which of `model_variables` (it was built on them, in order)."""
-        self.peak = add_variable((), "zeros", "peak_learning_rate", "float32")
+        slots belongs to which of the model variables (it was built on them, in order)."""
+        self.peak = context.add_variable((), "peak_learning_rate", "float32")
         slots = self.optimizer.momentums
+        model_variables = context.model_variables
         if len(slots) != len(model_variables):
             raise RuntimeError(
                 f"couple_momentum_to_lr: the inner optimizer holds {len(slots)} momentum "
@@ -215,16 +213,34 @@ class MomentumCoupling:
         self._slots = {id(v): slot for v, slot in zip(model_variables, slots)}
 
     def saved_variables(self):
-        return [(state_lib.key("momentum_coupling", "peak_learning_rate"), self.peak)]
+        return [(state_lib.key(self.name, "peak_learning_rate"), self.peak)]
 
-    def step(self, variables):
-        """(the velocity slots of `variables`, η_max after this step, η(t)/η_max) at the
-        step the inner optimizer is about to take (0 when every rate so far is 0), in
-        float64: the float32 rates (η_max one of them) divide without rounding."""
+    def apply(self, step):
+        """Before the inner optimizer's update of `step.variables` (in replica context):
+        η_max updated and their velocities scaled by η(t)/η_max (0 when every rate so far
+        is 0), computed in float64: the float32 rates (η_max one of them) divide without
+        rounding."""
         rate = tf.cast(self.optimizer.learning_rate, tf.float64)
         peak = tf.maximum(tf.cast(self.peak, tf.float64), rate)
-        return ([self._slots[id(v)] for v in variables], peak,
-                tf.math.divide_no_nan(rate, peak))
+        ratio = tf.math.divide_no_nan(rate, peak)
+        keras_integration.assign_each([self.peak], lambda _, peak: peak, peak)
+        keras_integration.assign_each([self._slots[id(v)] for v in step.variables],
+                                      lambda slot, ratio: slot * tf.cast(ratio, slot.dtype),
+                                      ratio)
+        return step
+
+
+def check_couplable(optimizer):
+    """A ValueError unless `MomentumCoupling` can couple `optimizer`'s momentum; KFAC
+    asks when it is made, before the chain is."""
+    refusal = _uncoupled_reason(optimizer)
+    if refusal:
+        raise ValueError(
+            "`couple_momentum_to_lr` couples the momentum of a keras.optimizers.SGD "
+            "with momentum > 0 and nesterov=False (the heavy-ball momentum of Osawa et "
+            f"al.'s eq. 17) to its learning rate; the inner optimizer here {refusal}. "
+            "Pass inner_optimizer=keras.optimizers.SGD(learning_rate, momentum=0.9), "
+            "or set couple_momentum_to_lr=False.")
 
 
 def _uncoupled_reason(optimizer):

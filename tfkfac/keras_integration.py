@@ -481,6 +481,22 @@ def apply_if(condition, optimizer, grads, variables):
     return context.merge_call(cross_replica, args=(condition, list(grads)))
 
 
+def assign_each(variables, value, *args):
+    """From replica context, assign `value(copy, *args)` to every copy of each of
+    `variables`: through `merge_call` and `extended.update`, as Keras's optimizers update
+    the variables a tf.distribute strategy mirrors (without one, a plain assign)."""
+    def update(strategy, *args):
+        for variable in variables:
+            if isinstance(variable, keras.Variable):
+                variable = variable.value  # the tf.Variable
+            strategy.extended.update(
+                variable, lambda copy, *args: copy.assign(tf.cast(value(copy, *args),
+                                                                  copy.dtype)),
+                args=args, group=False)
+
+    tf.distribute.get_replica_context().merge_call(update, args=args)
+
+
 def checkpoint_children(children, kfac):
     """`tf.train.Checkpoint` children of a KFAC, laid out as they were when KFAC was its
     own momentum SGD (0.1), so those checkpoints still restore: the inner optimizer's

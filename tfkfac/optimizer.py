@@ -5,12 +5,13 @@
     model.fit(dataset, epochs=..., callbacks=[tfkfac.AveragedWeights(optimizer)])
 
 One step (docs/design.md §1): `attachment` records the managed layers' inputs and output
-gradients, `curvature` updates factors and decompositions when due, and the update chain
-(`chain`) preconditions the gradients, applies the KL clip or grafting, and hands them to
-the inner optimizer — any Keras optimizer; by default `tfkfac.ScheduleFreeAdamW`, whose
-averaged weights `tfkfac.AveragedWeights` evaluates and exports. Like Keras's
-`LossScaleOptimizer`, KFAC forwards `learning_rate` and `iterations` to the inner
-optimizer, so schedules and callbacks act on the update rule.
+gradients, and the update chain (`chain`, a list of `tfkfac.Transform`s) takes them: the
+curvature (`curvature`) updates factors and decompositions when due and preconditions the
+gradients, the KL clip or grafting follows, then the inner optimizer applies them — any
+Keras optimizer; by default `tfkfac.ScheduleFreeAdamW`, whose averaged weights
+`tfkfac.AveragedWeights` evaluates and exports. Like Keras's `LossScaleOptimizer`, KFAC
+forwards `learning_rate` and `iterations` to the inner optimizer, so schedules and
+callbacks act on the update rule.
 """
 
 import warnings
@@ -22,7 +23,7 @@ from tfkfac import blocks as blocks_lib, chain as chain_lib
 from tfkfac import curvature as curvature_lib
 from tfkfac import distributed, fisher, inner, keras_integration
 from tfkfac import placement as placement_lib, schedules, self_tuning, stale_steps
-from tfkfac import state as state_lib
+from tfkfac import state as state_lib, transform
 from tfkfac.attachment import ATTACH_HINT, Attachment
 from tfkfac.config import KFACConfig, signature_with_settings
 from tfkfac.curvature_api import CurvatureAPI
@@ -92,13 +93,14 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
     def _init_kfac_fields(self):
         self._curvature = None
         self._chain = None
+        self._self_tuning = None
         self._state = state_lib.KFACState()
         self._skipped = []
         self._attachment = None
         self._detached = None  # why this KFAC no longer drives the model it was attached to
         self._clocks = state_lib.PhaseClocks(self.config.phase_clocks)
-        self._momentum_coupling = (inner.MomentumCoupling(self.inner_optimizer)
-                                   if self.config.couple_momentum_to_lr else None)
+        if self.config.couple_momentum_to_lr:  # refused here, not at attach
+            inner.check_couplable(self.inner_optimizer)
 
     # ------------------------------------------- forwarded to the inner optimizer
     @property
@@ -180,19 +182,18 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
                 "KFAC: compile it with that one, or attach the new one to a fresh model.")
         layers = keras_integration.leaf_layers(model)
         blocks, self._skipped = blocks_lib.discover(layers, self.config)
-        rescaling = chain_lib.weight_rescaling(self.config, blocks)
-        self._curvature = curvature_lib.Curvature(
+        curvature = curvature_lib.Curvature(
             blocks, placement_lib.make_placement(self.config.placement, blocks, self._comm,
                                                  self.config.preconditioning_method(),
                                                  self.config.state_dtype),
-            self._comm, self.config)
-        self._chain = chain_lib.UpdateChain(
-            self._curvature, self_tuning.SelfTuning(
-                self.config.damping, model=model, communicator=self._comm,
-                batch=lambda: self._attached().step_batch,
-                learning_rate=lambda: self.learning_rate) if self.config.self_tuning
-            else chain_lib.post_transform(self.config, lambda: self.learning_rate),
-            self.inner_optimizer, self._momentum_coupling, rescaling)
+            self._comm, self.config, self._clocks)
+        self._chain = chain_lib.UpdateChain(chain_lib.transforms(
+            self.config, curvature, self.inner_optimizer, lambda: dict(
+                model=model, communicator=self._comm,
+                batch=lambda: self._attached().step_batch)))
+        self._curvature = curvature
+        self._self_tuning = next((t for t in self._chain.transforms
+                                  if isinstance(t, self_tuning.SelfTuning)), None)
         distributed.check_model_strategy(self._comm, model.distribute_strategy)
         self._comm.broadcast_variables(model.variables, root_rank=0)
         if previous is not None:
@@ -313,7 +314,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         """K-FAC's variables, after the inner optimizer's (docs: state.py)."""
         if self._counters is not None:
             return
-        self._state.create(lambda shape, initializer, name, dtype: self.add_variable(
+        self._state.create(lambda shape, name, dtype, initializer="zeros": self.add_variable(
             shape, initializer=initializer, dtype=dtype, name=name), self._chain,
             self._built_variables,
             chain_lib.variable_paths(self._attachment.model, self._built_variables))
@@ -396,51 +397,24 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         damping = self._damping_at(step)
         # Zero is a learning rate schedules reach (decay to zero): only it may be 0.
         schedules.checked("learning_rate", self.learning_rate, step, allow_minimum=True)
-        config, curvature, chain, clocks = self.config, self._curvature, self._chain, self._clocks
-        factor_interval = schedules.interval("factor_update_freq", config.factor_update_freq)
-        decomposition_interval = schedules.interval("decomposition_update_freq",
-                                                    config.decomposition_update_freq)
-
+        curvature, chain = self._curvature, self._chain
         managed = {id(v) for block in curvature.blocks for v in block.variables}
         # The gradients that reach the update: every one present, and every managed
         # variable's (a missing one is preconditioned as zeros).
         slots = [i for i, (g, v) in enumerate(zip(grads, variables))
                  if g is not None or id(v) in managed]
+        measure_noise = None
+        if captures.sub_batches is not None:
+            measure_noise = lambda: self._measure_noise_scale(  # noqa: E731
+                step, grads, variables, damping, captures.sub_batches)
 
-        def update_factors():
-            return curvature.update_factors_if_due(step, captures.calls, factor_interval,
-                                                   captures.weights, captures.ready)
-
-        def phases():
-            # With phase clocks, each phase waits for the previous one's results (the
-            # first for the gradients): the clocks then time the phases one after another.
-            decomposed = grads  # a stale step (tfkfac.stale_steps) has neither phase due
-            if not captures.stale:
-                updated = clocks.timed("factors", update_factors, after=grads)
-                decomposed = clocks.timed(
-                    "decomposition", lambda: curvature.update_decompositions_if_due(
-                        step, damping, decomposition_interval, captures.ready), after=updated)
-            if captures.sub_batches is not None:
-                self._measure_noise_scale(step, grads, variables, damping, captures.sub_batches)
-            preconditioned = clocks.timed(
-                "precondition", lambda grads: chain.gradients(grads, variables, damping, step),
-                inputs=(grads,), after=decomposed)
-            return [preconditioned[i] for i in slots]
-
-        def overlapped_phases():
-            # Decompositions settled: the factor update runs inside the preconditioning,
-            # beside the blocks that do not wait for it (docs/design.md §6).
-            if captures.sub_batches is not None:  # the plain gradient's: no factors read
-                self._measure_noise_scale(step, grads, variables, damping, captures.sub_batches)
-            preconditioned = chain.gradients(grads, variables, damping, step,
-                                             during=update_factors)
+        def gradients(update):
+            preconditioned = chain.gradients(update)
             return [preconditioned[i] for i in slots]
 
         def kfac_step():
-            if captures.stale or not config.overlap_reduction:
-                return phases()
-            return tf.cond(curvature.decompositions_settled(step, captures.ready),
-                           overlapped_phases, phases)
+            return curvature.scheduled(transform.Step(grads, variables, step, damping),
+                                       captures, gradients, measure_noise)
 
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
                                 for g in grads if g is not None])
@@ -455,11 +429,9 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         # The update runs outside the cond: under a tf.distribute strategy Keras's
         # optimizers update through `merge_call`, which no cond branch may call.
         preconditioned = tf.cond(finite, kfac_step, skip_step)
-        applied = clocks.timed("update", lambda preconditioned: chain.apply(
+        applied = self._clocks.timed("update", lambda preconditioned: chain.apply(
             finite, preconditioned, [variables[i] for i in slots]), inputs=(preconditioned,))
-        if config.self_tuning:  # λ from the loss after the update (tfkfac/self_tuning.py)
-            with tf.control_dependencies([applied]):
-                chain.post.adapt(tf.convert_to_tensor(self.iterations), finite)
+        chain.after(transform.Step(grads, variables, finite=finite, applied=applied))
 
     def measure_noise_scale(self, probe):
         """Measure every training step's gradient noise scale into `probe` (a
@@ -504,13 +476,13 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
 
     def _damping_at(self, step):
         if self.config.self_tuning:  # γ, tied to the adapted λ (tfkfac/self_tuning.py)
-            return tf.cast(self._chain.post.factor_damping(), self.config.state_dtype)
+            return tf.cast(self._self_tuning.factor_damping(), self.config.state_dtype)
         return schedules.checked_at("damping", self.config.damping, step,
                                     self.config.state_dtype)
 
     def current_damping(self):
         if self.config.self_tuning:
-            return float(self._chain.post.factor_damping().numpy())
+            return float(self._self_tuning.factor_damping().numpy())
         return float(schedules.value_at(self.config.damping, self.iterations))
 
     # -------------------------------------------------------- serialization

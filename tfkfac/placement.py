@@ -131,7 +131,7 @@ class Owner(Placement):
     owners updated (`EigenAdam`'s moments), so that every rank holds every block's. A rank
     holds only its own blocks' decompositions, which are rank-specific and not saved: a
     resumed owner rebuilds them from the decomposed factors every rank saves
-    (`Curvature.create_rebuild_state`).
+    (`Curvature.rebuild_variables`).
     """
 
     name = "owner"

@@ -23,7 +23,7 @@ import typing
 import keras
 import tensorflow as tf
 
-from tfkfac import ggn, inner, state as state_lib, validation
+from tfkfac import ggn, inner, state as state_lib, transform, validation
 
 # Martens & Grosse §6.5: λ adapted every T₁ = 5 steps by ω₁ = (19/20)^T₁.
 ADAPTATION_INTERVAL = 5
@@ -227,9 +227,10 @@ NO_BATCH = ("KFAC(self_tuning=True) takes its extra forward passes (the exact cu
             "use `model.fit`, or self_tuning=False there.")
 
 
-class SelfTuning:
-    """The self-tuning state of one optimizer and its step; the post-transform of the
-    update chain (tfkfac/chain.py) under `KFAC(self_tuning=True)`.
+class SelfTuning(transform.Transform):
+    """The self-tuning state of one optimizer and its step; the transform after the
+    preconditioning in the update chain (tfkfac/chain.py) under `KFAC(self_tuning=True)`,
+    and, after the update, its `adaptation`.
 
     State (saved under "self_tuning:<name>"): λ ("damping"), γ ("factor_damping", the
     damping of K-FAC's direction: λ + η), δ₀ ("previous_update:<variable path>"), and
@@ -242,6 +243,7 @@ class SelfTuning:
     g = −δ / η.
     """
 
+    name = "self_tuning"
     SCALARS = ("damping", "factor_damping", "learning_rate", "momentum", "model_change",
                "loss", "rho")
 
@@ -255,26 +257,26 @@ class SelfTuning:
         self._comm, self._learning_rate = communicator, learning_rate
         self.scalars, self.previous, self._index, self._paths = {}, [], {}, []
 
-    def create_state(self, model_variables, variable_paths, add_variable):
+    def create_state(self, context):
         """λ and γ at their first values, δ₀ = 0 per model variable (in its dtype), the
-        logged scalars at NaN; `add_variable(shape, name, dtype)` makes a variable of
-        zeros (the chain's post-transforms' interface)."""
+        logged scalars at NaN (`context`: a `transform.StateContext`)."""
         first = {"damping": self.initial_damping,
                  "factor_damping": self.initial_damping + self.l2}
         for name in self.SCALARS:
-            self.scalars[name] = add_variable((), f"self_tuning_{name}", "float64")
+            self.scalars[name] = context.add_variable((), f"self_tuning_{name}", "float64")
             with tf.init_scope():  # once, where the variable is made (a restore follows)
                 self.scalars[name].assign(tf.constant(first.get(name, math.nan),
                                                       tf.float64))
-        self.previous = [add_variable(v.shape, f"self_tuning_previous_{i}", v.dtype)
+        model_variables = context.model_variables
+        self.previous = [context.add_variable(v.shape, f"self_tuning_previous_{i}", v.dtype)
                          for i, v in enumerate(model_variables)]
         self._index = {id(v): i for i, v in enumerate(model_variables)}
-        self._paths = list(variable_paths)
+        self._paths = list(context.variable_paths)
 
     def saved_variables(self):
-        return ([(state_lib.key("self_tuning", name), self.scalars[name])
+        return ([(state_lib.key(self.name, name), self.scalars[name])
                  for name in self.SCALARS]
-                + [(state_lib.key("self_tuning", "previous_update", path), variable)
+                + [(state_lib.key(self.name, "previous_update", path), variable)
                    for path, variable in zip(self._paths, self.previous)])
 
     def factor_damping(self):
@@ -364,10 +366,11 @@ class SelfTuning:
 
         return predict
 
-    def update(self, preconditioned, step):
-        """The inner SGD's gradients for this step's `curvature.Preconditioned` (−δ / η;
+    def apply(self, step):
+        """The inner SGD's gradients for the step's `curvature.Preconditioned` (−δ / η;
         None where the plain gradient is None): δ from the quadratic model with the exact
-        curvature of the step's batch, h(θ) kept for `adapt`. Called by the chain."""
+        curvature of the step's batch, h(θ) kept for `adapt`."""
+        preconditioned = step.preconditioned
         batch = self._step_batch()
         curvature = ggn.output_curvature(self._model.loss)
         variables = preconditioned.variables
@@ -387,8 +390,14 @@ class SelfTuning:
         base = preconditioned.grads()
         delta, _ = self.solve_step(preconditioned.raw, base, variables, curvature_gram)
         rate = self._learning_rate()
-        return [None if g is None else -d / tf.cast(rate, d.dtype)
-                for g, d in zip(base, delta)]
+        grads = [None if g is None else -d / tf.cast(rate, d.dtype)
+                 for g, d in zip(base, delta)]
+        return dataclasses.replace(step, grads=grads)
+
+    def adaptation(self, updates):
+        """The transform after the update that adapts λ (`adapt`); `updates()`, the inner
+        optimizer's count of applied updates."""
+        return _Adaptation(self, updates)
 
     def adapt(self, updates, finite):
         """After the inner update (`updates`: its count of applied updates after it, a
@@ -406,3 +415,17 @@ class SelfTuning:
         return tf.cond(finite, lambda: self.adapt_with(updates - 1, new_loss,
                                                        self.scalars["loss"]),
                        lambda: tf.constant(False))
+
+
+class _Adaptation(transform.Transform):
+    """`SelfTuning.adapt` after the update (λ from the loss after it)."""
+
+    stage = transform.AFTER
+
+    def __init__(self, tuning, updates):
+        self.tuning, self.updates = tuning, updates
+
+    def apply(self, step):
+        with tf.control_dependencies([step.applied]):
+            self.tuning.adapt(tf.convert_to_tensor(self.updates()), step.finite)
+        return step

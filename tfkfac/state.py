@@ -20,18 +20,23 @@ owner names, "<owner>:<parts>" (`key`: a nested layer's path "mha/query" is writ
   "adaptive_staleness:decomposed_dampings";
 - "momentum_coupling:peak_learning_rate";
 - "self_tuning:<name>" (λ, γ and the logged α, μ, M(δ), h(θ), ρ) and
-  "self_tuning:previous_update:<variable path>" (δ₀): self-tuning's (docs/design.md §14).
+  "self_tuning:previous_update:<variable path>" (δ₀): self-tuning's (docs/design.md §14);
+- "<name>:<parts>": a transform of the `transforms` setting's, under its `name`.
+Each transform of the update chain (tfkfac/chain.py) names its own.
 A load matches keys, not positions: a key the model lacks or a missing one (another
 architecture, method, placement or setting) is a ValueError naming them.
 
 Saves from before the keys (.keras files with keys "0", "1", ...) and every
-`tf.train.Checkpoint` (`keras_integration.checkpoint_children`) hold the variables in
-`KFAC.variables` order, which is therefore kept: the inner optimizer's, the counters,
+`tf.train.Checkpoint` (`keras_integration.checkpoint_children`; one that also holds
+`KFAC.state_by_key()`, as the trainer's do, restores K-FAC's variables by key) hold the
+variables in `KFAC.variables` order, which is therefore kept: the inner optimizer's, the counters,
 per block its factors and, under "replicated", its decompositions and the method's
 state, grafting's moments, then under "owner" the rebuild state (per block the decomposed
-factors and the method's state, then the damping), then the momentum coupling's; the
-rebuild state comes late so that saves written before it existed still line up
-(tests/test_saved_state_compat.py and tests/test_resume_matrix.py guard the order).
+factors and the method's state, then the damping), then the momentum coupling's: each
+transform's in chain order but the rebuild state, which comes after the transforms of
+the gradients so that saves written before it existed still line up
+(`chain.UpdateChain.saved_variables`; tests/test_saved_state_compat.py and
+tests/test_resume_matrix.py guard the order).
 A checkpoint restored before the optimizer is built fills each variable as it is made,
 from its position (`KFAC._take_restored_values`).
 """
@@ -40,6 +45,8 @@ import collections
 import dataclasses
 
 import tensorflow as tf
+
+from tfkfac import transform
 
 
 @dataclasses.dataclass
@@ -78,8 +85,7 @@ class Counters:
 
     def __init__(self, add_variable):
         for name in self.NAMES:
-            setattr(self, name, add_variable((), initializer="zeros", dtype="int64",
-                                             name=name))
+            setattr(self, name, add_variable((), name, "int64"))
 
     def variables(self):
         return [getattr(self, name) for name in self.NAMES]
@@ -138,7 +144,7 @@ def _tensors(structure):
 
 class KFACState:
     """K-FAC's variables inside its optimizer, named and in `KFAC.variables` order: the
-    counters, then the update chain's pieces (`chain.UpdateChain.saved_variables`).
+    counters, then the update chain's transforms' (`chain.UpdateChain.saved_variables`).
     Values loaded before the state exists (a save loaded before `attach`) wait here
     until it is created."""
 
@@ -146,12 +152,12 @@ class KFACState:
         self.counters, self._chain, self._waiting = None, None, None
 
     def create(self, add_variable, chain, model_variables, variable_paths):
-        """`add_variable(shape, initializer, name, dtype)` makes an optimizer variable;
-        `variable_paths` name `model_variables` in keys (`chain.variable_paths`)."""
-        self.counters = Counters(lambda shape, initializer, dtype, name: add_variable(
-            shape, initializer, name, dtype))
+        """`add_variable(shape, name, dtype, initializer="zeros")` makes an optimizer
+        variable; `variable_paths` name `model_variables` in keys (`chain.variable_paths`)."""
+        self.counters = Counters(add_variable)
         self._chain = chain
-        chain.create_state(self.counters, add_variable, model_variables, variable_paths)
+        chain.create_state(transform.StateContext(add_variable, model_variables,
+                                                  variable_paths, self.counters))
         if self._waiting is not None:
             self.load(self._waiting)
 

@@ -4,13 +4,14 @@ Each checkpoint is one directory `<model_dir>/checkpoints/step-<N>` (N = trainin
 done) holding the variables (`tf.train.Checkpoint`: weights, BatchNorm statistics, the
 optimizer's slots and K-FAC factors and decompositions, its step counter) and
 `trainer_state.json` (counters, history, the epoch's running metrics and gradient noise
-scale sums); with a K-FAC optimizer also `optimizer_keys.json`, the name and shape of each
-optimizer variable the checkpoint holds by position (`KFAC.saved_keys`), so that a restore
-into an optimizer whose variables differ (another architecture or setting, even with the
-same shapes) is refused naming them instead of loading values into the wrong variables;
-checkpoints written before it are restored by position as before. A checkpoint of
-another run that does not restore (its variables of other names, dtypes or shapes) is
-named with the first that differ, not with TensorFlow's RestoreV2 message. It is written
+scale sums). K-FAC's own variables are saved and restored by their keys
+(`KFAC.state_by_key`, under `KFAC_STATE`), and a checkpoint whose variables are not this
+run's (another architecture or setting, names, dtypes or shapes) is refused before
+anything is assigned, naming the first that differ. Checkpoints written before the keys
+hold K-FAC's variables by position only: they are restored by position as before, after
+the check of their `optimizer_keys.json` (the key and shape of each, `KFAC.saved_keys`),
+if they have one. A checkpoint of another run that does not restore is named with the
+first variables that differ, not with TensorFlow's RestoreV2 message. It is written
 under a temporary name and renamed into place only when complete, so a crash during a
 write never leaves a half-written checkpoint that looks like the newest; leftovers of
 such a write are removed when the next run starts and before every save. A write that
@@ -52,7 +53,12 @@ CONFIG_FILE = "config.json"
 # What each start of the run set differently from config.json (see runner.py).
 RUN_HISTORY_FILE = "run_history.json"
 VARIABLES_PREFIX = "variables"
-OPTIMIZER_KEYS_FILE = "optimizer_keys.json"
+OPTIMIZER_KEYS_FILE = "optimizer_keys.json"  # in checkpoints by position (before the keys)
+# The checkpoint's child holding K-FAC's variables by key. TensorFlow restores breadth
+# first, children in sorted order, and binds each saved variable once: sorted before
+# "model" and "optimizer", it binds K-FAC's variables by key before the optimizer's
+# `_variables` list, which also holds them, could by position.
+KFAC_STATE = "kfac_state"
 _DIR_NAME = re.compile(r"^step-(\d+)$")
 _TEMP_MARK = ".partial-"
 # Test hook: "<point>" or "<point>@<step>" kills this process with SIGKILL at that point
@@ -456,7 +462,11 @@ class CheckpointStore:
         self.directory = os.path.join(model_dir, CHECKPOINT_SUBDIR)
         self.max_to_keep = max_to_keep
         self._optimizer = optimizer
-        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        kfac, _ = _kfac_of(optimizer)
+        named = {} if kfac is None else {KFAC_STATE: kfac.state_by_key()}
+        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, **named)
+        # The layout of checkpoints written before the keys, to read them.
+        self._by_position = tf.train.Checkpoint(model=model, optimizer=optimizer)
         variables = {id(v): v for v in model.variables + optimizer.variables}.values()
         # What a checkpoint's data file holds (its index and state file add a few KB).
         self._variable_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
@@ -482,16 +492,13 @@ class CheckpointStore:
         temporary = os.path.join(self.directory, f"{_TEMP_MARK}{name}")
         replaced = os.path.join(self.directory, f"{_TEMP_MARK}old-{name}")
         kfac, _ = _kfac_of(self._optimizer)
-        keys = None if kfac is None else json.dumps({"keys": kfac.saved_keys()})
-        with storage.failing_cleanly(final, self._variable_bytes + len(keys or "") + 8192,
+        if kfac is not None:
+            kfac.state_by_key()  # with the variables made since the store was
+        with storage.failing_cleanly(final, self._variable_bytes + 8192,
                                      leftovers=[temporary], advice=self.space_advice):
             try:
                 os.makedirs(temporary)
                 self._checkpoint.write(os.path.join(temporary, VARIABLES_PREFIX))
-                if keys is not None:
-                    with open(os.path.join(temporary, OPTIMIZER_KEYS_FILE), "w",
-                              encoding="utf-8") as f:
-                        f.write(keys)
                 _fault("after_variables", step)
                 # No temp file of its own: the directory is renamed into place whole.
                 with open(os.path.join(temporary, STATE_FILE), "w", encoding="utf-8") as f:
@@ -559,38 +566,60 @@ class CheckpointStore:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _restore_variables(self, prefix):
-        """Restores the variables saved at `prefix`; refuses (before assigning any) a
-        K-FAC optimizer whose variables are not those the checkpoint's
-        `optimizer_keys.json` names; raises AssertionError unless every variable of the
-        model and the optimizer had a value there, but for a K-FAC optimizer's rebuild
-        state (placement "owner") when the save predates it, as tfkfac 0.2.0's do: the
-        owner then rebuilds its decompositions from the restored factors at its first
-        step, with tfkfac's warning, as after tfkfac reads it. A restore that fails where
-        the saved variables are not this run's (names, dtypes, shapes) is `_Unloadable`
-        naming the first that differ."""
-        self._check_optimizer_keys(os.path.join(os.path.dirname(prefix), OPTIMIZER_KEYS_FILE))
+        """Restores the variables saved at `prefix`, K-FAC's by key; refuses, before
+        assigning any, a checkpoint whose variables (keys, dtypes, shapes) are not this
+        run's, naming the first that differ (`_Unloadable`). A checkpoint written before
+        the keys is restored by position: refused, before assigning any, if its
+        `optimizer_keys.json` does not name this K-FAC optimizer's variables; then an
+        AssertionError unless every variable of the model and the optimizer had a value
+        there, but for a K-FAC optimizer's rebuild state (placement "owner") when the
+        save predates it, as tfkfac 0.2.0's do: the owner then rebuilds its
+        decompositions from the restored factors at its first step, with tfkfac's
+        warning, as after tfkfac reads it."""
+        saved = _saved_variables(prefix)
+        checkpoint = self._checkpoint
+        if _kfac_of(self._optimizer)[0] is not None:
+            if any(key.startswith(KFAC_STATE + "/") for key in saved):
+                difference = self._difference(saved, checkpoint)
+                if difference is not None:
+                    raise self._written_by_another_run(prefix, difference)
+            else:  # written before the keys
+                checkpoint = self._by_position
+                self._check_optimizer_keys(os.path.join(os.path.dirname(prefix),
+                                                        OPTIMIZER_KEYS_FILE))
         try:
-            self._checkpoint.read(prefix).assert_existing_objects_matched()
+            checkpoint.read(prefix).assert_existing_objects_matched()
             return
         except Exception as error:  # pylint: disable=broad-except
             if isinstance(error, AssertionError) and self._lacks_only_rebuild_state(prefix):
                 return
-            # TensorFlow's words (RestoreV2's dtype message, a list of unrestored objects)
-            # do not say what happened: this run's variables against the checkpoint's.
-            try:
-                difference = _difference(_saved_variables(prefix), self._current_variables())
-            except Exception:  # pylint: disable=broad-except
-                difference = None  # e.g. no room for the comparison's save: TensorFlow's
+            difference = self._difference(saved, checkpoint)
             if difference is None:
                 raise
-        raise _Unloadable(f"variables {prefix}.* were written by another run (another model, "
-                          f"optimizer or precision): {difference}")
+        raise self._written_by_another_run(prefix, difference)
+
+    @staticmethod
+    def _written_by_another_run(prefix, difference):
+        return _Unloadable(f"variables {prefix}.* were written by another run (another "
+                           f"model, optimizer or precision): {difference}")
+
+    def _difference(self, saved, checkpoint):
+        """How the variables `saved` ({key: "dtype[shape]"}) differ from those a save of
+        `checkpoint` would hold now, as a phrase (None when they do not, or when the
+        comparison's save fails, e.g. for want of room). TensorFlow's words (RestoreV2's
+        dtype message, a list of unrestored objects) do not say what happened."""
+        try:
+            with tempfile.TemporaryDirectory() as directory:
+                return _difference(saved, _saved_variables(
+                    checkpoint.write(os.path.join(directory, "now"))))
+        except Exception:  # pylint: disable=broad-except
+            return None
 
     def _check_optimizer_keys(self, keys_file):
         """`_Unloadable` naming the variables that differ when `keys_file` (absent in
         checkpoints written before it) does not name this K-FAC optimizer's variables."""
         optimizer, _ = _kfac_of(self._optimizer)
-        if optimizer is None or not os.path.exists(keys_file):
+        if not os.path.exists(keys_file):
             return
         try:
             with open(keys_file, encoding="utf-8") as f:
@@ -600,10 +629,10 @@ class CheckpointStore:
             raise _Unloadable(f"{keys_file}: {error}") from None
 
     def _lacks_only_rebuild_state(self, prefix):
-        """Whether the save at `prefix` holds every variable a save of the model and the
-        optimizer would, but a K-FAC optimizer's rebuild state (`KFAC.rebuild_state`, the
-        last of its variables, which a checkpoint keys `<optimizer>/_variables/<index>`:
-        docs/design.md §10)."""
+        """Whether the save at `prefix` (by position) holds every variable a save of the
+        model and the optimizer by position would, but a K-FAC optimizer's rebuild state
+        (`KFAC.rebuild_state`, the last of its variables, which a checkpoint by position
+        keys `<optimizer>/_variables/<index>`: docs/design.md §10)."""
         optimizer, path = _kfac_of(self._optimizer)
         if optimizer is None or not optimizer.rebuild_state():
             return False
@@ -611,13 +640,8 @@ class CheckpointStore:
         rebuild = {f"{path}/_variables/{index}/.ATTRIBUTES/VARIABLE_VALUE"
                    for index in range(count - len(optimizer.rebuild_state()), count)}
         with tempfile.TemporaryDirectory() as directory:
-            wanted = _saved_keys(self._checkpoint.write(os.path.join(directory, "now")))
+            wanted = _saved_keys(self._by_position.write(os.path.join(directory, "now")))
         return rebuild <= wanted and _saved_keys(prefix) == wanted - rebuild
-
-    def _current_variables(self):
-        """`_saved_variables` of a save of the model and the optimizer as they are now."""
-        with tempfile.TemporaryDirectory() as directory:
-            return _saved_variables(self._checkpoint.write(os.path.join(directory, "now")))
 
     def restore(self, report=True):
         """Restores the newest checkpoint that loads and returns its trainer state (None
