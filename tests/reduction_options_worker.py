@@ -1,6 +1,7 @@
 """The reduction options (`overlap_reduction`, `hierarchical_reduction`) on several ranks:
-one rank of the jobs of tests/test_reduction_options.py, or (with TF_CONFIG) one
-MultiWorkerMirroredStrategy worker.
+one process of the jobs of tests/test_reduction_options.py, on both engines: a Horovod
+rank that is also a MultiWorkerMirroredStrategy worker (one start-up of each process for
+both engines' runs).
 
 Each run fits the model of tests/plan_worker.py (a convolution with BatchNorm, whose
 diagonal factor `Eigen` and `Inverse` precondition with, a grouped convolution, two Dense
@@ -8,13 +9,14 @@ layers) for STEPS steps on global batches of `ranks` x BATCH examples (each rank
 part): factors every step, decompositions every DECOMPOSITION_INTERVAL steps, so that the
 steps between take the overlapped path. It saves the weights, the factors and the
 communicator's bytes and calls per category after the fit.
-- Overlap jobs (2 Horovod ranks, or 2 MultiWorkerMirroredStrategy workers): OVERLAP_RUNS,
-  each placement and method with the option off and on.
-- The hierarchical jobs (Horovod, 2 nodes of 2 ranks: HOSTS; or 4
-  MultiWorkerMirroredStrategy workers, the last two on host 127.0.0.1): `exchange`
+- Overlap jobs (`horovodrun -np 2`, the 2 processes also 2 MultiWorkerMirroredStrategy
+  workers): OVERLAP_RUNS, each placement and method with the option off and on.
+- The hierarchical jobs (`horovodrun -np 4` as 2 nodes of 2 ranks: HOSTS; the
+  MultiWorkerMirroredStrategy workers 2 and 3 on host 127.0.0.1): `exchange`
   (`exchange_flat` without the option), a mean of `rank_vector`s in float32 and float64
   (counted as "factors"), and HIERARCHICAL_RUNS.
-`main` saves `<run>.rank<r>.npz` to $REDUCTION_OPTIONS_OUT_DIR.
+The MultiWorkerMirroredStrategy workers listen on the ports in $REDUCTION_OPTIONS_PORTS.
+`main` saves `<engine>_<run>.rank<r>.npz` (ENGINES) to $REDUCTION_OPTIONS_OUT_DIR.
 """
 
 import contextlib
@@ -36,9 +38,12 @@ sys.path.insert(0, os.path.dirname(TESTS_DIR))
 import plan_worker  # noqa: E402
 import tfkfac  # noqa: E402
 from tfkfac import distributed  # noqa: E402
+from trainers.launch import tf_config  # noqa: E402
 
 OUT_DIR_VARIABLE = "REDUCTION_OPTIONS_OUT_DIR"
 JOB_VARIABLE = "REDUCTION_OPTIONS_JOB"  # "overlap" or "hierarchical"
+PORTS_VARIABLE = "REDUCTION_OPTIONS_PORTS"  # "port0,port1,...": one per worker
+ENGINES = ("horovod", "multi_worker")
 HOSTS = "localhost:2,127.0.0.1:2"  # two "nodes" of 2 ranks for horovodrun -H
 STEPS, BATCH, DECOMPOSITION_INTERVAL = 3, 8, 2
 # name: (placement, method, overlap_reduction).
@@ -139,35 +144,44 @@ def hierarchical_runs(make_comm, strategy):
                 for name, hierarchical in HIERARCHICAL_RUNS.items()}}
 
 
+def multi_worker_strategy(rank, job):
+    """This process's MultiWorkerMirroredStrategy, as worker `rank` of the localhost
+    workers on $REDUCTION_OPTIONS_PORTS (hierarchical: the second half on 127.0.0.1).
+    Made before TensorFlow runs anything, as the strategy must be."""
+    ports = [int(port) for port in os.environ[PORTS_VARIABLE].split(",")]
+    config = tf_config(ports, rank)
+    os.environ["TF_CONFIG"] = as_two_hosts(config) if job == "hierarchical" else config
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
 def runs():
-    """(rank, {run: function returning what this process saves}) of this process's job."""
+    """(rank, {engine: {run: function returning what this process saves}}) of this
+    process's job."""
     job = os.environ[JOB_VARIABLE]
-    if "TF_CONFIG" in os.environ:  # a MultiWorkerMirroredStrategy worker
-        if job == "hierarchical":
-            os.environ["TF_CONFIG"] = as_two_hosts(os.environ["TF_CONFIG"])
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    rank = int(os.environ["HOROVOD_RANK"])
+    strategy = multi_worker_strategy(rank, job)
 
-        def make_comm(hierarchical=False):
-            with strategy.scope():
-                return distributed.StrategyCommunicator(strategy, hierarchical)
+    def strategy_comm(hierarchical=False):
+        with strategy.scope():
+            return distributed.StrategyCommunicator(strategy, hierarchical)
 
-        rank = make_comm().local_ranks[0]
-        if job == "overlap":
-            return rank, overlap_runs(make_comm(), strategy)
-        return rank, hierarchical_runs(make_comm, strategy)
-    make_comm = lambda hierarchical=False: distributed.get_communicator("horovod", hierarchical)
+    horovod_comm = lambda hierarchical=False: distributed.get_communicator("horovod",
+                                                                          hierarchical)
+    assert strategy_comm().local_ranks == (rank,), "worker index is not the Horovod rank"
     if job == "overlap":
-        comm = make_comm()
-        return comm.rank, overlap_runs(comm, None)
-    scheduled = hierarchical_runs(make_comm, None)  # initializes Horovod, dynamic sets
-    return make_comm().rank, scheduled
+        return rank, {"horovod": overlap_runs(horovod_comm(), None),
+                      "multi_worker": overlap_runs(strategy_comm(), strategy)}
+    # The hierarchical communicator first: it initializes Horovod with dynamic sets.
+    return rank, {"horovod": hierarchical_runs(horovod_comm, None),
+                  "multi_worker": hierarchical_runs(strategy_comm, strategy)}
 
 
 def main(out_dir):
-    rank, scheduled = runs()
-    for name, run in scheduled.items():
-        np.savez(os.path.join(out_dir, f"{name}.rank{rank}.npz"), **run())
-        print(f"rank {rank}: {name} saved", flush=True)
+    rank, engines = runs()
+    for engine, scheduled in engines.items():
+        for name, run in scheduled.items():
+            np.savez(os.path.join(out_dir, f"{engine}_{name}.rank{rank}.npz"), **run())
+            print(f"rank {rank}: {engine} {name} saved", flush=True)
 
 
 if __name__ == "__main__":

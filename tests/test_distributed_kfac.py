@@ -30,6 +30,7 @@ with `model.fit`; each rank saves what it holds. The checks:
 """
 
 import ast
+import concurrent.futures
 import os
 import sys
 import tempfile
@@ -75,21 +76,23 @@ class DistributedKfacTest(checks.ScenarioChecks, absltest.TestCase):
                  "batch_fraction", "timings"] + [
             f"equivalence_{p}_{m}" for p, m, *_ in worker.EQUIVALENCE_CASES] + [
             f"modern_{p}_{m}" for p, m in worker.MODERN_CASES]
-        cls.returncode, cls.output, cls.exit_time, cls.saved = job_results.run_and_load(
-            lambda: run_horovod_job(os.path.join(TESTS_DIR, "distributed_kfac_worker.py"),
-                                    num_ranks=2, timeout=JOB_TIMEOUT_SECONDS),
-            worker.OUT_DIR_VARIABLE, names, "rank")
-        # Single-process references (batch 2B), after the job so they do not compete.
-        # With one process both placements run the same code: one reference per method.
-        comm = distributed.SingleProcess()
-        cls.references = {m: worker.run_equivalence(comm, "replicated", m)
-                          for m in sorted({m for _, m, *_ in worker.EQUIVALENCE_CASES})}
-        cls.modern_references = {m: worker.run_modern(comm, "replicated", m)
-                                 for _, m in worker.MODERN_CASES}
-        with tempfile.TemporaryDirectory() as directory:
-            cls.restore_reference = worker.run_owner_restore(comm, directory)
-        cls.echo_reference = worker.run_echo_aware(comm)
-        cls.fresh_alone = worker.first_step_fresh_alone(comm)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            job = pool.submit(job_results.run_and_load, lambda: run_horovod_job(
+                os.path.join(TESTS_DIR, "distributed_kfac_worker.py"), num_ranks=2,
+                timeout=JOB_TIMEOUT_SECONDS), worker.OUT_DIR_VARIABLE, names, "rank")
+            # Single-process references (batch 2B), while the job runs: on the core its
+            # ranks leave idle (horovodrun's start, a rank waiting for the other). With
+            # one process both placements run the same code: one reference per method.
+            comm = distributed.SingleProcess()
+            cls.references = {m: worker.run_equivalence(comm, "replicated", m)
+                              for m in sorted({m for _, m, *_ in worker.EQUIVALENCE_CASES})}
+            cls.modern_references = {m: worker.run_modern(comm, "replicated", m)
+                                     for _, m in worker.MODERN_CASES}
+            with tempfile.TemporaryDirectory() as directory:
+                cls.restore_reference = worker.run_owner_restore(comm, directory)
+            cls.echo_reference = worker.run_echo_aware(comm)
+            cls.fresh_alone = worker.first_step_fresh_alone(comm)
+            cls.returncode, cls.output, cls.exit_time, cls.saved = job.result()
         global_batch = 2 * worker.EQUIVALENCE_BATCH
         x, y = worker.fixed_examples(global_batch)
         kept = [np.concatenate([worker.rank_part(a, global_batch, rank, 2)[

@@ -5,9 +5,11 @@ and the jobs of tests/reduction_options_worker.py — overlap on 2 Horovod ranks
 MultiWorkerMirroredStrategy workers bit for bit the run without it, and the two-level mean
 on 4 ranks as 2 nodes of 2 (Horovod, and MultiWorkerMirroredStrategy): its exchange the
 numpy sum within nodes then across them bit for bit, a fit the flat one within float32
-rounding, the bytes and calls counted unchanged.
+rounding, the bytes and calls counted unchanged. Each job's processes are Horovod ranks
+and MultiWorkerMirroredStrategy workers at once: one start-up serves both engines' runs.
 """
 
+import functools
 import os
 import shutil
 import sys
@@ -36,9 +38,10 @@ import reduction_options_worker as worker  # noqa: E402
 import tfkfac  # noqa: E402
 from tfkfac import distributed  # noqa: E402
 from tfkfac.noise_scale import NoiseScaleProbe  # noqa: E402
-from trainers.launch import run_horovod_job, run_multi_worker_job  # noqa: E402
+from trainers.launch import free_ports, run_horovod_job  # noqa: E402
 
-JOB_TIMEOUT_SECONDS = 600  # 6 short fits on 2 ranks, or 2 on 4 ranks, on 2 loaded cores
+# Each engine's 6 short fits on 2 ranks, or 2 on 4 ranks, on 2 loaded cores.
+JOB_TIMEOUT_SECONDS = 600
 # 4 ranks vs 4 ranks, sums in another order: the 2-rank suites' bound (distributed_checks).
 ROUNDING_RTOL = 1e-4
 REDUCTIONS = {"CollectiveReduceV2", "HorovodAllreduce", "HorovodGroupedAllreduce"}
@@ -196,28 +199,30 @@ class OverlapGraphTest(absltest.TestCase):
         self.assertEqual(sorted(waits), [False] * 2 + [True] * 4)
 
 
-def job_results(launch, names, ranks, job):
-    """{run: {rank: saved}} of a job of tests/reduction_options_worker.py started by
-    `launch(script, timeout)` (returns exit code and output), REDUCTION_OPTIONS_JOB=`job`."""
+@functools.cache
+def job_results(job):
+    """{engine: {run: {rank: saved}}} of the job `job` of tests/reduction_options_worker.py
+    (REDUCTION_OPTIONS_JOB=`job`), run once for the test classes of both engines:
+    "overlap" on 2 ranks, "hierarchical" on 4 as 2 nodes of 2."""
+    ranks, names, hosts = ((2, worker.OVERLAP_RUNS, None) if job == "overlap" else
+                           (4, HIERARCHICAL_SAVES, worker.HOSTS))
     os.makedirs(absltest.get_default_test_tmpdir(), exist_ok=True)
     out_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
     start = time.time()
     with mock.patch.dict(os.environ, {worker.OUT_DIR_VARIABLE: out_dir,
-                                      worker.JOB_VARIABLE: job}):
-        code, output = launch(os.path.join(TESTS_DIR, "reduction_options_worker.py"),
-                              JOB_TIMEOUT_SECONDS)
+                                      worker.JOB_VARIABLE: job,
+                                      worker.PORTS_VARIABLE: ",".join(
+                                          str(port) for port in free_ports(ranks))}):
+        code, output = run_horovod_job(os.path.join(TESTS_DIR, "reduction_options_worker.py"),
+                                       ranks, JOB_TIMEOUT_SECONDS, hosts=hosts)
     logging.info("%s job exited %d after %.1f s", job, code, time.time() - start)
     if code:
         raise AssertionError(f"the {job} job failed:\n{output[-6000:]}")
-    saved = {name: {rank: dict(np.load(os.path.join(out_dir, f"{name}.rank{rank}.npz")))
-                    for rank in range(ranks)} for name in names}
+    saved = {engine: {name: {rank: dict(np.load(os.path.join(
+        out_dir, f"{engine}_{name}.rank{rank}.npz"))) for rank in range(ranks)}
+        for name in names} for engine in worker.ENGINES}
     shutil.rmtree(out_dir)
     return saved
-
-
-def multi_worker(workers):
-    """`launch` of `job_results` for `workers` MultiWorkerMirroredStrategy workers."""
-    return lambda script, timeout: run_multi_worker_job([script], workers, timeout)
 
 
 class OverlapChecks:
@@ -250,8 +255,7 @@ class HorovodOverlapTest(OverlapChecks, absltest.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.saved = job_results(lambda script, timeout: run_horovod_job(script, 2, timeout),
-                                worker.OVERLAP_RUNS, 2, "overlap")
+        cls.saved = job_results("overlap")["horovod"]
 
 
 class MultiWorkerOverlapTest(OverlapChecks, absltest.TestCase):
@@ -260,12 +264,7 @@ class MultiWorkerOverlapTest(OverlapChecks, absltest.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.saved = job_results(multi_worker(2), worker.OVERLAP_RUNS, 2, "overlap")
-
-
-def run_two_node_job(script, timeout):
-    """`horovodrun --gloo -np 4` as 2 nodes of 2 ranks (two host names of this machine)."""
-    return run_horovod_job(script, 4, timeout, hosts=worker.HOSTS)
+        cls.saved = job_results("overlap")["multi_worker"]
 
 
 HIERARCHICAL_SAVES = ["exchange", "exchange_flat", *worker.HIERARCHICAL_RUNS]
@@ -325,7 +324,7 @@ class HorovodHierarchicalTest(HierarchicalChecks, absltest.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.saved = job_results(run_two_node_job, HIERARCHICAL_SAVES, 4, "hierarchical")
+        cls.saved = job_results("hierarchical")["horovod"]
 
 
 class MultiWorkerHierarchicalTest(HierarchicalChecks, absltest.TestCase):
@@ -334,7 +333,7 @@ class MultiWorkerHierarchicalTest(HierarchicalChecks, absltest.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.saved = job_results(multi_worker(4), HIERARCHICAL_SAVES, 4, "hierarchical")
+        cls.saved = job_results("hierarchical")["multi_worker"]
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ NUM_RANKS = 2
 JOB_TIMEOUT_SECONDS = 280
 TWO_NODES = "localhost:2,127.0.0.1:2"  # 4 ranks as 2 nodes to Horovod
 RANK_WORKER = os.path.join(TESTS_DIR, "trainer_rank_worker.py")
+RUNS_WORKER = os.path.join(TESTS_DIR, "trainer_runs_worker.py")
 # The K-FAC run of trainer_worker.py as flags of the binary (its model_dir aside).
 KFAC_FLAGS = [f"--{name}={value}" for name, value in worker.SETTINGS.items()]
 
@@ -154,17 +155,19 @@ class TrainerHorovodTest(absltest.TestCase):
 
     def test_hierarchical_reduction_on_two_nodes_trains_as_the_flat_mean(self):
         """`--hierarchical_reduction` on 4 ranks as 2 nodes (two host names of this
-        machine) reaches K-FAC's communicator: the job ends with the flat job's weights
-        within float32 rounding (the means sum in another order). On one process the flag
-        is refused with one line (tests/test_trainer.py)."""
-        saved = {}
-        for name, extra in (("flat", []), ("hierarchical", ["--hierarchical_reduction"])):
-            model_dir = os.path.join(tempfile.mkdtemp(dir=self.out_dir), "run")
-            returncode, output = run_horovod_job(
-                RANK_WORKER, 4, JOB_TIMEOUT_SECONDS,
-                [*KFAC_FLAGS, f"--model_dir={model_dir}", *extra], hosts=TWO_NODES)
-            self.assertEqual(returncode, 0, output[-3000:])
-            saved[name] = tt.step_tensors(model_dir, worker.STEPS)
+        machine) reaches K-FAC's communicator: the run ends with the flat run's weights
+        within float32 rounding (the means sum in another order). One job runs both, the
+        hierarchical run first (it initializes Horovod with the process sets it adds). On
+        one process the flag is refused with one line (tests/test_trainer.py)."""
+        model_dirs = {name: os.path.join(tempfile.mkdtemp(dir=self.out_dir), "run")
+                      for name in ("hierarchical", "flat")}
+        runs = [[*KFAC_FLAGS, f"--model_dir={model_dirs['hierarchical']}",
+                 "--hierarchical_reduction"], [*KFAC_FLAGS, f"--model_dir={model_dirs['flat']}"]]
+        returncode, output = run_horovod_job(RUNS_WORKER, 4, JOB_TIMEOUT_SECONDS,
+                                             [json.dumps(runs)], hosts=TWO_NODES)
+        self.assertEqual(returncode, 0, output[-3000:])
+        saved = {name: tt.step_tensors(model_dir, worker.STEPS)
+                 for name, model_dir in model_dirs.items()}
         self.assertEqual(sorted(saved["flat"]), sorted(saved["hierarchical"]))
         for key, want in saved["flat"].items():
             if key.startswith("model/"):
