@@ -52,19 +52,20 @@ def patch_gram(inputs, kernel_size, dilation, before, extents, has_bias, weights
     blocks = tf.zeros((positions * positions, channels, channels), inputs.dtype)
     sums = tf.zeros((positions, channels), inputs.dtype)
     for region in regions(sizes, taps, dilation, before, extents):
-        window = [slice(None)] + [slice(start, stop) for start, stop, *_ in region]
+        window = tuple([slice(None)] + [slice(start, stop) for start, stop, *_ in region])
+        inside = left[window]  # sliced once: the bias column sums it too
         reach_window = [slice(None)] + [
             slice(start + r + lo * d, stop + r + hi * d)
             for (start, stop, lo, hi, _), r, d in zip(region, reach, dilation)]
         offsets = [hi - lo + 1 for _, _, lo, hi, _ in region]
         if _whole(region, sizes, taps):  # offsets with δ_1 ≥ 0 only, by symmetry
             reach_window[1] = slice(reach[0], sizes[0] + 2 * reach[0])
-            half = _correlation(left[tuple(window)], right[tuple(reach_window)],
+            half = _correlation(inside, right[tuple(reach_window)],
                                 [taps[0]] + offsets[1:], dilation, product_dtype)
             correlation = tf.gather(tf.concat([half, tf.transpose(half, (0, 2, 1))], 0),
                                     _mirrored(taps))
         else:
-            correlation = _correlation(left[tuple(window)], right[tuple(reach_window)],
+            correlation = _correlation(inside, right[tuple(reach_window)],
                                        offsets, dilation, product_dtype)
         coefficient = np.ones(positions)
         index = np.zeros((positions, positions), np.int64)
@@ -79,7 +80,7 @@ def patch_gram(inputs, kernel_size, dilation, before, extents, has_bias, weights
         weight = tf.constant(np.repeat(coefficient, positions), inputs.dtype)
         blocks += tf.gather(correlation, index.reshape(-1)) * weight[:, None, None]
         if has_bias:
-            total = tf.reduce_sum(left[tuple(window)], axis=list(range(len(sizes) + 1)))
+            total = tf.reduce_sum(inside, axis=list(range(len(sizes) + 1)))
             sums += tf.constant(coefficient[:, None], inputs.dtype) * total
     blocks = tf.reshape(blocks, (positions, positions, channels, channels))
     gram = tf.reshape(tf.transpose(blocks, (0, 2, 1, 3)),
