@@ -19,14 +19,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl.testing import absltest, parameterized
 
-from process_output import in_background
 import trainer_testing as tt
 from trainers import checkpoints, cli, config as config_lib, errors, run_lock, runner
 
@@ -144,78 +142,49 @@ class TrainerStateTest(parameterized.TestCase):
             resume(model_dir, 30)
 
 
-def start_until_killed(model_dir):
-    """A trainer in `model_dir` that runs until killed (5 ms per example: 0.16 s per step,
-    so its first checkpoint, step-20, comes in seconds; 20000 steps take 53 minutes);
-    (process, log_dir)."""
-    log_dir = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
-    process = tt.start_binary(f"--model_dir={model_dir}", "--steps=20000",
-                              "--read_latency=0.005", *tt.SMALL_FLAGS,
-                              *[f"--{name}={value}" for name, value in SGD.items()],
-                              log_dir=log_dir)
-    return process, log_dir
+class ModelDirLockTest(absltest.TestCase):
+    """Two trainers started at once on one model_dir: one trains, the other ends with one
+    line naming it (pid, host, start time); so does a --resume while it runs. The lock of
+    a process killed with SIGKILL is free at once."""
 
+    def start(self, model_dir):
+        """A trainer that runs until killed (50 ms per example: 1.6 s per step)."""
+        log_dir = self.create_tempdir().full_path
+        process = tt.start_binary(f"--model_dir={model_dir}", "--steps=2000",
+                                  "--read_latency=0.05", *tt.SMALL_FLAGS,
+                                  *[f"--{name}={value}" for name, value in SGD.items()],
+                                  log_dir=log_dir)
+        self.addCleanup(process.wait)
+        self.addCleanup(process.kill)
+        return process, log_dir
 
-def two_trainers_on_one_model_dir():
-    """Starts two trainers at once on a new model_dir; once one has ended and the other
-    has written step-20, runs a --resume there, then kills the other with SIGKILL and
-    takes the lock at once (raising if it is held). Returns (model_dir, the one that
-    ended: a CompletedProcess with its stderr, the other's pid, whether it still ran after
-    the --resume, the --resume's CompletedProcess)."""
-    model_dir = os.path.join(tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir()), "run")
-    started = [start_until_killed(model_dir) for _ in range(2)]
-    try:
+    def test_one_run_per_model_dir(self):
+        model_dir = os.path.join(self.create_tempdir().full_path, "run")
+        started = [self.start(model_dir) for _ in range(2)]
         deadline = time.monotonic() + 300
         while all(process.poll() is None for process, _ in started):
-            if time.monotonic() > deadline:
-                raise AssertionError("neither trainer ended")
+            self.assertLess(time.monotonic(), deadline, "neither trainer ended")
             time.sleep(0.2)
         [(loser, log_dir)] = [entry for entry in started if entry[0].poll() is not None]
         [(winner, _)] = [entry for entry in started if entry[0] is not loser]
         with open(os.path.join(log_dir, "stderr"), encoding="utf-8") as f:
-            ended = subprocess.CompletedProcess([], loser.returncode, "", f.read())
-        tt.wait_for(winner, tt.checkpoint_dir(model_dir, 20))
-        resumed = tt.run_binary(f"--model_dir={model_dir}", "--resume")
-        ran_on = winner.poll() is None
-        winner.send_signal(signal.SIGKILL)
-        winner.wait(timeout=60)
-        with run_lock.holding(model_dir):  # the kernel released the killed process's lock
-            pass
-        return model_dir, ended, winner.pid, ran_on, resumed
-    finally:
-        for process, _ in started:
-            process.send_signal(signal.SIGKILL)
-            process.wait(timeout=60)
-
-
-def setUpModule():
-    TwoTrainersOnOneModelDirTest.start_trainers()
-
-
-class TwoTrainersOnOneModelDirTest(absltest.TestCase):
-    """Two trainers started at once on one model_dir: one trains, the other ends with one
-    line naming it (pid, host, start time); so does a --resume while it runs. The lock of
-    a process killed with SIGKILL is free at once (`two_trainers_on_one_model_dir`, started
-    by setUpModule: its processes run while the other tests do, named to run before this
-    one)."""
-
-    trainers = None  # the Future of `two_trainers_on_one_model_dir()`
-
-    @classmethod
-    def start_trainers(cls):
-        cls.trainers = in_background(two_trainers_on_one_model_dir)
-
-    def test_one_run_per_model_dir(self):
-        model_dir, ended, winner, ran_on, resumed = self.trainers.result()
+            stderr = f.read()
         in_use = (f"model_dir {model_dir} is in use by another run of the trainer \\(pid "
-                  f"{winner} on host {socket.gethostname()}, started "
+                  f"{winner.pid} on host {socket.gethostname()}, started "
                   r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d; it holds "
                   f"{run_lock.path(model_dir)}\\): wait for it to end, or choose another "
                   "--model_dir$")
-        tt.assert_error(self, ended, in_use, cli.FAILURE_EXIT_CODE)
+        tt.assert_error(self, subprocess.CompletedProcess([], loser.returncode, "", stderr),
+                        in_use, cli.FAILURE_EXIT_CODE)
         # A --resume once the run has a checkpoint: refused the same way.
-        tt.assert_error(self, resumed, in_use, cli.FAILURE_EXIT_CODE)
-        self.assertTrue(ran_on)
+        tt.wait_for(winner, tt.checkpoint_dir(model_dir, 20))
+        tt.assert_error(self, tt.run_binary(f"--model_dir={model_dir}", "--resume"), in_use,
+                        cli.FAILURE_EXIT_CODE)
+        self.assertIsNone(winner.poll())
+        winner.send_signal(signal.SIGKILL)
+        winner.wait(timeout=60)
+        with run_lock.holding(model_dir):  # the kernel released the dead process's lock
+            pass
 
 
 class LockFileTest(absltest.TestCase):
