@@ -16,6 +16,8 @@ import numpy as np
 from absl import logging
 from absl.testing import absltest
 
+from process_output import in_background
+
 
 def run_and_load(launch, out_variable, scenarios, process_label="rank", processes=2):
     """Runs `launch()` -> (exit code, output) with $`out_variable` naming a fresh directory;
@@ -50,23 +52,34 @@ def run_and_load(launch, out_variable, scenarios, process_label="rank", processe
 
 class TwoRankJob:
     """Mixin of an absltest.TestCase whose tests read one 2-rank Horovod job of the worker
-    module `WORKER`, run once in setUpClass, killed after `JOB_TIMEOUT_SECONDS`: sets
-    `returncode`, `output` and `saved` ({scenario: [rank 0's arrays, rank 1's]}, the
-    `SCENARIOS` the worker saves to its $`WORKER.OUT_DIR_VARIABLE`). Not a TestCase
-    itself, so that no test module collects it."""
+    module `WORKER`, run once (started by setUpClass, or earlier by `start_job`), killed
+    after `JOB_TIMEOUT_SECONDS`: sets `returncode`, `output` and `saved` ({scenario:
+    [rank 0's arrays, rank 1's]}, the `SCENARIOS` the worker saves to its
+    $`WORKER.OUT_DIR_VARIABLE`). Not a TestCase itself, so that no test module collects
+    it."""
 
     WORKER = None
     SCENARIOS = ()
     JOB_TIMEOUT_SECONDS = 400
+    _job = None  # the job's Future, once started
+
+    @classmethod
+    def start_job(cls):
+        """Starts the job in a thread of its own (once): a module's setUpModule calls it
+        so that the job runs while the module's other tests do."""
+        if cls._job is None:
+            from trainers.launch import run_horovod_job  # the test process's alone
+            script = os.path.splitext(os.path.abspath(cls.WORKER.__file__))[0] + ".py"
+            cls._job = in_background(
+                run_and_load,
+                lambda: run_horovod_job(script, num_ranks=2, timeout=cls.JOB_TIMEOUT_SECONDS),
+                cls.WORKER.OUT_DIR_VARIABLE, list(cls.SCENARIOS))
+        return cls._job
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        from trainers.launch import run_horovod_job  # the test process's alone
-        script = os.path.splitext(os.path.abspath(cls.WORKER.__file__))[0] + ".py"
-        cls.returncode, cls.output, _, cls.saved = run_and_load(
-            lambda: run_horovod_job(script, num_ranks=2, timeout=cls.JOB_TIMEOUT_SECONDS),
-            cls.WORKER.OUT_DIR_VARIABLE, list(cls.SCENARIOS))
+        cls.returncode, cls.output, _, cls.saved = cls.start_job().result()
 
     def test_job_exits_cleanly(self):
         self.assertEqual(self.returncode, 0, self.output[-4000:])

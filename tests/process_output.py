@@ -1,5 +1,7 @@
-"""What a test reads of a child process: its output, how a binary ended, whether it runs."""
+"""What a test reads of a child process: its output, how a binary ended, whether it runs;
+and `in_background`, for tests whose processes run while others do."""
 
+import concurrent.futures
 import re
 
 from trainers import cli
@@ -32,3 +34,13 @@ def running(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def in_background(function, *args):
+    """The Future of `function(*args)`, called in a thread of its own (which the process
+    waits for at exit)."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(function, *args)
+    finally:
+        pool.shutdown(wait=False)

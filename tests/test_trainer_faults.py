@@ -29,6 +29,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from unittest import mock
 
@@ -42,6 +43,7 @@ import tensorflow as tf
 import pipelines
 import tfkfac
 from idx_testing import write_small_idx_dir
+from process_output import in_background
 from pipelines import augment, idx_dataset
 import trainer_testing as tt
 from trainers import checkpoints, cli, config as config_lib, errors, preemption
@@ -486,11 +488,11 @@ class UsageOutputTest(parameterized.TestCase):
         self.assertLessEqual(len(tt.own_lines(result.stderr)), 3)  # at most one log line
 
     def test_bad_flag_value_and_inconsistent_flags(self):
-        self.assert_one_line_error(tt.run_binary("--steps=abc"),
-                                   "flag --steps=abc: invalid literal")
+        bad_value, inconsistent = tt.run_binaries([["--steps=abc"],
+                                                   ["--optimizer=sgd", "--damping=0.01"]])
+        self.assert_one_line_error(bad_value, "flag --steps=abc: invalid literal")
         self.assert_one_line_error(
-            tt.run_binary("--optimizer=sgd", "--damping=0.01"),
-            "damping only applies to optimizer=kfac, not optimizer=sgd")
+            inconsistent, "damping only applies to optimizer=kfac, not optimizer=sgd")
 
     def test_predictable_failures(self):
         root = self.create_tempdir().full_path
@@ -504,9 +506,10 @@ class UsageOutputTest(parameterized.TestCase):
             (["--resume", f"--model_dir={empty}"], f"resume: model_dir {empty} holds no run"),
             (["--learning_rate=nan", "--optimizer=sgd"], "`learning_rate` must be a finite"),
         ]
-        for argv, message in cases:
+        results = tt.run_binaries([[*argv, "--model=mlp"] for argv, _ in cases])
+        for (argv, message), result in zip(cases, results):
             with self.subTest(argv=argv):
-                self.assert_one_line_error(tt.run_binary(*argv, "--model=mlp"), message)
+                self.assert_one_line_error(result, message)
 
     def test_data_dir_is_created_only_under_an_existing_parent(self):
         root = self.create_tempdir().full_path
@@ -533,43 +536,74 @@ def own_stderr(path):
         return f.read()
 
 
+def start_run(*argv):
+    """The K-FAC run of `uninterrupted_run` (with `argv` added) started in the binary, in a
+    new model_dir; (process, model_dir, log_dir)."""
+    root = tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir())
+    model_dir, log_dir = os.path.join(root, "run"), os.path.join(root, "logs")
+    os.makedirs(log_dir)
+    process = tt.start_binary(f"--model_dir={model_dir}", "--steps=40", *KFAC_FLAGS, *argv,
+                              log_dir=log_dir)
+    return process, model_dir, log_dir
+
+
+def signal_mid_epoch_2(signum, *argv):
+    """Starts the run (with `argv` added) and signals it once the progress bar shows
+    epoch 2 training (3 steps done); returns (model_dir, exit code, seconds from the
+    signal to the exit, stderr lines). A generous grace period: a loaded machine is not
+    the subject."""
+    # 5 ms per example: a step takes at least 0.16 s.
+    process, model_dir, log_dir = start_run("--read_latency=0.005", "--verbose=1",
+                                            "--preemption_grace_seconds=300", *argv)
+    # The bar is "\x1b[1m 3/20" or "\x1b[1m13/20" (no word boundary before 13): a bar
+    # that skipped steps 3-9 (it redraws at most every 0.05 s) still matches.
+    tt.wait_for(process, os.path.join(log_dir, "stdout"), r"Epoch 2/2.*(?<!\d)([3-9]|1\d)/20")
+    sent = time.monotonic()
+    process.send_signal(signum)
+    returncode = process.wait(timeout=600)
+    return (model_dir, returncode, time.monotonic() - sent,
+            tt.own_lines(own_stderr(os.path.join(log_dir, "stderr"))))
+
+
+def signal_past_the_grace_period():
+    """Starts a run whose steps outlast its grace period and sends it SIGTERM once it
+    trains; returns (model_dir, exit code, stderr lines)."""
+    # 50 ms per example: a step takes 1.6 s, longer than the 0.3 s grace period.
+    process, model_dir, log_dir = start_run("--read_latency=0.05",
+                                            "--preemption_grace_seconds=0.3")
+    # run_history.json is written once training has begun.
+    tt.wait_for(process, os.path.join(model_dir, checkpoints.RUN_HISTORY_FILE))
+    process.send_signal(signal.SIGTERM)
+    returncode = process.wait(timeout=600)
+    return model_dir, returncode, tt.own_lines(own_stderr(os.path.join(log_dir, "stderr")))
+
+
+def setUpModule():
+    PreemptionTest.start_runs()
+
+
 class PreemptionTest(absltest.TestCase):
     """SIGTERM (a job scheduler) or SIGINT (Ctrl-C) mid-epoch: the step in
     progress finishes, its checkpoint is written, the process exits with code 75 and
     one line saying how to continue; resuming ends with the variables and metrics of a
     run never stopped. Past the grace period the process ends with 128 + the signal,
     saying where a restart continues from. Real signals sent to real trainer processes;
-    --read_latency only slows the input (the data and so the run stay the same)."""
+    --read_latency only slows the input (the data and so the run stay the same). The
+    three processes run at once, started by setUpModule, while the other tests run."""
 
-    def start(self, model_dir, *argv):
-        log_dir = self.create_tempdir().full_path
-        process = tt.start_binary(f"--model_dir={model_dir}", "--steps=40", *KFAC_FLAGS, *argv,
-                                  log_dir=log_dir)
-        return process, log_dir
+    runs = None  # {scenario: the Future of its result}
 
-    def signal_mid_epoch_2(self, signum, *argv):
-        """Starts the run (with `argv` added) and signals it once the progress bar shows
-        epoch 2 training (3 steps done); returns (model_dir, exit code, seconds from the
-        signal to the exit, stderr lines). A generous grace period: a loaded machine is not
-        the subject."""
-        model_dir = os.path.join(self.create_tempdir().full_path, "run")
-        # 5 ms per example: a step takes at least 0.16 s.
-        process, log_dir = self.start(model_dir, "--read_latency=0.005", "--verbose=1",
-                                      "--preemption_grace_seconds=300", *argv)
-        # The bar is "\x1b[1m 3/20" or "\x1b[1m13/20" (no word boundary before 13): a bar
-        # that skipped steps 3-9 (it redraws at most every 0.05 s) still matches.
-        tt.wait_for(process, os.path.join(log_dir, "stdout"), r"Epoch 2/2.*(?<!\d)([3-9]|1\d)/20")
-        sent = time.monotonic()
-        process.send_signal(signum)
-        returncode = process.wait(timeout=600)
-        return (model_dir, returncode, time.monotonic() - sent,
-                tt.own_lines(own_stderr(os.path.join(log_dir, "stderr"))))
+    @classmethod
+    def start_runs(cls):
+        cls.runs = {
+            "sigterm": in_background(signal_mid_epoch_2, signal.SIGTERM, "--noise_scale"),
+            "sigint": in_background(signal_mid_epoch_2, signal.SIGINT),
+            "past_grace": in_background(signal_past_the_grace_period)}
 
     def test_sigterm_mid_epoch_checkpoints_the_step_and_resume_is_exact(self):
         # With --noise_scale: the epoch the checkpoint cut keeps the noise scale of the
         # run never stopped (its sums over the measured steps are in the checkpoint).
-        model_dir, returncode, seconds, lines = self.signal_mid_epoch_2(signal.SIGTERM,
-                                                                        "--noise_scale")
+        model_dir, returncode, seconds, lines = self.runs["sigterm"].result()
         self.assertEqual(returncode, preemption.EXIT_CODE, lines[-5:])
         step = int(re.search(r"holds step (\d+) of 40", lines[-1]).group(1))
         self.assertRegex(lines[-1], f"^trainers.train: preempted by SIGTERM \\(rank 0\\): "
@@ -588,7 +622,7 @@ class PreemptionTest(absltest.TestCase):
         assert_same_metrics(self, model_dir, straight)
 
     def test_sigint_is_the_same_without_a_traceback(self):
-        _, returncode, _, lines = self.signal_mid_epoch_2(signal.SIGINT)
+        _, returncode, _, lines = self.runs["sigint"].result()
         self.assertEqual(returncode, preemption.EXIT_CODE, lines[-5:])
         self.assertRegex(lines[-1], "^trainers.train: preempted by SIGINT .* holds step "
                          "(2[1-9]|3[0-9]) of 40")
@@ -596,15 +630,8 @@ class PreemptionTest(absltest.TestCase):
                           or "KeyboardInterrupt" in line], lines)
 
     def test_past_the_grace_period_exits_with_the_signal_code(self):
-        # 50 ms per example: a step takes 1.6 s, longer than the 0.3 s grace period.
-        model_dir = os.path.join(self.create_tempdir().full_path, "run")
-        process, log_dir = self.start(model_dir, "--read_latency=0.05",
-                                      "--preemption_grace_seconds=0.3")
-        # run_history.json is written once training has begun.
-        tt.wait_for(process, os.path.join(model_dir, checkpoints.RUN_HISTORY_FILE))
-        process.send_signal(signal.SIGTERM)
-        self.assertEqual(process.wait(timeout=600), 128 + signal.SIGTERM)
-        lines = tt.own_lines(own_stderr(os.path.join(log_dir, "stderr")))
+        model_dir, returncode, lines = self.runs["past_grace"].result()
+        self.assertEqual(returncode, 128 + signal.SIGTERM)
         self.assertEqual(lines[-1], "trainers.train: stopped by SIGTERM, and the 0.3 s grace "
                          "period passed before its checkpoint was written; exiting without a "
                          "new checkpoint; the run has no checkpoint yet: a restart starts it "

@@ -83,10 +83,30 @@ def step_tensors(model_dir, step):
 
 def run_binary(*argv, env=None, timeout=300):
     """Runs `python -m trainers.train argv`; returns the CompletedProcess."""
-    return subprocess.run(
-        [sys.executable, "-m", "trainers.train", *argv], cwd=ROOT, capture_output=True,
-        text=True, timeout=timeout,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {})))
+    return run_binaries([argv], env, timeout)[0]
+
+
+def run_binaries(argvs, env=None, timeout=300):
+    """`run_binary` of every argv in `argvs` at once (their start-ups, most of their
+    time, overlap); their CompletedProcesses, in order. Past `timeout` s a binary (they
+    share the machine, as one after the other they would share the time) all are killed."""
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "trainers.train", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))) for argv in argvs]
+    deadline = time.monotonic() + timeout * len(argvs)
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=max(deadline - time.monotonic(), 0))
+            results.append(subprocess.CompletedProcess(process.args, process.returncode,
+                                                       stdout, stderr))
+        return results
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
 
 
 def start_binary(*argv, log_dir, env=None):
