@@ -133,7 +133,7 @@ def transforms(config, curvature, optimizer, self_tuning_inputs):
 
 
 class UpdateChain:
-    """Runs `transforms` (`tfkfac.Transform`s, the first the curvature) stage by stage
+    """Runs `transforms` (`tfkfac.Transform` objects, the first the curvature) stage by stage
     (tfkfac/transform.py), and holds their state."""
 
     def __init__(self, transforms):

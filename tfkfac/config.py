@@ -189,7 +189,7 @@ class KFACConfig:
         "forward-mode passes a step, a forward pass every 5; `model.fit` only.", flag=False)
     transforms: tuple = _setting(
         (), transform.check,
-        "`tfkfac.Transform`s of the update, applied in order after the KL clip or "
+        "`tfkfac.Transform` objects applied to the update in order after the KL clip or "
         "grafting, before the inner optimizer; each saves its state under its name "
         "(docs/design.md §1).", flag=False)
     phase_clocks: bool = _setting(

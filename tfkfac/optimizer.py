@@ -5,7 +5,7 @@
     model.fit(dataset, epochs=..., callbacks=[tfkfac.AveragedWeights(optimizer)])
 
 One step (docs/design.md §1): `attachment` records the managed layers' inputs and output
-gradients, and the update chain (`chain`, a list of `tfkfac.Transform`s) takes them: the
+gradients, and the update chain (`chain`, a list of `tfkfac.Transform` objects) takes them: the
 curvature (`curvature`) updates factors and decompositions when due and preconditions the
 gradients, the KL clip or grafting follows, then the inner optimizer applies them — any
 Keras optimizer; by default `tfkfac.ScheduleFreeAdamW`, whose averaged weights

@@ -98,7 +98,7 @@ class Transform:
 
 
 def check(name, value):
-    """`value` (the `transforms` setting) is a tuple or list of `Transform`s of the
+    """`value` (the `transforms` setting) is a tuple or list of `Transform` objects of the
     GRADIENTS stage, each with a `name`, Keras-registered so that a save can hold it."""
     if not isinstance(value, (tuple, list)):
         raise ValueError(f"`{name}` must be a tuple of tfkfac.Transform; received {value!r}")

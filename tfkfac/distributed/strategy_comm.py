@@ -4,7 +4,7 @@
 (processes over gRPC, `TF_CONFIG`) run K-FAC's step once per replica inside
 `strategy.run`; each replica is one rank. Three facts shape this file:
 - K-FAC issues its collectives inside `tf.cond` branches (factor and decomposition steps)
-  and inner `tf.function`s. The strategies' own `ReplicaContext.all_reduce` goes through
+  and inner `tf.function` calls. The strategies' own `ReplicaContext.all_reduce` goes through
   `merge_call` on CPUs (TF 2.21: it avoids it only for XLA on GPUs), and `merge_call` is
   refused there ("merge_call called while defining a new graph"). So the collectives
   here are TensorFlow's collective ops (`tf.raw_ops.CollectiveReduceV2`,

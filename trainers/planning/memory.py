@@ -42,7 +42,7 @@ def library_methods():
 
 def per_worker(work, placements, workers, methods=None, precision=None):
     """[{workers, placement, method, component: bytes..., device: their device sum}] of
-    every placement and method (names or `tfkfac.Method`s; default: every method of the
+    every placement and method (names or `tfkfac.Method` values; default: every method of the
     library) at every worker count; activations in `precision` (None: not counted)."""
     rows = []
     for ranks in workers:
