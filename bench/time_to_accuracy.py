@@ -30,9 +30,9 @@ docs/benchmarks.md, "Protocol", before the runs it reports):
    at a stated setting each, constant learning rate, for `--autoencoder_epochs`;
    squared reconstruction error on train[:10000] against training time.
 
-Runs live in `--work_dir`; a finished trial is read back instead of rerun and an
-interrupted one resumes from its checkpoint, so the benchmark can be restarted and
-spread over sessions (a trial whose stored settings differ from the protocol's is an
+Runs live in `--work_dir`; a finished trial is read back instead of rerun, an
+interrupted tuning trial resumes from its checkpoint and an interrupted timed run starts
+again, so the benchmark can be restarted and spread over sessions (a trial whose stored settings differ from the protocol's is an
 error: use a new work dir when the protocol changes). `--tune_only` stops after the
 tuning trials, which can run on a busy machine; the race needs it idle.
 
@@ -115,9 +115,10 @@ AUTOENCODER_SETTINGS = {
 AUTOENCODER_EVAL_SPLIT = "train[:10000]"
 
 
-def trial(name, **settings):
+def trial(name, timed=False, **settings):
     """One trainer run of this benchmark (see bench/trials.py)."""
-    return trials.run(FLAGS.work_dir, name, batch_size=FLAGS.batch_size, **settings)
+    return trials.run(FLAGS.work_dir, name, timed=timed, batch_size=FLAGS.batch_size,
+                      **settings)
 
 
 def run_settings(model, entry, setting, epochs):
@@ -205,7 +206,7 @@ def timed_run(model, entry, setting, seed):
                     + ("-xla" if xla else ""),
                     **run_settings(model, entry, setting, BUDGETS[model]["max_epochs"]),
                     seed=seed, eval_every_steps=BUDGETS[model]["eval_every_steps"],
-                    eval_spacing=EVAL_SPACING, xla=xla)
+                    eval_spacing=EVAL_SPACING, xla=xla, timed=True)
     curve = trials.curve(summary)
     return {"seed": seed, "xla": xla, "mean_step_time_s": summary["mean_step_time_s"]["all"],
             "final_accuracy": curve[-1][2], "best_accuracy": max(p[2] for p in curve),

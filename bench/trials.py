@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 
@@ -268,18 +269,22 @@ def slug(setting):
     return ",".join(f"{key}={value}" for key, value in sorted(setting.items()))
 
 
-def run(work_dir, name, **settings):
+def run(work_dir, name, timed=False, **settings):
     """Runs (or reads back) one trainer run in `work_dir/name`; returns its summary.
 
     `name` must say everything that differs between trials (settings included), since
     a finished trial is read back by name (a read-back trial whose settings differ from
     `settings` is an error). An interrupted one (or one whose epoch budget has grown and
-    whose schedule does not depend on it) resumes from its checkpoint.
+    whose schedule does not depend on it) resumes from its checkpoint, unless `timed`:
+    a timed run cut short starts again, since its clock would hold a second start-up.
     """
     summary = read(work_dir, name, **settings)
     if summary is not None:
         return summary
     model_dir = os.path.join(work_dir, name)
+    if timed and os.path.isdir(model_dir):
+        print(f"--- {name}: cut short before; starting it again", flush=True)
+        shutil.rmtree(model_dir)
     config = config_lib.TrainConfig(
         model_dir=model_dir, verbose=2,
         resume=checkpoints.read_state(model_dir) is not None, **settings)

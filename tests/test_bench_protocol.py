@@ -446,7 +446,7 @@ class RaceModelTest(absltest.TestCase):
                 model, entry, tunings[entry]["best"], budget["max_epochs"]),
                 batch_size=time_to_accuracy.FLAGS.batch_size, seed=seed,
                 eval_every_steps=budget["eval_every_steps"],
-                eval_spacing=time_to_accuracy.EVAL_SPACING, xla=xla)
+                eval_spacing=time_to_accuracy.EVAL_SPACING, xla=xla, timed=True)
             self.assertEqual(settings, expected, name)  # the full train and test splits
             self.assertIn(f"seed{seed}", name)
         self.assertEqual({entry: [run["seed"] for run in runs]
@@ -463,6 +463,30 @@ class RaceModelTest(absltest.TestCase):
         # the highest first-order one.
         self.assertEqual(result["final_target"], {"accuracy": 0.865, "entry": "adamw"})
         self.assertEqual(time_to_accuracy.best_first_order(tunings), "adamw")
+
+
+class CutShortTest(parameterized.TestCase):
+    """A run cut short: a tuning trial resumes from its checkpoint; a timed run starts
+    again, since its clock would hold a second start-up."""
+
+    @parameterized.parameters(False, True)
+    def test_a_timed_run_starts_again_and_a_tuning_trial_resumes(self, timed):
+        work_dir = tempdir()
+        model_dir = os.path.join(work_dir, "cnn-adamw-seed1")
+        os.makedirs(model_dir)
+        with open(os.path.join(model_dir, "left_by_the_cut"), "w", encoding="utf-8"):
+            pass
+        found = []
+
+        def run(config):
+            found.append(os.listdir(config.model_dir) if os.path.isdir(config.model_dir)
+                         else None)
+            os.makedirs(config.model_dir, exist_ok=True)
+            return {"final_eval_accuracy": 0.9}
+
+        with mock.patch.object(trials.runner, "run", side_effect=run):
+            trials.run(work_dir, "cnn-adamw-seed1", timed=timed, model="cnn", epochs=1)
+        self.assertEqual(found, [None] if timed else [["left_by_the_cut"]])
 
 
 def model_result(model, runs, commit):
