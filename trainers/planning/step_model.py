@@ -171,7 +171,9 @@ def _mean(payload, ranks, fabric_, wire="float32", hierarchical=False):
 def _forward_backward(work, device, ranks, precision, phase, measured):
     if measured is not None:
         return measured
-    return device.seconds(work.forward_backward(precision), phase, precision, ranks)
+    return _memo(("forward_backward", precision, phase, ranks), (work, device),
+                 lambda: device.seconds(work.forward_backward(precision), phase, precision,
+                                        ranks))
 
 
 def sgd_step(work, ranks, device, fabric_, precision="float32", forward_backward_s=None):
@@ -357,6 +359,9 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     unit_s = timed("units", "decomposition", lambda: [k for k, _ in units],
                    config.placement, rule, method)
     block_s = timed("blocks", "preconditioning", lambda: work.preconditioning(method), method)
+    slowest = lambda name, values: _memo(  # the slowest rank's sum of its units' `values`
+        ("slowest", name, config.placement, rule, method, ranks), (work, device),
+        lambda: max(_rank_sums(values, owners, ranks)))
     clip_s = 0.0 if config.kl_clip is None else timed(
         "clip", "preconditioning",
         lambda: [floor_model.kl_clip_kernels(sum(work.managed_parameters()))])[0]
@@ -371,7 +376,7 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
         preconditioned = Phase(0.0)
     else:  # a block's owner decomposes and preconditions it; the results are gathered
         sharing = Phase(0.0, config.decomposition_interval)
-        precondition_s = max(_rank_sums(block_s, owners, ranks)) + clip_s
+        precondition_s = slowest("blocks", block_s) + clip_s
         sent = _memo(("sent", rule, method, ranks, config.decomposition_wire), (work,),
                      lambda: [exchange.gathered_bytes(config.decomposition_wire, g, s)
                               for g, s in zip(_rank_sums(work.managed_parameters(), owners,
@@ -407,8 +412,7 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
         "factor_statistics": Phase(statistics_s, config.factor_interval),
         "factor_reduction": Phase(factor_s, config.factor_interval, "factors",
                                   (factors,) * ranks),
-        "decomposition": Phase(max(_rank_sums(unit_s, owners, ranks)),
-                               config.decomposition_interval),
+        "decomposition": Phase(slowest("units", unit_s), config.decomposition_interval),
         "decomposition_sharing": sharing,
         "preconditioning": Phase(precondition_s),
         "preconditioned_sharing": preconditioned,
