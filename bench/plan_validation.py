@@ -19,7 +19,7 @@ Writes bench/results/plan_validation.json and .png, the papers' table in
 docs/benchmarks.md between its markers (`--docs_only`: that table alone, from the JSON),
 and prints the tables.
 
-Run (~4 min; with `--measure` ~3 min more, idle machine):
+Run (~8 min under load, 60 rows; with `--measure` ~3 min more, idle machine):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/plan_validation.py
 """
 
