@@ -27,16 +27,23 @@ def forward_backward_ms(images_per_second, batch):
     return 1e3 * batch / images_per_second
 
 
+# Osawa et al. 2019 §5.4: the factors are refreshed every step for the first 500
+# iterations ("the FIM changes rapidly"), then at the interval of eq. 20.
+OSAWA_EVERY_STEP_ITERATIONS = 500
+
+
 def osawa_refresh_interval(run=UENO_RUN):
-    """The mean refresh interval of Osawa et al. 2019 eq. 20, min(20, 5·floor(e/5) + 1) at
-    epoch e, over the epochs of `run` (Ueno et al.'s 128-GPU run by default; factors
-    refreshed on 1/interval of the steps): the published schedule nearest to the stale
-    row's adaptive one."""
-    epochs = run["updates"] * run["global_batch"] / run["imagenet_examples"]
-    whole = int(epochs)
-    refreshed = sum(1 / min(20, 5 * (e // 5) + 1) for e in range(whole))
-    refreshed += (epochs - whole) / min(20, 5 * (whole // 5) + 1)
-    return epochs / refreshed
+    """The mean refresh interval of Osawa et al. 2019's schedule over `run` (Ueno et al.'s
+    128-GPU run by default): every step for its first 500 iterations, then eq. 20,
+    min(20, 5·floor(e/5) + 1) at epoch e (factors refreshed on 1/interval of the steps):
+    the published schedule nearest to the stale row's adaptive one. Steps over refreshes."""
+    per_epoch = run["imagenet_examples"] / run["global_batch"]
+    warm = min(run["updates"], OSAWA_EVERY_STEP_ITERATIONS)
+    refreshed = float(warm)
+    for e in range(int(run["updates"] / per_epoch) + 1):  # eq. 20 over each epoch's rest
+        start, end = max(e * per_epoch, warm), min((e + 1) * per_epoch, run["updates"])
+        refreshed += max(0.0, end - start) / min(20, 5 * (e // 5) + 1)
+    return run["updates"] / refreshed
 
 
 # Pauloski et al. 2020 (SC'20): Table IV (K-FAC-opt's improvement over SGD in time to
@@ -57,9 +64,15 @@ PAULOSKI = {
     # Table V's factor computation (T_comp of "Factor") and communication: the factors'
     # (T_comm of "Factor") and the eigendecompositions' (T_comm of "Eigen
     # Decomposition"), ms per K-FAC update.
-    "table_v_factor_comp_ms": {"resnet50": {16: 36.83, 32: 43.30, 64: 44.90}},
-    "table_v_factor_comm_ms": {"resnet50": {16: 155.79, 32: 171.57, 64: 154.63}},
-    "table_v_eigen_comm_ms": {"resnet50": {16: 117.28, 32: 149.60, 64: 142.93}}}
+    "table_v_factor_comp_ms": {"resnet50": {16: 36.83, 32: 43.30, 64: 44.90},
+                               "resnet101": {16: 125.23, 32: 126.14, 64: 126.95},
+                               "resnet152": {16: 218.36, 32: 219.00, 64: 219.12}},
+    "table_v_factor_comm_ms": {"resnet50": {16: 155.79, 32: 171.57, 64: 154.63},
+                               "resnet101": {16: 224.15, 32: 267.08, 64: 239.33},
+                               "resnet152": {16: 276.83, 32: 313.17, 64: 312.52}},
+    "table_v_eigen_comm_ms": {"resnet50": {16: 117.28, 32: 149.60, 64: 142.93},
+                              "resnet101": {16: 199.69, 32: 265.57, 64: 253.23},
+                              "resnet152": {16: 279.08, 32: 329.05, 64: 347.99}}}
 FRONTERA_GPUS_PER_NODE = 4
 
 

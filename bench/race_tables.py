@@ -11,6 +11,7 @@ import math
 import os
 import statistics
 
+import doc_blocks
 from race import DEFAULT_ENTRY, NAMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,22 +108,14 @@ def read_report(path=RESULTS):
 
 
 def block(page):
-    """The text between BEGIN and END in `page` (ValueError when the markers are not
-    there once each)."""
-    if page.count(BEGIN) != 1 or page.count(END) != 1:
-        raise ValueError(f"the page must hold the lines {BEGIN!r} and {END!r} once each")
-    return page.split(BEGIN)[1].split(END)[0].strip("\n")
+    """The race tables' block of `page` (ValueError when its markers are not there once
+    each)."""
+    return doc_blocks.block(page, BEGIN, END)
 
 
 def write(page_path=PAGE, report=None, headline=False):
-    with open(page_path, encoding="utf-8") as f:
-        page = f.read()
-    old = block(page)
-    new = tables(report if report is not None else read_report(), headline)
-    page = page.replace(f"{BEGIN}\n{old}\n{END}" if old else f"{BEGIN}\n{END}",
-                        f"{BEGIN}\n{new}\n{END}")
-    with open(page_path, "w", encoding="utf-8") as f:
-        f.write(page)
+    doc_blocks.write(page_path, BEGIN, END,
+                     tables(report if report is not None else read_report(), headline))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ class OneLineErrorsTest(parameterized.TestCase):
         ("workers", ["--model=mlp", "--workers=0,8"], "--workers", "from 1 to 1024"),
         ("methods", ["--model=mlp", "--methods=cholesky"], "--methods", "eigen, inverse"),
         ("collective", ["--model=mlp", "--collective=ring"], "--collective",
-         "allreduce|reduce_scatter_v"),
+         "allreduce|reduce_scatter_v|kfac_pytorch"),
         ("steps_alone", ["--model=mlp", "--sgd_steps=10"], "--sgd_steps and --kfac_steps"),
         ("steps_count", ["--model=mlp", "--workers=1,2", "--sgd_steps=1,2,3",
                          "--kfac_steps=3"], "--sgd_steps", "one per worker count"),
@@ -144,13 +144,17 @@ class ProfilesTest(absltest.TestCase):
         self.assertLess(h100.seconds(kernels, "forward_backward", "mixed"),
                         a100.seconds(kernels, "forward_backward", "mixed") / 2)
 
-    def test_estimates_are_marked(self):
+    def test_estimates_are_marked_with_the_range_assumed(self):
         self.assertEqual(hardware.device("v100").estimates, ())
-        (decompositions,) = hardware.device("a100-40gb").estimates
+        decompositions, overlap = hardware.device("a100-40gb").estimates
         self.assertIn("V100's per-call latencies kept", decompositions)
+        self.assertIn("range assumed: from V100's rates (1x)", decompositions)
+        self.assertIn("NCCL's 4 channels", overlap)
+        self.assertIn("range assumed: 2-16 channels", overlap)
         for name in ("a100-80gb", "h100", "h200"):
-            forward_backward, decompositions = hardware.device(name).estimates
+            forward_backward, decompositions, _ = hardware.device(name).estimates
             self.assertIn(f"forward/backward on {name}: a100-40gb's", forward_backward)
+            self.assertIn("range assumed: the measured GPUs' fractions", forward_backward)
             self.assertIn(f"decompositions on {name}", decompositions)
 
 

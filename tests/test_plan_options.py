@@ -1,6 +1,7 @@
 """The planner's model of `overlap_reduction` and `hierarchical_reduction`: the two-level
 collectives against their formulas worked by hand, the hidden factor reduction against
-the blocks that can run beside it, and the configurations tfkfac refuses left out."""
+the blocks that can run beside it and the slowdown of what runs beside it, kfac_pytorch's
+collectives against its code's bytes, and the configurations tfkfac refuses left out."""
 
 import dataclasses
 import json
@@ -143,6 +144,40 @@ class StepModelTest(parameterized.TestCase):
                                             zip(steps[1.0][::2], steps[1.0][1::2])):
             self.assertLess(whole, flat)
             self.assertAlmostEqual(flat - half, (flat - whole) / 2)
+
+    def test_overlap_slows_the_computation_beside_it(self):
+        """NCCL's channels hold streaming multiprocessors while the collective runs: a
+        V100 profile's overlapped step is slower than its flat one by 4 / (80 - 4) of
+        the overlappable time (Ueno et al. §4.1)."""
+        v100 = hardware.device("v100")
+        self.assertAlmostEqual(v100.overlap_slows, 4 / 76)
+        device = dataclasses.replace(UNIT_DEVICE, overlap_hides=0.0,
+                                     overlap_slows=v100.overlap_slows)
+        hiding = dataclasses.replace(UNIT_DEVICE, overlap_hides=1.0)
+        for collective in step_model.COLLECTIVES:
+            flat, slowed, hidden = (step_model.kfac_step(
+                self.work, step_model.Configuration(placement="owner", overlap_reduction=on),
+                8, d, FABRIC, forward_backward_s=1.0, collective=collective)
+                ["factor_reduction"].seconds for on, d in ((False, device), (True, device),
+                                                            (True, hiding)))
+            self.assertAlmostEqual(slowed - flat, (flat - hidden) * 4 / 76, msg=collective)
+
+    def test_kfac_pytorch_sends_whole_factors_and_allreduces_the_decompositions(self):
+        """Pauloski et al.'s code allreduces every factor whole (n², not its triangle)
+        and shares the eigendecompositions by an allreduce-sum of zero-filled buffers:
+        each rank hands the whole buffer to a collective of twice an allgather's bytes."""
+        config = step_model.Configuration(placement="replicated", method="eigen")
+        ours, theirs = (step_model.kfac_step(self.work, config, 8, UNIT_DEVICE, FABRIC,
+                                             collective=c)
+                        for c in ("allreduce", "kfac_pytorch"))
+        matrices = [f for f in self.work.factor_shapes() if len(f) == 2]
+        whole = sum(n * m for n, m in matrices) - sum(n * (n + 1) // 2 for n, _ in matrices)
+        self.assertEqual(theirs["factor_reduction"].payload[0],
+                         ours["factor_reduction"].payload[0] + 4 * whole)
+        pieces = ours["decomposition_sharing"].payload
+        self.assertEqual(theirs["decomposition_sharing"].payload, (sum(pieces),) * 8)
+        self.assertAlmostEqual(theirs["decomposition_sharing"].seconds,
+                               collectives.allreduce(sum(pieces), 8, FABRIC))
 
     def test_refusals(self):
         refusal = lambda ranks, **settings: step_model.refusal(

@@ -43,9 +43,11 @@ flags.DEFINE_list("input_shape", None, "H,W,C of the model's input; default 28,2
 flags.DEFINE_integer("classes", None, "Classes of the head (default 10 / 1000).",
                      lower_bound=1)
 flags.DEFINE_enum("collective", "allreduce", list(step_model.COLLECTIVES),
-                  "K-FAC's collectives: allreduce (what tfkfac runs) or reduce_scatter_v "
-                  "(factors ReduceScatterV'd to their owners, results AllGatherV'd: the "
-                  "papers' system, which tfkfac does not run).", case_sensitive=False)
+                  "K-FAC's collectives: allreduce (what tfkfac runs), reduce_scatter_v "
+                  "(factors ReduceScatterV'd to their owners, results AllGatherV'd: Osawa's "
+                  "and Ueno's system) or kfac_pytorch (factors allreduced whole, "
+                  "decompositions by an allreduce-sum: Pauloski's); tfkfac runs neither of "
+                  "the papers'.", case_sensitive=False)
 flags.DEFINE_list("placements", list(step_model.PLACEMENTS), "Placements compared.")
 flags.DEFINE_list("factor_wires", list(step_model.WIRE_DTYPES), "Factor wire dtypes compared.")
 flags.DEFINE_list("decomposition_wires", list(step_model.WIRE_DTYPES),

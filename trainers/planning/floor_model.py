@@ -111,21 +111,47 @@ def record_geometries(model, batch_size, weight_sharing="expand"):
     """{block path: its `Block.cost`} and the attention kernels of `model` at
     `batch_size`, from one recorded forward pass on zeros; also the layers K-FAC leaves
     unmanaged."""
-    import keras
+    return record_geometries_by_rule(model, batch_size, (weight_sharing,))[weight_sharing]
+
+
+def record_geometries_by_rule(model, batch_size, rules):
+    """{rule: `record_geometries`' results under weight-sharing `rule`}: rules whose
+    blocks manage the same layers share one recorded forward pass (what a layer's call
+    records does not depend on the rule; the pass is most of a plan's start)."""
+    from tfkfac import blocks as blocks_lib, keras_integration
+
+    layers = keras_integration.leaf_layers(model)
+    discovered = {rule: blocks_lib.discover(layers, KFACConfig(weight_sharing=rule))
+                  for rule in rules}
+    recorded, results = {}, {}
+    for rule, (blocks, skipped) in discovered.items():
+        key = tuple(id(block.layer) for block in blocks)
+        if key not in recorded:
+            recorded[key] = _record(model, batch_size, blocks)
+        calls = recorded[key]
+        geometries = {block.path: block.cost(block_calls, batch_size)
+                      for block, block_calls in zip(blocks, calls)}
+        results[rule] = (geometries, _attention(model, blocks, calls, batch_size), skipped)
+    return results
+
+
+def _record(model, batch_size, blocks):
+    """Per block, its layer's calls in one forward pass of `model` on zeros."""
     import numpy as np
 
-    from tfkfac import blocks as blocks_lib, keras_integration
     from tfkfac.capture import Recorder
 
-    blocks, skipped = blocks_lib.discover(keras_integration.leaf_layers(model),
-                                          KFACConfig(weight_sharing=weight_sharing))
     recorder = Recorder(blocks)
     inputs = np.zeros((batch_size,) + tuple(model.input_shape[1:]), model.inputs[0].dtype)
     with recorder.recording():
         model(inputs, training=True)
-    calls = recorder.take()
-    geometries = {block.path: block.cost(block_calls, batch_size)
-                  for block, block_calls in zip(blocks, calls)}
+    return recorder.take()
+
+
+def _attention(model, blocks, calls, batch_size):
+    """The kernels of `model`'s MultiHeadAttention layers' weightless products."""
+    import keras
+
     by_layer = {id(block.layer): block_calls for block, block_calls in zip(blocks, calls)}
     attention = []
     for layer in model._flatten_layers(include_self=False, recursive=True):
@@ -137,7 +163,7 @@ def record_geometries(model, batch_size, weight_sharing="expand"):
             attention += attention_kernels(batch_size, int(query.shape[-2]),
                                            int(query.shape[1]), int(key.shape[1]),
                                            int(query.shape[-1]), int(value.shape[-1]))
-    return geometries, attention, skipped
+    return attention
 
 
 def at_batch(geometries, attention, scale):

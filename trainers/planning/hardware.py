@@ -74,6 +74,12 @@ class Device:
     # on this machine's 2 CPU ranks tfkfac's overlap was slower in 3 of 4 configurations
     # (docs/benchmarks.md, "Distributed").
     overlap_hides: float = 0.0
+    # What running a collective beside computation costs the computation, as a share of
+    # the overlapped time: NCCL's kernel holds one streaming multiprocessor per channel
+    # for as long as it runs, so the computation beside it has sms - channels of them,
+    # channels / (sms - channels) slower (Ueno et al. 2020 §4.1: NCCL used 4 rings, and
+    # the backward pass beside it slowed). 0 where nothing is taken (this machine).
+    overlap_slows: float = 0.0
 
     def seconds(self, kernels, phase, precision="float32", ranks=1):
         """Time of `kernels` in `phase` on one of `ranks` workers; a decomposition call
@@ -151,7 +157,7 @@ def network_names():
 class GpuSpec:
     """One GPU's published figures, from `datasheet`: dense peaks in FLOP/s (None where
     the GPU has no such Tensor Core mode), memory in bytes and bytes/s, NVLink in bytes/s
-    one way. `reference`: {precision: (batch, images/s)} of ResNet-50 training on one such
+    one way, streaming multiprocessors (`sms`, the architecture's whitepaper). `reference`: {precision: (batch, images/s)} of ResNet-50 training on one such
     GPU, from which its forward/backward's achieved fraction of the floor is taken; without
     one, `calibrated_on` names the profile whose fraction it takes (an estimate)."""
 
@@ -163,6 +169,7 @@ class GpuSpec:
     memory: float
     bandwidth: float
     nvlink: float
+    sms: int
     reference: dict = None
     calibrated_on: str = None
 
@@ -177,7 +184,7 @@ class GpuSpec:
         return (f"{self.datasheet}: dense FP16 {tera(self.fp16)}, BF16 {tera(self.bf16)}, "
                 f"TF32 {tera(self.tf32)}, FP32 {tera(self.fp32)} TFLOP/s; "
                 f"{self.memory / 1e9:g} GB at {self.bandwidth / 1e9:g} GB/s; NVLink "
-                f"{2 * self.nvlink / 1e9:g} GB/s both directions")
+                f"{2 * self.nvlink / 1e9:g} GB/s both directions; {self.sms} SMs")
 
 
 V100_EIGH_SOURCE = (
@@ -191,6 +198,9 @@ V100_CHOLESKY_SOURCE = (
     "KDD'20 §3.3.1 (ResNet-34 on one V100: all factors 384 ms, its largest layer, factors "
     "4608 and 512, about 36 ms); bench/plan_validation.py solves it, its ResNet-50 rows "
     "check it")
+# NCCL's channels (rings) beside a backward pass on a node of 4 V100s and InfiniBand:
+# Ueno et al. 2020 §4.1 ("NCCL automatically uses four rings").
+NCCL_CHANNELS = 4
 NVIDIA_RESNET50 = ("forward/backward fraction: NVIDIA DeepLearningExamples TensorFlow "
                    "ResNet-50 v1.5 README (1d4211fe), one GPU, XLA")
 # bench/plan_validation.py derives these four from the papers' figures and prints them.
@@ -200,18 +210,18 @@ V100_CHOLESKY, V100_CHOLESKY_LATENCY = 3.14e12, 2.38e-3
 # the dense ones (their footnote); the figures below are half of theirs.
 V100 = GpuSpec(
     "NVIDIA Tesla V100 GPU Accelerator datasheet (SXM2 16 GB)", fp16=125e12, bf16=None,
-    tf32=None, fp32=15.7e12, memory=16e9, bandwidth=900e9, nvlink=150e9,
+    tf32=None, fp32=15.7e12, memory=16e9, bandwidth=900e9, nvlink=150e9, sms=80,
     reference={"float32": (128, 412.0), "mixed": (256, 1270.0)})
 A100_40GB = GpuSpec(
     "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40 GB)", fp16=312e12, bf16=312e12,
-    tf32=156e12, fp32=19.5e12, memory=40e9, bandwidth=1555e9, nvlink=300e9,
+    tf32=156e12, fp32=19.5e12, memory=40e9, bandwidth=1555e9, nvlink=300e9, sms=108,
     reference={"float32": (256, 909.0), "mixed": (256, 2375.0)})
 A100_80GB = dataclasses.replace(
     A100_40GB, datasheet="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80 GB)", memory=80e9,
     bandwidth=2039e9, reference=None, calibrated_on="a100-40gb")
 H100 = GpuSpec(
     "NVIDIA H100 Tensor Core GPU datasheet (SXM5 80 GB)", fp16=989.5e12, bf16=989.5e12,
-    tf32=494.5e12, fp32=67e12, memory=80e9, bandwidth=3350e9, nvlink=450e9,
+    tf32=494.5e12, fp32=67e12, memory=80e9, bandwidth=3350e9, nvlink=450e9, sms=132,
     calibrated_on="a100-40gb")
 H200 = dataclasses.replace(
     H100, datasheet="NVIDIA H200 Tensor Core GPU datasheet (SXM 141 GB)", memory=141e9,
@@ -234,26 +244,34 @@ def device(name, model_name=None):
         raise ValueError(f"--device must be one of {', '.join(device_names())}; got {name!r}")
     spec = GPUS[name]
     measured = GPUS[spec.calibrated_on] if spec.calibrated_on else spec
-    fractions = _gpu_fractions(measured.matmul["float32"], measured.matmul["mixed"],
-                               measured.bandwidth,
-                               tuple(sorted((p, r) for p, r in measured.reference.items())))
+    fractions = _measured_fractions(measured)
     sources = [spec.figures(), NVIDIA_RESNET50 + ": " + ", ".join(
         f"{spec.calibrated_on or name} {p} {images:g} img/s at batch {batch}"
         for p, (batch, images) in sorted(measured.reference.items())),
         V100_EIGH_SOURCE, V100_CHOLESKY_SOURCE, NCCL_SOURCE]
     estimates = []
     if spec.calibrated_on:
+        known = [_measured_fractions(gpu) for gpu in GPUS.values() if gpu.reference]
+        spans = ", ".join(f"{min(f[p] for f in known):.2f}-{max(f[p] for f in known):.2f} "
+                          f"{p}" for p in ("float32", "mixed"))
         estimates.append(
             f"forward/backward on {name}: {spec.calibrated_on}'s achieved fraction of its "
             f"floor ({fractions['float32']:.2f} float32, {fractions['mixed']:.2f} mixed) "
-            f"applied to {name}'s own floor; that README has no {name} figure")
+            f"applied to {name}'s own floor; that README has no {name} figure; range "
+            f"assumed: the measured GPUs' fractions, {spans}")
     if spec is not V100:
         estimates.append(
             f"decompositions on {name}: V100's eigh rate scaled by memory bandwidth "
             f"({spec.bandwidth / V100.bandwidth:.2f}x) and its Cholesky-inverse rate by FP32 "
             f"peak ({spec.fp32 / V100.fp32:.2f}x), V100's per-call latencies kept "
             f"({V100_EIGH_LATENCY * 1e3:g} and {V100_CHOLESKY_LATENCY * 1e3:g} ms); no "
-            f"published decomposition timing for {name}")
+            f"published decomposition timing for {name}; range assumed: from V100's rates "
+            f"(1x) to those scaled ones")
+        estimates.append(
+            f"overlap on {name}: NCCL's {NCCL_CHANNELS} channels beside the computation, as "
+            f"on Ueno et al.'s V100 nodes, slow it {NCCL_CHANNELS / (spec.sms - NCCL_CHANNELS):.1%}"
+            f"; range assumed: 2-16 channels (NCCL's choice by topology), "
+            f"{2 / (spec.sms - 2):.1%}-{16 / (spec.sms - 16):.1%}")
     return Device(
         name=name, matmul=spec.matmul, bandwidth=spec.bandwidth,
         eigh=V100_EIGH * spec.bandwidth / V100.bandwidth,
@@ -262,8 +280,15 @@ def device(name, model_name=None):
                            else {"float32": 1.0, "mixed": 1.0}) for phase in PHASES},
         intra_node=collectives.Link(spec.nvlink, NVLINK_RING_STEP, NVLINK_TREE_LEVEL),
         sources=tuple(sources), memory=spec.memory, estimates=tuple(estimates),
+        overlap_slows=NCCL_CHANNELS / (spec.sms - NCCL_CHANNELS),
         decomposition_latency={"eigh": V100_EIGH_LATENCY,
                                "cholesky_inverse": V100_CHOLESKY_LATENCY})
+
+
+def _measured_fractions(spec):
+    """{precision: the achieved fraction of its floor} of a GPU with a `reference`."""
+    return _gpu_fractions(spec.matmul["float32"], spec.matmul["mixed"], spec.bandwidth,
+                          tuple(sorted(spec.reference.items())))
 
 
 @functools.lru_cache(maxsize=None)

@@ -39,6 +39,11 @@ def table(setting, results, bound, needs, device):
         lines.append("K-FAC's collectives: ReduceScatterV of the factors to their owners, "
                      "AllGatherV of their results (Osawa et al. 2019, Ueno et al. 2020); "
                      "tfkfac runs allreduce, so these K-FAC times are the papers' system's.")
+    if setting["collective"] == "kfac_pytorch":
+        lines.append("K-FAC's collectives: kfac_pytorch's (Pauloski et al. 2020): factors "
+                     "allreduced whole, decompositions shared by an allreduce-sum of "
+                     "zero-filled buffers; tfkfac packs factors and allgathers decompositions, "
+                     "so these K-FAC times are that system's.")
     if setting["steps_to_target"]:
         lines.append(f"Steps to target: {setting['steps_to_target']}.")
     if setting["unpriced_settings"]:
@@ -156,8 +161,8 @@ def memory_text(needs, device):
 
 
 def recommendation(results, needs, device, collective="allreduce"):
-    """One line per worker count; under the papers' collectives (`collective`
-    "reduce_scatter_v") each line says that tfkfac does not run it, and what
+    """One line per worker count; under a paper's collectives (`collective` other than
+    "allreduce") each line says that tfkfac does not run it, and what
     `tfkfac.KFACConfig` refuses of its settings."""
     over = _over_memory(needs, device)
     lines = ["Recommendation (lowest predicted time per step; the approximation's effect on "
@@ -179,9 +184,9 @@ def recommendation(results, needs, device, collective="allreduce"):
         if need is not None:
             text += (f"; WARNING: needs {need / 1e9:.1f} GB per worker, more than "
                      f"{device.name} has")
-        if collective == "reduce_scatter_v":
+        if collective != "allreduce":
             why = recommend.tfkfac_refusal(best)
-            text += ("; the papers' system (--collective=reduce_scatter_v), which tfkfac does "
+            text += (f"; the papers' system (--collective={collective}), which tfkfac does "
                      "not run" + (f"; tfkfac's KFACConfig refuses it: {why}" if why else ""))
         lines.append(text)
     fastest = recommend.best_to_target(results, "time_to_target_s")

@@ -20,9 +20,10 @@ its second backward pass (SAMPLED_BACKWARD_SHARE of forward/backward). The setti
 tfkfac (`collective` "allreduce") the preconditioning of the blocks whose method reads no
 factors, at factor steps with no decomposition due (docs/design.md §6); in the papers'
 system the A factors' ReduceScatterV beside the backward pass (Ueno et al. §3.3.4), taken
-as BACKWARD_SHARE of the forward/backward. The two contend for the same device, and
-what that hides is the device's `overlap_hides` of it: nothing in any profile (a GPU's
-backward pass and NCCL's sums share its streaming multiprocessors, Ueno et al. §4.1). `hierarchical_reduction` sums in two levels
+as BACKWARD_SHARE of the forward/backward. The two contend for the same device: what
+that hides is the device's `overlap_hides` of it, nothing in any profile, and what it
+costs the computation beside it is its `overlap_slows` of it (a GPU's backward pass
+runs without the streaming multiprocessors NCCL's channels hold, Ueno et al. §4.1). `hierarchical_reduction` sums in two levels
 (`collectives.hierarchical_allreduce`, `hierarchical_v`) every floating-point mean of
 the K-FAC step (tfkfac: factors, gradients, metrics; allgathers stay flat) and, in the
 papers' system, the V collectives.
@@ -32,7 +33,11 @@ papers' system, the V collectives.
 factors ReduceScatterV'd to their owners (under "owner" with the gradients, each block's
 to its owner), the decompositions or preconditioned gradients AllGatherV'd from them;
 what every rank needs (diagonal factors under "replicated", parameters without a block,
-running statistics) still allreduced.
+running statistics) still allreduced. "kfac_pytorch" is Pauloski et al.'s (SC'20), as
+its code runs it: each factor allreduced whole (n² elements, not its triangle), and the
+decompositions shared by an allreduce-sum of every factor's eigenvectors and eigenvalues,
+zero on the ranks that do not own it (its `_allreduce_eigendecomp`, "to simulate an
+allgather"): twice an allgather's bytes.
 """
 
 import dataclasses
@@ -54,7 +59,7 @@ METHODS = methods_lib.NAMES
 PLACEMENTS = placement_lib.PLACEMENTS
 WIRE_DTYPES = tuple(d for d in packing.WIRE_DTYPES if d != "float64")  # float64: checks only
 STATE_ITEMSIZE = 4  # float32 factors, decompositions and gradients
-COLLECTIVES = ("allreduce", "reduce_scatter_v")
+COLLECTIVES = ("allreduce", "reduce_scatter_v", "kfac_pytorch")
 # The backward pass's share of forward/backward (twice the forward's products).
 BACKWARD_SHARE = 2 / 3
 # The sampled Fisher's second backward pass, on factor steps, from the predictions to the
@@ -166,7 +171,9 @@ def _mean(payload, ranks, fabric_, wire="float32", hierarchical=False):
 def _forward_backward(work, device, ranks, precision, phase, measured):
     if measured is not None:
         return measured
-    return device.seconds(work.forward_backward(precision), phase, precision, ranks)
+    return _memo(("forward_backward", precision, phase, ranks), (work, device),
+                 lambda: device.seconds(work.forward_backward(precision), phase, precision,
+                                        ranks))
 
 
 def sgd_step(work, ranks, device, fabric_, precision="float32", forward_backward_s=None):
@@ -224,9 +231,11 @@ def by_rank(values, owners, ranks):
     return owned
 
 
-def _factor_elements(shapes):
-    """Elements of `shapes` on the wire: packed triangles of the matrices, diagonals whole."""
-    return (packing.packed_size([s for s in shapes if len(s) >= 2])
+def _factor_elements(shapes, whole=False):
+    """Elements of `shapes` on the wire: packed triangles of the matrices (`whole`: the
+    n² of each), diagonals whole."""
+    matrices = [s for s in shapes if len(s) >= 2]
+    return ((sum(s[0] * s[1] for s in matrices) if whole else packing.packed_size(matrices))
             + sum(s[0] for s in shapes if len(s) == 1))
 
 
@@ -293,14 +302,16 @@ def _rank_sums(values, owners, ranks):
 
 
 def _overlapped(work, config, owners, ranks, block_s, factor_s, forward_backward_s,
-                collective, hides):
-    """Seconds of each factor reduction that `overlap_reduction` hides, averaged over
-    the factor steps (module docstring): `hides` (`Device.overlap_hides`) of what could
-    run beside it; `block_s`: each block's preconditioning."""
-    if not config.overlap_reduction or not hides:
+                collective, device):
+    """Seconds of each factor reduction that `overlap_reduction` saves, averaged over
+    the factor steps (module docstring): `Device.overlap_hides` of what could run beside
+    it less `Device.overlap_slows` of it (negative: the overlapped step is slower);
+    `block_s`: each block's preconditioning."""
+    net = device.overlap_hides - device.overlap_slows
+    if not config.overlap_reduction or not net:
         return 0.0
-    return hides * _overlappable(work, config, owners, ranks, block_s, factor_s,
-                                 forward_backward_s, collective)
+    return net * _overlappable(work, config, owners, ranks, block_s, factor_s,
+                               forward_backward_s, collective)
 
 
 def _overlappable(work, config, owners, ranks, block_s, factor_s, forward_backward_s,
@@ -328,8 +339,13 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; "
                          f"got {collective!r}")
-    gather = collectives.allgather_v if collective == "reduce_scatter_v" else (
-        lambda pieces, fabric: collectives.allgather(sum(pieces), ranks, fabric))
+    gather = {"reduce_scatter_v": collectives.allgather_v,
+              "kfac_pytorch": lambda pieces, fabric: collectives.allreduce(
+                  sum(pieces), ranks, fabric)}.get(
+        collective, lambda pieces, fabric: collectives.allgather(sum(pieces), ranks, fabric))
+    # What each rank hands to a gather: its piece, or the zero-filled whole (kfac_pytorch).
+    handed = lambda pieces: ((sum(pieces),) * ranks if collective == "kfac_pytorch"
+                             else tuple(pieces))
     seconds = lambda kernels, phase: device.seconds(kernels, phase, "float32", ranks)
     # Per unit of work on this device (a rank's time is the sum of its units'), and
     # what depends on the rank count only, once per plan (`_memo`).
@@ -343,6 +359,9 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     unit_s = timed("units", "decomposition", lambda: [k for k, _ in units],
                    config.placement, rule, method)
     block_s = timed("blocks", "preconditioning", lambda: work.preconditioning(method), method)
+    slowest = lambda name, values: _memo(  # the slowest rank's sum of its units' `values`
+        ("slowest", name, config.placement, rule, method, ranks), (work, device),
+        lambda: max(_rank_sums(values, owners, ranks)))
     clip_s = 0.0 if config.kl_clip is None else timed(
         "clip", "preconditioning",
         lambda: [floor_model.kl_clip_kernels(sum(work.managed_parameters()))])[0]
@@ -352,22 +371,24 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
                        lambda: [wire_bytes(sum(e)) for e in
                                 by_rank([e for _, e in units], owners, ranks)])
         sharing = Phase(gather(shared, fabric_), config.decomposition_interval,
-                        "decompositions", tuple(shared))
+                        "decompositions", handed(shared))
         precondition_s = sum(block_s) + clip_s
         preconditioned = Phase(0.0)
     else:  # a block's owner decomposes and preconditions it; the results are gathered
         sharing = Phase(0.0, config.decomposition_interval)
-        precondition_s = max(_rank_sums(block_s, owners, ranks)) + clip_s
+        precondition_s = slowest("blocks", block_s) + clip_s
         sent = _memo(("sent", rule, method, ranks, config.decomposition_wire), (work,),
                      lambda: [exchange.gathered_bytes(config.decomposition_wire, g, s)
                               for g, s in zip(_rank_sums(work.managed_parameters(), owners,
                                                          ranks),
                                               _rank_sums(work.method_state(method), owners,
                                                          ranks))])
-        preconditioned = Phase(gather(sent, fabric_), 1, "preconditioned", tuple(sent))
+        preconditioned = Phase(gather(sent, fabric_), 1, "preconditioned", handed(sent))
 
+    whole = collective == "kfac_pytorch"
     factors = packing.wire_bytes(config.factor_wire, _memo(
-        ("factor_elements",), (work,), lambda: _factor_elements(work.factor_shapes())))
+        ("factor_elements", whole), (work,),
+        lambda: _factor_elements(work.factor_shapes(), whole)))
     gradients = STATE_ITEMSIZE * (work.trainable_parameters + work.running_statistics)
     metrics = STATE_ITEMSIZE  # the loss, averaged over ranks for `fit`'s logs
     if collective == "reduce_scatter_v":
@@ -380,7 +401,7 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
     forward_backward = _forward_backward(work, device, ranks, precision, "forward_backward",
                                          forward_backward_s)
     factor_s -= _overlapped(work, config, owners, ranks, block_s, factor_s, forward_backward,
-                            collective, device.overlap_hides)
+                            collective, device)
     fraction = config.factor_batch_fraction  # of the examples the statistics read
     statistics_s = timed("statistics", "factor_statistics", lambda: [
         [k for ks in work.statistics(rule, fraction) for k in ks]], rule, fraction)[0]
@@ -391,8 +412,7 @@ def kfac_step(work, config, ranks, device, fabric_, precision="float32",
         "factor_statistics": Phase(statistics_s, config.factor_interval),
         "factor_reduction": Phase(factor_s, config.factor_interval, "factors",
                                   (factors,) * ranks),
-        "decomposition": Phase(max(_rank_sums(unit_s, owners, ranks)),
-                               config.decomposition_interval),
+        "decomposition": Phase(slowest("units", unit_s), config.decomposition_interval),
         "decomposition_sharing": sharing,
         "preconditioning": Phase(precondition_s),
         "preconditioned_sharing": preconditioned,

@@ -180,15 +180,15 @@ def _named(name, input_shape, classes):
 def workload(model, batch, name):
     """The `Workload` of `model` at `batch` examples per worker."""
     layers = keras_integration.leaf_layers(model)
-    geometries, blocks, attention, skipped = {}, {}, None, None
-    for rule in WEIGHT_SHARING:
-        try:
-            geometries[rule], attention, skipped = floor_model.record_geometries(
-                model, RECORDING_BATCH, rule)
-        except NotImplementedError as error:
-            raise ValueError(f"--model {name}: a block cannot be priced: "
-                             f"{error}") from None
-        blocks[rule], _ = blocks_lib.discover(layers, KFACConfig(weight_sharing=rule))
+    try:
+        recorded = floor_model.record_geometries_by_rule(model, RECORDING_BATCH,
+                                                         WEIGHT_SHARING)
+    except NotImplementedError as error:
+        raise ValueError(f"--model {name}: a block cannot be priced: {error}") from None
+    geometries = {rule: g for rule, (g, _, _) in recorded.items()}
+    _, attention, skipped = recorded[WEIGHT_SHARING[-1]]
+    blocks = {rule: blocks_lib.discover(layers, KFACConfig(weight_sharing=rule))[0]
+              for rule in WEIGHT_SHARING}
     unit = Workload(
         name=name, batch=RECORDING_BATCH, geometries=geometries, blocks=blocks,
         attention=attention,
