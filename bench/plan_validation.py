@@ -23,6 +23,7 @@ Run (~8 min under load, 60 rows; with `--measure` ~3 min more, idle machine):
   cd /work/main && TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python bench/plan_validation.py
 """
 
+import concurrent.futures
 import json
 import os
 import re
@@ -213,6 +214,15 @@ def run_plan(args):
             return done.stdout, json.load(f)
 
 
+def outputs(specs):
+    """{flags: run_plan's (stdout, plan.json)} of every distinct command of `specs`, two
+    processes at a time (each is mostly one core's TensorFlow import and model build)."""
+    distinct = list(dict.fromkeys(spec["flags"] for spec in specs))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        runs = pool.map(lambda flags_: run_plan(command(flags_)[3:]), distinct)
+        return dict(zip(distinct, runs))
+
+
 def printed(text, plan, figure):
     """The figure `figure` (see `rows`) as the binary printed it in `text` or wrote it
     in `plan` (its plan.json)."""
@@ -377,11 +387,10 @@ def papers_rows():
     """Every row of `rows()` with its command, printed figure and error (each command run
     once: rows sharing one read the same output), whether it is within its tolerance,
     and `float21_effect`."""
-    outputs, results = {}, []
-    for row in rows():
-        if row["flags"] not in outputs:
-            outputs[row["flags"]] = run_plan(command(row["flags"])[3:])
-        text, plan = outputs[row["flags"]]
+    results, specs = [], rows()
+    printed_by_flags = outputs(specs)
+    for row in specs:
+        text, plan = printed_by_flags[row["flags"]]
         predicted = printed(text, plan, row["figure"])
         error = (predicted - row["value"]) / row["value"]
         result = {key: row[key] for key in ("paper", "row", "value", "figure", "inputs",

@@ -30,11 +30,7 @@ class PapersTest(absltest.TestCase):
         with open(RESULTS) as f:
             cls.recorded = {(r["paper"], r["row"]): r for r in json.load(f)["papers"]}
         cls.specs = plan_validation.rows()
-        cls.outputs = {}
-        for spec in cls.specs:
-            if spec["flags"] not in cls.outputs:
-                cls.outputs[spec["flags"]] = plan_validation.run_plan(
-                    plan_validation.command(spec["flags"])[3:])
+        cls.outputs = plan_validation.outputs(cls.specs)
 
     def test_every_row_within_its_tolerance_or_recorded_as_a_miss(self):
         self.assertLen(self.recorded, len(self.specs))
