@@ -253,7 +253,7 @@ class OlderOwnerSaveTest(absltest.TestCase):
         self.assertIn("KFAC warning: the restored state holds no decomposed factors (saved "
                       "by an older tfkfac under placement \"owner\"); decompositions "
                       "recomputed from the restored factors", output)
-        curvature = model.optimizer._curvature
+        curvature = model.optimizer.curvature
         for state in curvature.states:
             for factor, decomposition in zip(state.factor_values(), state.decompositions):
                 if len(factor.shape) != 2:  # a diagonal factor keeps no eigenbasis
