@@ -3,12 +3,13 @@
 K-FAC needs the layers' activations and output gradients, which Keras's own train step
 never shows an optimizer; so tfkfac gives the attached model its own `train_step`,
 `test_step`, `make_train_function` and `fit` (Keras's public methods, overridden on that
-instance only), built from public Keras (`Model.compute_loss`, `compute_metrics`,
-`metrics`). The private Keras and TensorFlow names tfkfac still uses are listed, each
-with the reason no public API serves, in docs/design.md §15; tests/test_keras_seam.py
-fails naming the one a Keras or TensorFlow release changed. Besides, `model_compiling`
-and `model_building` find the model that compiles or builds an optimizer on Keras's call
-stack, Keras handing the optimizer nothing else of the model.
+instance only, not by a subclass swapped in as the model's class, whose name and module a
+save would record in place of the user's), built from public Keras (`Model.compute_loss`,
+`compute_metrics`, `metrics`). The private Keras and TensorFlow names tfkfac still
+uses are listed, each with the reason no public API serves, in docs/design.md §15;
+tests/test_keras_seam.py fails naming the one a Keras or TensorFlow release changed.
+Besides, `model_compiling` and `model_building` find the model that compiles or builds an
+optimizer on Keras's call stack, Keras handing the optimizer nothing else of the model.
 """
 
 import inspect
