@@ -125,7 +125,7 @@ class ListTest(absltest.TestCase):
         uses = private_uses()
         unlisted = {name: sorted(files) for name, files in uses.items() if name not in short}
         self.assertEqual(unlisted, {}, msg="private names used but not listed in "
-                         f"docs/design.md §15 (add each, with why, and a check here)")
+                         "docs/design.md §15 (add each, with why, and a check here)")
         self.assertEqual(sorted(short - set(uses)), [],
                          msg="listed in docs/design.md §15 but no longer used: remove them")
         self.assertEqual(stated, len(names), msg="the count docs/design.md §15 states")
