@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.join(TESTS_DIR, "testdata"))
 import job_results  # noqa: E402
 import owner_save_v0_2 as older  # noqa: E402
 import resume_matrix_worker as worker  # noqa: E402
+import saved_fixtures  # noqa: E402
 from kfac_reference import sgd_kfac  # noqa: E402
 from every_block_net import is_eigenbasis_moment as is_moment  # noqa: E402
 from tfkfac import distributed  # noqa: E402
@@ -267,7 +268,7 @@ class OlderOwnerSaveTest(absltest.TestCase):
         self.assertTrue(all(np.isfinite(w).all() for w in model.get_weights()))
 
     def test_keras_file_loads_and_goes_on(self):
-        model = keras.models.load_model(os.path.join(OLDER_SAVES, "model.keras"))
+        model = saved_fixtures.load(self, os.path.join(OLDER_SAVES, "model.keras"))
         model.optimizer.attach(model)
         self.assert_rebuilds_and_goes_on(model)
 
