@@ -300,7 +300,7 @@ def child(model, optimizer, output):
         fit("first", FLAGS.first_steps)
         fit("steady", FLAGS.steady_steps)
         if optimizer == "kfac":
-            counters = trainer.optimizer._counters  # the schedule stale_steps reads
+            counters = trainer.optimizer.state.counters  # the schedule stale_steps reads
             for _ in range(FLAGS.decomposition_steps):
                 now = int(trainer.optimizer.iterations)
                 counters.next_factor_step.assign(now)

@@ -67,7 +67,7 @@ class Recorder(keras.callbacks.Callback):
         self.steps = []
 
     def on_train_batch_end(self, batch, logs=None):
-        curvature = self.kfac._curvature  # private: decompositions are in no public API
+        curvature = self.kfac.curvature  # the decompositions: in no narrower public API
         managed = self.kfac.summary()["managed"]
         self.steps.append({
             "factors": [[f.numpy() for f in state.factors] for state in curvature.states],

@@ -122,7 +122,7 @@ def snapshot(engine, model, optimizer):
     for i, variable in enumerate(optimizer.variables):
         add(f"optimizer{i:03d}_{variable.name}", variable)
     # Private: no public API shows the decompositions a rank holds (an owner's own).
-    for b, state in enumerate(optimizer._curvature.states):
+    for b, state in enumerate(optimizer.curvature.states):
         for j, decomposition in enumerate(state.decompositions or []):
             for k, variable in enumerate(decomposition):
                 add(f"decomposition{b}_{j}_{k}", variable)

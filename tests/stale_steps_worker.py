@@ -91,7 +91,7 @@ def state(model, optimizer):
     arrays = {f"weight{i}": v.numpy() for i, v in enumerate(model.variables)}
     arrays.update({f"optimizer{i}": v.numpy() for i, v in enumerate(optimizer.variables)})
     # Private: an owner's decompositions are in no public API (and not saved).
-    for b, block_state in enumerate(optimizer._curvature.states):
+    for b, block_state in enumerate(optimizer.curvature.states):
         for j, decomposition in enumerate(block_state.decompositions or []):
             for k, variable in enumerate(decomposition):
                 arrays[f"decomposition{b}_{j}_{k}"] = variable.numpy()

@@ -108,7 +108,7 @@ def run_equivalence(strategy, placement, method, steps_per_execution=1, xla=Fals
     x, y = horovod_suite.fixed_examples(STEPS * 2 * BATCH)
     model, optimizer = compiled(strategy, steps_per_execution, **settings(
         placement=placement, method=method, xla=xla, **kfac_settings))
-    log = StepLog(optimizer._comm, optimizer)
+    log = StepLog(optimizer.communicator, optimizer)
     model.fit(x, y, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[log])
     return dict(log.results(), steps_per_execution=np.asarray(steps_per_execution),
@@ -202,7 +202,7 @@ def run_restore(strategy, directory, chief=True):
     fit(model, slice(0, half))
     if chief:
         checkpoint.write(path)
-    wait_for_every_worker(optimizer._comm)
+    wait_for_every_worker(optimizer.communicator)
     model, optimizer, checkpoint = fresh()
     checkpoint.read(path).assert_existing_objects_matched()
     fit(model, slice(half, None))

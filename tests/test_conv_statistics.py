@@ -252,7 +252,7 @@ class EndToEndTest(absltest.TestCase):
             opt = tfkfac.KFAC(inner_optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                               damping=1e-2, kl_clip=1e-3, xla=False)
             opt.attach(model)
-            conv_blocks = [b for b in opt._curvature.blocks
+            conv_blocks = [b for b in opt.curvature.blocks
                            if isinstance(b, tfkfac.blocks.ConvBlock)]
             self.assertLen(conv_blocks, 2)
             self.assertTrue(all(b.correlation_statistics for b in conv_blocks))

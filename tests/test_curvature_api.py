@@ -281,7 +281,7 @@ class CurvatureApiTest(absltest.TestCase):
                                   keras.layers.Dense(3)])
         optimizer = sgd_kfac(xla=False, phase_clocks=True, factor_update_freq=1,
                              decomposition_update_freq=1).attach(model)
-        curvature = optimizer._curvature
+        curvature = optimizer.curvature
         decompose, precondition = curvature._decompose, curvature._precondition
 
         def slow_decompose(items, factors, damping):

@@ -59,7 +59,7 @@ class InverseMethodTest(parameterized.TestCase):
 
         expected = []
         # Private: no public API returns the stored decompositions.
-        stored = [state.decompositions for state in opt._curvature.states]
+        stored = [state.decompositions for state in opt.curvature.states]
         self.assertLen(stored, len(reference))
         for ref, decompositions in zip(reference, stored):
             a_inv, g_inv = pi_inverses(ref["A"], ref["G"], damping)

@@ -70,7 +70,7 @@ MSE = keras.losses.MeanSquaredError()
 
 def snapshot(opt):
     # Decompositions are private: no public API returns them.
-    decomps = [v.numpy().copy() for s in opt._curvature.states
+    decomps = [v.numpy().copy() for s in opt.curvature.states
                for d in s.decompositions for v in d]
     return managed_factors(opt), decomps
 

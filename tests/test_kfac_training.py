@@ -140,10 +140,10 @@ class StateTest(absltest.TestCase):
                                     decomposition_update_freq=4)
         fit(model, steps=3)  # decomposed at step 0; the next at step 4
         # Private: no public API tells the decompositions a rank holds.
-        held = [v for s in optimizer._curvature.states for d in s.decompositions for v in d]
+        held = [v for s in optimizer.curvature.states for d in s.decompositions for v in d]
         # One process owns every layer: it holds all decompositions, but saves none; it
         # saves the factors they came from instead (and their damping, one float32).
-        decomposed = [v for s in optimizer._curvature.states for v in s.decomposed or []]
+        decomposed = [v for s in optimizer.curvature.states for v in s.decomposed or []]
         self.assertEqual(optimizer.summary()["state_bytes"],
                          replicated.summary()["state_bytes"] + 4 + sum(
                              4 * int(np.prod(v.shape)) for v in decomposed))
@@ -155,14 +155,14 @@ class StateTest(absltest.TestCase):
         loaded.optimizer.attach(loaded)
         # Private: the next due step is schedule state that `counters()` does not report.
         counters = lambda opt: (opt.counters()["decomposition_updates"],
-                                int(opt._counters.next_decomposition_step.numpy()))
+                                int(opt.state.counters.next_decomposition_step.numpy()))
         self.assertEqual(counters(loaded.optimizer), (1, 4))
         fit(loaded, steps=1)  # step 3: rebuilt from the saved factors of step 0...
         self.assertEqual(counters(loaded.optimizer), (1, 4))  # ...counting nothing
         # Private: decompositions have no public API. (BatchNorm has no decomposition.)
         # The uninterrupted run still holds those of step 0: the rebuild gives the same.
-        for state, kept in zip(loaded.optimizer._curvature.states,
-                               optimizer._curvature.states):
+        for state, kept in zip(loaded.optimizer.curvature.states,
+                               optimizer.curvature.states):
             for decomposition, kept_decomposition in zip(state.decompositions,
                                                          kept.decompositions):
                 for variable, kept_variable in zip(decomposition, kept_decomposition):
@@ -272,7 +272,7 @@ class UpdateRuleTest(absltest.TestCase):
         fit(model, steps=1)
         # Private, white-box: poisons a stored factor, forces the schedule and reads the
         # decompositions, for which there is no public API.
-        state = optimizer._curvature.states[-1]
+        state = optimizer.curvature.states[-1]
         previous = [v.numpy().copy() for v in state.decompositions[0]]
         # Corrupt a stored factor directly (the finite check on new statistics is
         # bypassed) so the next eigendecomposition returns non-finite values.
@@ -280,8 +280,8 @@ class UpdateRuleTest(absltest.TestCase):
         poisoned[0, 0] = np.inf
         state.factors[0].assign(poisoned)
         model.fit(X[16:32], Y[16:32], batch_size=16, epochs=1, verbose=0)  # stale step 1
-        optimizer._counters.next_decomposition_step.assign(2)
-        optimizer._counters.next_factor_step.assign(10)  # step 2: decomposition only
+        optimizer.state.counters.next_decomposition_step.assign(2)
+        optimizer.state.counters.next_factor_step.assign(10)  # step 2: decomposition only
         fit(model, steps=1)
         counters = optimizer.summary()["counters"]
         self.assertEqual(counters["decomposition_updates"], 2)

@@ -65,7 +65,7 @@ class StrategySupportTest(absltest.TestCase):
                 model = horovod_suite.small_cnn(seed=7, batch_norm=False)
                 optimizer = tfkfac.KFAC(
                     inner_optimizer=keras.optimizers.SGD(0.05, momentum=0.9)).attach(model)
-                self.assertIsInstance(optimizer._comm, distributed.SingleProcess)
+                self.assertIsInstance(optimizer.communicator, distributed.SingleProcess)
                 model.compile(optimizer=optimizer, loss=worker.LOSS)
                 x, y = horovod_suite.fixed_examples(2 * worker.BATCH)
                 model.fit(x, y, batch_size=worker.BATCH, verbose=0)

@@ -112,7 +112,7 @@ class ModelTest(absltest.TestCase):
                                     method=method, product_dtype="bfloat16").attach(model)
             custom_step(optimizer, model, x, y)
             # Private: the stored decompositions and their blocks have no public API.
-            curvature, damping = optimizer._curvature, optimizer.current_damping()
+            curvature, damping = optimizer.curvature, optimizer.current_damping()
             for block, state in zip(curvature.blocks, curvature.states):
                 for j, stored in zip(block.symmetric_factors(), state.decompositions):
                     expected = methods.decompose_factor(curvature.method, block, j,
@@ -159,7 +159,7 @@ class SettingsTest(absltest.TestCase):
         self.assertEqual(optimizer.product_dtype, "bfloat16")
         # Private: which dtype each block computes in has no public API.
         self.assertTrue(all(b.product_dtype == "bfloat16"
-                            for b in optimizer._curvature.blocks))
+                            for b in optimizer.curvature.blocks))
         sgd, given = config_from_argv("--optimizer=sgd", "--product_dtype=bfloat16")
         with self.assertRaisesRegex(ValueError, "only applies to optimizer=kfac"):
             sgd.validate(given)

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.join(TESTS_DIR, "testdata"))
 import job_results  # noqa: E402
 import owner_save_v0_2 as older  # noqa: E402
 import resume_matrix_worker as worker  # noqa: E402
+import saved_fixtures  # noqa: E402
 from kfac_reference import sgd_kfac  # noqa: E402
 from every_block_net import is_eigenbasis_moment as is_moment  # noqa: E402
 from tfkfac import distributed  # noqa: E402
@@ -253,7 +254,7 @@ class OlderOwnerSaveTest(absltest.TestCase):
         self.assertIn("KFAC warning: the restored state holds no decomposed factors (saved "
                       "by an older tfkfac under placement \"owner\"); decompositions "
                       "recomputed from the restored factors", output)
-        curvature = model.optimizer._curvature
+        curvature = model.optimizer.curvature
         for state in curvature.states:
             for factor, decomposition in zip(state.factor_values(), state.decompositions):
                 if len(factor.shape) != 2:  # a diagonal factor keeps no eigenbasis
@@ -267,7 +268,7 @@ class OlderOwnerSaveTest(absltest.TestCase):
         self.assertTrue(all(np.isfinite(w).all() for w in model.get_weights()))
 
     def test_keras_file_loads_and_goes_on(self):
-        model = keras.models.load_model(os.path.join(OLDER_SAVES, "model.keras"))
+        model = saved_fixtures.load(self, os.path.join(OLDER_SAVES, "model.keras"))
         model.optimizer.attach(model)
         self.assert_rebuilds_and_goes_on(model)
 

@@ -25,6 +25,7 @@ import tensorflow as tf  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from kfac_reference import sgd_kfac  # noqa: E402
+import saved_fixtures  # noqa: E402
 import tfkfac  # noqa: E402
 
 TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
@@ -83,7 +84,7 @@ class SavedStateCompatTest(parameterized.TestCase):
     @parameterized.parameters("eigen", "inverse")
     def test_keras_file_loads_and_resumes(self, method):
         expected = np.load(os.path.join(DATA, f"{method}_expected.npz"))
-        model = keras.models.load_model(os.path.join(DATA, f"{method}.keras"))
+        model = saved_fixtures.load(self, os.path.join(DATA, f"{method}.keras"))
         self.assertIsInstance(model.optimizer, tfkfac.KFAC)
         self.assertEqual(model.optimizer.method, method)
         model.optimizer.attach(model)
@@ -122,7 +123,7 @@ class IndexKeysTest(parameterized.TestCase):
         import index_keys_save as older  # pylint: disable=import-outside-toplevel
         directory = os.path.join(TESTDATA, "index_keys")
         expected = np.load(os.path.join(directory, f"{placement}_expected.npz"))
-        model = keras.models.load_model(os.path.join(directory, f"{placement}.keras"))
+        model = saved_fixtures.load(self, os.path.join(directory, f"{placement}.keras"))
         model.optimizer.attach(model)
         variables = model.optimizer.variables
         self.assertLen([k for k in expected if k.startswith("optimizer")], len(variables))

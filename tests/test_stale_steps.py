@@ -154,7 +154,7 @@ class ChoiceTest(absltest.TestCase):
         model, optimizer = compiled()
         model.run_eagerly = True  # every step runs the Python of its train step
         recorded = []
-        for block in optimizer._curvature.blocks:  # private: the blocks' recording hook
+        for block in optimizer.curvature.blocks:  # the blocks' recording hook
             record = block.pre_activation_call
 
             def counted(*args, record=record):
@@ -169,7 +169,7 @@ class ChoiceTest(absltest.TestCase):
 
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                   callbacks=[PerStep()])
-        blocks = len(optimizer._curvature.blocks)
+        blocks = len(optimizer.curvature.blocks)
         self.assertEqual(recorded, [blocks if step in FACTOR_STEPS else 0
                                     for step in range(STEPS)])
 

@@ -19,7 +19,8 @@ STALE = ("this rank's decompositions are not current: placement \"owner\" does n
 
 
 class CurvatureAPI:
-    """Reads `_curvature`, `_counters`, `_skipped`, `_clocks` and `iterations` of KFAC."""
+    """Reads KFAC's public parts: `curvature`, `state`, `communicator`, `skipped_layers`,
+    `attached_model`, `damping_at` and `iterations`."""
 
     def factors(self, layer):
         """The running curvature factors of `layer` (a Keras layer, its path or its name).
@@ -28,12 +29,12 @@ class CurvatureAPI:
         Kronecker blocks (a batch of pairs, e.g. per group, has a leading axis; an
         Embedding's A is the diagonal as a vector), {"F": ...} for diagonal blocks.
         """
-        if self._curvature is None:
+        if self.curvature is None:
             raise RuntimeError(f"KFAC.factors: {NOT_ATTACHED}")
-        if self._counters is None:
+        if self.state.counters is None:
             raise RuntimeError("KFAC.factors: the optimizer has no state yet; it is made "
                                "at the first training step (or `optimizer.build(variables)`)")
-        return self._curvature.factors(layer)
+        return self.curvature.factors(layer)
 
     def precondition(self, gradients, variables):
         """`gradients` of `variables` preconditioned with the current decompositions.
@@ -46,14 +47,14 @@ class CurvatureAPI:
         before, it raises (in a `tf.function`, when it runs). In a multi-process job
         every rank calls it (placement "owner" gathers).
         """
-        if self._counters is None:
+        if self.state.counters is None:
             raise RuntimeError(f"KFAC.precondition: {NO_DECOMPOSITIONS}")
-        damping = self._damping_at(self.iterations)
-        precondition = lambda: self._curvature.precondition(
+        damping = self.damping_at(self.iterations)
+        precondition = lambda: self.curvature.precondition(
             list(gradients), list(variables), damping, step=self.iterations,
             update_state=False).grads()
-        updates = self._counters.decomposition_updates
-        current = self._curvature.decompositions_current
+        updates = self.state.counters.decomposition_updates
+        current = self.curvature.decompositions_current
         if not tf.executing_eagerly():
             with tf.control_dependencies([
                     tf.debugging.Assert(updates > 0, [f"KFAC.precondition: {NO_DECOMPOSITIONS}"]),
@@ -82,26 +83,26 @@ class CurvatureAPI:
         model's non-trainable variables are put back. In a multi-process job every rank
         calls it on its own batch (under tf.distribute, inside `strategy.run`).
         """
-        model = self._attached().model
+        model = self.attached_model()
         return ggn.products(lambda: model(x, training=training), model.trainable_variables,
                             vectors, ggn.output_curvature(model.loss), sample_weight,
-                            self._comm, state=model.non_trainable_variables)
+                            self.communicator, state=model.non_trainable_variables)
 
     def summary(self):
         """Managed and skipped layers, factor shapes, state size, counters, timings."""
         return {"managed": [], "state_bytes": 0,
-                **(self._curvature.summary() if self._curvature else {}),
-                "skipped": list(self._skipped), "counters": self.counters(),
-                "phase_seconds": self._clocks.values()}
+                **(self.curvature.summary() if self.curvature else {}),
+                "skipped": self.skipped_layers, "counters": self.counters(),
+                "phase_seconds": self.curvature.clocks.values() if self.curvature else {}}
 
     def rebuild_state(self):
         """Under placement "owner", the saved variables a restored owner rebuilds its
         decompositions from, the last of `variables` (docs/design.md §6); none otherwise.
         Saves of tfkfac 0.2.0 lack them: restored without them, the owner rebuilds from
         the restored factors at its first step, with a warning."""
-        if self._counters is None:
+        if self.state.counters is None:
             return []
-        return self._curvature.rebuild_variables()
+        return self.curvature.rebuild_variables()
 
     def saved_keys(self):
         """[(key, shape)] of the variables a save of this optimizer holds, in `variables`
@@ -109,7 +110,7 @@ class CurvatureAPI:
         position (`tf.train.Checkpoint`) can record these to check a restore by name
         (`check_saved_keys`)."""
         return [(key, list(variable.shape)) for key, variable in
-                self._state.saved_variables(self.inner_optimizer.variables)]
+                self.state.saved_variables(self.inner_optimizer.variables)]
 
     def state_by_key(self):
         """K-FAC's saved variables (`saved_keys` but the inner optimizer's) in a trackable
@@ -122,7 +123,7 @@ class CurvatureAPI:
         if by_key is None:
             by_key = tf.__internal__.tracking.wrap({})
             keras_integration.set_untracked(self, "_state_by_key", by_key)
-        for key, variable in self._state.saved_variables():
+        for key, variable in self.state.saved_variables():
             if key not in by_key:
                 by_key[key] = variable
         return by_key
@@ -146,9 +147,9 @@ class CurvatureAPI:
     def counters(self):
         """{name: int} of the steps taken and K-FAC's work so far (factor updates,
         decompositions, skipped and failed ones); empty before the state exists."""
-        if self._counters is None:
+        if self.state.counters is None:
             return {}
-        counters = self._counters.values()
+        counters = self.state.counters.values()
         return {"steps": int(self.iterations.numpy()),
                 **{name: counters[name] for name in state_lib.Counters.NAMES
                    if not name.startswith("next_")}}

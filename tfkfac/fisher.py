@@ -116,7 +116,8 @@ def predictive_distribution(loss, purpose=SAMPLED_PURPOSE):
         raise refuse(f"loss {name} is not one it knows")
     if not isinstance(resolved, keras.losses.Loss):  # a function: Keras's defaults
         return PredictiveDistribution(kind, False, "sum_over_batch_size")
-    arguments = keras_integration.loss_arguments(resolved)
+    # The arguments the loss passes its function (from_logits, axis, ignore_class).
+    arguments = resolved.get_config()
     if arguments.get("axis", -1) != -1:
         raise refuse(f"loss {name} takes its classes along axis {arguments['axis']}; "
                      "the classes must be the last axis (-1)")

@@ -1,37 +1,15 @@
-"""Everything tfkfac needs from Keras and TensorFlow beyond their public API, in one place.
+"""What tfkfac needs from Keras and TensorFlow beyond their public API, in one place.
 
 K-FAC needs the layers' activations and output gradients, which Keras's own train step
-never shows an optimizer; so tfkfac installs its own train step on the attached model,
-built from public Keras (`Model.compute_loss`, `compute_metrics`, `metrics`). The private
-names that remain, each because no public API serves:
-- `keras.src.utils.tracking.no_automatic_dependency_tracking`: K-FAC's Python state must
-  not be tracked (its variables would be saved twice or in another order);
-- `keras.src.backend.name_scope(..., caller=)`: the scope `Optimizer.apply` builds in;
-- `Layer._flatten_layers`: the only traversal that sees nested layers;
-- `Optimizer._learning_rate`, `Optimizer._iterations`: the inner optimizer's learning-rate
-  and step-count variables, for the checkpoint layout of `checkpoint_children`; the
-  latter also counts the updates (`update_count`);
-- `Trackable._trackable_children`: the hook that chooses a checkpoint's layout;
-  `Trackable._deferred_dependencies`: the values a restore holds for variables not yet
-  created (`waiting_shapes`);
-- `Optimizer._all_reduce_sum_gradients`: the sum over tf.distribute replicas that Keras's
-  TensorFlow optimizers do in `apply`, turned off on KFAC's inner optimizer;
-- `Model._maybe_symbolic_build`, `Model._symbolic_build` and Keras's epoch iterator's
-  `_get_iterator`: the model's metrics and optimizer are built before the first trace
-  (not inside it, which makes TensorFlow trace the step twice), and under a strategy on
-  the shapes of a batch instead of a batch taken off the training iterator and reduced
-  over replicas (which fails under MultiWorkerMirroredStrategy,
-  keras-team/keras#20585); the attached model's `test_step` is wrapped there for the
-  same bug.
-- `Trackable._maybe_initialize_trackable`: called on an object when it is tracked as an
-  attribute, the only call `Model.compile` makes on its optimizer (`model_compiling`).
-- `LossFunctionWrapper._fn_kwargs`: the arguments a Keras loss passes its function
-  (`from_logits`, `axis`, `ignore_class`), some of which no public attribute shows
-  (`loss_arguments`); `keras.src.backend.get_keras_mask`/`set_keras_mask`: a tensor's
-  Keras mask, kept on a copy (`unfused`).
+never shows an optimizer; so tfkfac gives the attached model its own `train_step`,
+`test_step`, `make_train_function` and `fit` (Keras's public methods, overridden on that
+instance only, not by a subclass swapped in as the model's class, whose name and module a
+save would record in place of the user's), built from public Keras (`Model.compute_loss`,
+`compute_metrics`, `metrics`). The private Keras and TensorFlow names tfkfac still
+uses are listed, each with the reason no public API serves, in docs/design.md §15;
+tests/test_keras_seam.py fails naming the one a Keras or TensorFlow release changed.
 Besides, `model_compiling` and `model_building` find the model that compiles or builds an
 optimizer on Keras's call stack, Keras handing the optimizer nothing else of the model.
-Nothing else in tfkfac touches `keras.src` or a private attribute of a Keras object.
 """
 
 import inspect
@@ -55,8 +33,8 @@ def set_untracked(obj, name, value):
 
 
 def name_scope(optimizer):
-    """The scope Keras's `Optimizer.apply` builds variables in (no public equivalent)."""
-    return keras.src.backend.name_scope(optimizer.name, caller=optimizer)
+    """The scope Keras's `Optimizer.apply` builds variables in."""
+    return keras.name_scope(optimizer.name, caller=optimizer)
 
 
 def leaf_layers(model):
@@ -418,23 +396,32 @@ def unfused(predictions):
     """`predictions` through an identity, keeping their Keras mask. Keras's cross-entropy
     of a softmax's output reads the softmax's input instead (its TensorFlow backend's
     `_get_logits`), so a gradient with respect to the output itself would be None; of
-    the copy it is the loss's. The mask (`keras.src.backend.get_keras_mask`) is where
-    Keras's losses look for it."""
-    copy = tf.identity(predictions)
-    keras.src.backend.set_keras_mask(copy, keras.src.backend.get_keras_mask(predictions))
-    return copy
-
-
-def loss_arguments(loss):
-    """The keyword arguments the Keras `loss` (a `keras.losses.LossFunctionWrapper`, as
-    every built-in loss class is) passes its loss function; {} for another `Loss`."""
-    return dict(getattr(loss, "_fn_kwargs", {}))
+    the copy it is the loss's. A Keras layer's call carries the mask over to the copy,
+    where Keras's losses look for it; the layer's dtype is the predictions', so nothing
+    is cast."""
+    identity = keras.layers.Lambda(tf.identity, mask=lambda inputs, mask: mask,
+                                   dtype=predictions.dtype, name="unfused")
+    return identity(predictions)
 
 
 def update_count(optimizer):
     """The `apply` calls that updated the Keras `optimizer`'s variables, a Python int:
-    `Optimizer._iterations`, which `iterations` divides by `gradient_accumulation_steps`."""
-    return read_scalar(optimizer._iterations, int)
+    its "iteration" variable, which `iterations` divides by `gradient_accumulation_steps`."""
+    return read_scalar(own_variable(optimizer, "iteration"), int)
+
+
+def own_variable(optimizer, name):
+    """The variable the Keras `optimizer` made for itself named `name` ("iteration", or
+    "learning_rate" unless its learning rate is a schedule or callable), or None: among
+    its public `variables`, by the names its constructor gives them."""
+    return next((v for v in optimizer.variables if v.name == name), None)
+
+
+def momentum_slot(optimizer, variable):
+    """The "momentum" slot of `variable` in the Keras `optimizer` (built on it; Adam's
+    first moment, ScheduleFreeAdamW's z): Keras's own lookup, which also finds the slot
+    of a tf.distribute replica's copy of the variable, as `update_step` receives it."""
+    return optimizer._momentums[optimizer._get_variable_index(variable)]
 
 
 def read_scalar(variable, kind):
@@ -507,9 +494,9 @@ def checkpoint_children(children, kfac):
     children.pop("inner_optimizer", None)
     inner = kfac.inner_optimizer
     # The step count's variable (`iterations` is a quotient of it under accumulation).
-    children["_iterations"] = inner._iterations
-    learning_rate = inner._learning_rate  # a variable unless it is a schedule
-    if isinstance(learning_rate, tf.__internal__.tracking.Trackable):
+    children["_iterations"] = own_variable(inner, "iteration")
+    learning_rate = own_variable(inner, "learning_rate")
+    if learning_rate is not None:
         children["_learning_rate"] = learning_rate
     else:
         children.pop("_learning_rate", None)

@@ -124,6 +124,29 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
     def _kfac_variables(self):
         return self._state.variables()
 
+    # ------------------------------------ K-FAC's parts, read by its other modules
+    @property
+    def communicator(self):
+        """The `tfkfac.distributed` communicator that averages over ranks."""
+        return self._comm
+
+    @property
+    def curvature(self):
+        """The attached model's `tfkfac.curvature.Curvature` (blocks, placement, factors);
+        None before `attach`."""
+        return self._curvature
+
+    @property
+    def state(self):
+        """K-FAC's variables by name (a `tfkfac.state.KFACState`); its `counters` is None
+        until the optimizer is built."""
+        return self._state
+
+    @property
+    def skipped_layers(self):
+        """The attached model's layers K-FAC does not manage, with the reason for each."""
+        return list(self._skipped)
+
     @property
     def _counters(self):
         return self._state.counters
@@ -247,6 +270,10 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         if model is not None and keras_integration.train_step_owner(model) is self:
             keras_integration.uninstall_train_step(model)
         self._attachment, self._detached = None, reason
+
+    def attached_model(self):
+        """The model this KFAC drives; a RuntimeError saying what to do if none."""
+        return self._attached().model
 
     def _attached(self):
         if self._attachment is None:
@@ -394,7 +421,7 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         if self.loss_scale_factor is not None:  # the inner optimizer's, taken over
             grads = [None if g is None else g / self.loss_scale_factor for g in grads]
         step = self.iterations
-        damping = self._damping_at(step)
+        damping = self.damping_at(step)
         # Zero is a learning rate schedules reach (decay to zero): only it may be 0.
         schedules.checked("learning_rate", self.learning_rate, step, allow_minimum=True)
         curvature, chain = self._curvature, self._chain
@@ -474,7 +501,8 @@ class KFAC(CurvatureAPI, keras.optimizers.Optimizer):
         self._counters.skipped_steps.assign_add(1)
         return tf.constant(False)
 
-    def _damping_at(self, step):
+    def damping_at(self, step):
+        """λ at `step` (a tensor, also in a graph), as the update takes it."""
         if self.config.self_tuning:  # γ, tied to the adapted λ (tfkfac/self_tuning.py)
             return tf.cast(self._self_tuning.factor_damping(), self.config.state_dtype)
         return schedules.checked_at("damping", self.config.damping, step,

@@ -44,7 +44,7 @@ class ScheduleFreeAdamW(keras.optimizers.ScheduleFreeAdamW):
     """
 
     def update_step(self, gradient, variable, learning_rate):
-        steps = self._momentums[self._get_variable_index(variable)]
+        steps = keras_integration.momentum_slot(self, variable)
         before = ops.copy(steps)  # z_t: read before Keras's update of it
         super().update_step(gradient, variable, learning_rate)
         weight = 1.0 / ops.cast(self.iterations + 1, variable.dtype)
@@ -71,9 +71,9 @@ def averaged_weights(optimizer, variables):
     """x of each of `variables` (numpy arrays): from y, the variable's value, and z, its
     momentum slot in the ScheduleFreeAdamW `optimizer` (built on them)."""
     beta_1 = float(optimizer.beta_1)
-    return [(variable.numpy() - (1 - beta_1) * optimizer._momentums[  # Keras 3.15's slots
-        optimizer._get_variable_index(variable)].numpy()) / beta_1
-        for variable in variables]
+    return [(variable.numpy() - (1 - beta_1) *
+             keras_integration.momentum_slot(optimizer, variable).numpy()) / beta_1
+            for variable in variables]
 
 
 class AveragedWeights(keras.callbacks.Callback):

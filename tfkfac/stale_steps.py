@@ -56,7 +56,7 @@ class StaleSteps:
     def not_compilable(self):
         """Why the stale step cannot compile with XLA, or None."""
         optimizer = self._optimizer()
-        ranks = optimizer._comm.size
+        ranks = optimizer.communicator.size
         if ranks > 1:
             return (f"its gradient average over {ranks} ranks is a collective, which XLA "
                     "cannot compile")
@@ -93,7 +93,7 @@ class StaleSteps:
     def _is_stale(self, optimizer, count):
         """Whether the step at update `count` is stale: neither factors nor decompositions
         due, and no decompositions to rebuild."""
-        counters = optimizer._counters
+        counters = optimizer.state.counters
         if counters is None:  # the state is made in the first (factor) step
             return False
         if self._schedule is None or self._schedule[0] != count:  # else nothing else ran
@@ -103,6 +103,6 @@ class StaleSteps:
         step = count // accumulation if accumulation else count
         if step >= min(self._schedule[1:]):
             return False
-        curvature = optimizer._curvature
+        curvature = optimizer.curvature
         return (curvature.placement.saves_decompositions
                 or read_scalar(curvature.decompositions_current, bool))

@@ -11,7 +11,9 @@
 #      (standing in for the user's own build), then the wheel with no extras; every
 #      TensorFlow distribution must be exactly as before (same versions, none added).
 #   In 2 and 3, tools/wheel_smoke.py imports tfkfac from site-packages and trains a tiny
-#   model a few K-FAC steps with finite loss. pip's cache is used as usual.
+#   model a few K-FAC steps with finite loss, and tests/test_keras_seam.py checks the
+#   private Keras and TensorFlow names tfkfac uses (docs/design.md §15) against that
+#   venv's versions (a few seconds). pip's cache is used as usual.
 # Needs .venv (for `build`; `make wheel-check` bootstraps first) and PyPI.
 set -euo pipefail
 
@@ -36,10 +38,15 @@ tensorflow_distributions() {
   "$1/bin/python" -m pip list --format=freeze 2>/dev/null |
     grep -i -E '^(tensorflow|tf-nightly|tf_nightly|intel-tensorflow)[a-z_-]*==' || true
 }
-# The smoke run's JSON line; TensorFlow's start-up chatter only if it fails.
+# The smoke run's JSON line, then the seam test's verdict (its script's folder, not the
+# checkout, is first on sys.path: tfkfac comes from the venv); the output only if either
+# fails.
 smoke() {
   (cd "$work" && "$1/bin/python" "$work/wheel_smoke.py" 2>"$1.stderr") ||
     { cat "$1.stderr"; exit 1; }
+  (cd "$work" && "$1/bin/python" "$ROOT/tests/test_keras_seam.py" >"$1.seam" 2>&1) ||
+    { cat "$1.seam"; exit 1; }
+  echo "  tests/test_keras_seam.py: $(grep -E '^Ran ' "$1.seam")"
 }
 
 # 1. Build.
