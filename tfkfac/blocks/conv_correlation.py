@@ -49,8 +49,13 @@ def patch_gram(inputs, kernel_size, dilation, before, extents, has_bias, weights
     reach = [(k - 1) * d for k, d in zip(taps, dilation)]
     right = tf.pad(inputs, [[0, 0]] + [[r, r] for r in reach] + [[0, 0]])
     positions = math.prod(taps)
-    blocks = tf.zeros((positions * positions, channels, channels), inputs.dtype)
-    sums = tf.zeros((positions, channels), inputs.dtype)
+    # Every region's correlation goes into one table (its raw filter gradients, the
+    # transpose of `_correlation`'s blocks), and each (k, k') block gathers its terms
+    # from it at once: a few ops per region where one gather, scaling and sum each took
+    # a dozen more (the statistics' trace and graph optimization grow with them).
+    table, totals, terms = [], [], [[] for _ in range(positions * positions)]
+    coefficients = np.zeros((positions, 0))
+    rows = 0
     for region in regions(sizes, taps, dilation, before, extents):
         window = tuple([slice(None)] + [slice(start, stop) for start, stop, *_ in region])
         inside = left[window]  # sliced once: the bias column sums it too
@@ -62,32 +67,42 @@ def patch_gram(inputs, kernel_size, dilation, before, extents, has_bias, weights
             reach_window[1] = slice(reach[0], sizes[0] + 2 * reach[0])
             half = _correlation(inside, right[tuple(reach_window)],
                                 [taps[0]] + offsets[1:], dilation, product_dtype)
-            correlation = tf.gather(tf.concat([half, tf.transpose(half, (0, 2, 1))], 0),
-                                    _mirrored(taps))
+            table.append(tf.gather(tf.concat([half, tf.transpose(half, (0, 2, 1))], 0),
+                                   _mirrored(taps)))
         else:
-            correlation = _correlation(inside, right[tuple(reach_window)],
-                                       offsets, dilation, product_dtype)
-        coefficient = np.ones(positions)
-        index = np.zeros((positions, positions), np.int64)
+            table.append(_correlation(inside, right[tuple(reach_window)], offsets, dilation,
+                                      product_dtype))
+        coefficient = np.zeros(positions)
         for k in itertools.product(*[range(t) for t in taps]):
             flat = np.ravel_multi_index(k, taps)
             coefficient[flat] = math.prod(c[k_a] for (*_, c), k_a in zip(region, k))
+            if not coefficient[flat]:
+                continue
             for k2 in itertools.product(*[range(t) for t in taps]):
                 shift = [k2_a - k_a - lo for k_a, k2_a, (_, _, lo, _, _) in zip(k, k2, region)]
-                if all(0 <= s < o for s, o in zip(shift, offsets)):
-                    index[flat, np.ravel_multi_index(k2, taps)] = np.ravel_multi_index(
-                        shift, offsets)
-        weight = tf.constant(np.repeat(coefficient, positions), inputs.dtype)
-        blocks += tf.gather(correlation, index.reshape(-1)) * weight[:, None, None]
+                terms[flat * positions + np.ravel_multi_index(k2, taps)].append(
+                    (rows + np.ravel_multi_index(shift, offsets), coefficient[flat]))
+        rows += math.prod(offsets)
         if has_bias:
-            total = tf.reduce_sum(inside, axis=list(range(len(sizes) + 1)))
-            sums += tf.constant(coefficient[:, None], inputs.dtype) * total
+            totals.append(tf.reduce_sum(inside, axis=list(range(len(sizes) + 1))))
+            coefficients = np.concatenate([coefficients, coefficient[:, None]], axis=1)
+    # Per block its terms, padded with zero-weighted reads of row 0 to the most any has.
+    most = max(len(block_terms) for block_terms in terms)
+    index = np.zeros((len(terms), most), np.int64)
+    weight = np.zeros((len(terms), most))
+    for flat, block_terms in enumerate(terms):
+        for slot, (row, value) in enumerate(block_terms):
+            index[flat, slot], weight[flat, slot] = row, value
+    gathered = tf.gather(tf.concat(table, 0), index)  # (P·P, most, C', C)
+    blocks = tf.reduce_sum(gathered * tf.constant(weight[..., None, None], inputs.dtype), 1)
+    # blocks[k, k', c', c] holds the (k, k') block transposed: A's (k, c), (k', c') entry.
     blocks = tf.reshape(blocks, (positions, positions, channels, channels))
-    gram = tf.reshape(tf.transpose(blocks, (0, 2, 1, 3)),
+    gram = tf.reshape(tf.transpose(blocks, (0, 3, 1, 2)),
                       (positions * channels, positions * channels))
     gram = 0.5 * (gram + tf.transpose(gram))  # the (k', k) block is the (k, k') one's transpose
     if not has_bias:
         return gram
+    sums = tf.linalg.matmul(tf.constant(coefficients, inputs.dtype), tf.stack(totals))
     column = tf.reshape(sums, (-1, 1))
     examples = (tf.cast(tf.shape(inputs)[0], inputs.dtype) if weights is None
                 else tf.reduce_sum(tf.cast(weights, inputs.dtype)))
@@ -171,7 +186,7 @@ def _segments(size, taps, dilation, before, extent, complement):
 
 
 def _correlation(left, right, offsets, dilation, product_dtype):
-    """(Π offsets, C, C): for every offset m (row-major), Σ_q left(q) right(q + m·d)ᵀ,
+    """(Π offsets, C, C): for every offset m (row-major), Σ_q right(q + m·d) left(q)ᵀ,
     where `right` starts at the first offset (its extent is left's + (offsets − 1)·d).
 
     TensorFlow's filter gradient of a VALID convolution is exactly this sum, without
@@ -194,8 +209,7 @@ def _correlation(left, right, offsets, dilation, product_dtype):
     filters = gradient(input=right, filter_sizes=list(offsets) + [channels, channels],
                        out_backprop=left, strides=[1] * (len(offsets) + 2), padding="VALID")
     # filters[m, c', c] = Σ_q right(q + m)[c'] left(q)[c]
-    return tf.transpose(tf.reshape(tf.cast(filters, wide), (-1, channels, channels)),
-                        (0, 2, 1))
+    return tf.reshape(tf.cast(filters, wide), (-1, channels, channels))
 
 
 def _split_residues(left, right, axis, d):
